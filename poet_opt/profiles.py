@@ -1,0 +1,169 @@
+"""Device profiles: YAML files in hardware_profiles/ (or any path a user gives), validated on load.
+
+Every number is SI: bytes, seconds, watts, joules, FLOP/s. Human units are accepted in YAML for
+sizes only where the schema says so (e.g. ``ram_bytes: 256KiB``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import PoetError
+from .units import parse_size
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
+
+
+def _size(value):
+    if isinstance(value, str):
+        return parse_size(value, field="size")
+    return value
+
+
+Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Compute(_Strict):
+    flops_per_second: Positive  # sustained training throughput, not the peak datasheet figure
+    active_power_w: Optional[Positive] = None  # board power while computing
+    energy_per_flop_j: Optional[Positive] = None
+
+    @model_validator(mode="after")
+    def _one_energy_figure(self):
+        if self.active_power_w is None and self.energy_per_flop_j is None:
+            raise ValueError("give active_power_w or energy_per_flop_j (or both)")
+        return self
+
+    @property
+    def joules_per_flop(self) -> float:
+        if self.energy_per_flop_j is not None:
+            return self.energy_per_flop_j
+        return self.active_power_w / self.flops_per_second
+
+    @property
+    def power_w(self) -> float:
+        if self.active_power_w is not None:
+            return self.active_power_w
+        return self.energy_per_flop_j * self.flops_per_second
+
+
+class Memory(_Strict):
+    ram_bytes: Bytes
+    bytes_per_element: Literal[1, 2, 4, 8] = 4
+    alignment_bytes: Bytes = 4
+
+
+class Transfer(_Strict):
+    latency_s: NonNegative  # fixed cost per transfer (command, seek, block setup)
+    bytes_per_second: Positive
+    power_w: Positive  # board power while the transfer runs
+
+
+class Storage(_Strict):
+    kind: Literal["sd-card", "spi-flash", "qspi-flash", "internal-flash", "emmc", "nvme", "ssd", "usb"]
+    capacity_bytes: Bytes
+    erase_block_bytes: Bytes
+    endurance_cycles: Annotated[int, Field(gt=0)]
+    write_cache: bool = False
+    read: Transfer
+    write: Transfer
+
+
+class DeviceProfile(_Strict):
+    name: str
+    description: str
+    cpu: str
+    compute: Compute
+    memory: Memory
+    storage: Storage
+    source: str = ""  # set by the loader: the file it came from
+
+    def summary_row(self) -> dict:
+        return {
+            "name": self.name,
+            "cpu": self.cpu,
+            "ram_bytes": self.memory.ram_bytes,
+            "gflops": self.compute.flops_per_second / 1e9,
+            "pj_per_flop": self.compute.joules_per_flop * 1e12,
+            "storage": self.storage.kind,
+            "read_mb_s": self.storage.read.bytes_per_second / 1e6,
+            "write_mb_s": self.storage.write.bytes_per_second / 1e6,
+        }
+
+
+def builtin_profile_names() -> list[str]:
+    return sorted(p.stem for p in _profile_dir().glob("*.yaml"))
+
+
+def _profile_dir() -> Path:
+    if PROFILE_DIR.is_dir():
+        return PROFILE_DIR
+    from importlib import resources
+
+    return Path(str(resources.files("poet_opt.hardware_profiles")))
+
+
+def load_profile(name_or_path: str | Path) -> DeviceProfile:
+    """A built-in device name (``rpi4``) or a path to a user's YAML file."""
+    text = str(name_or_path)
+    path = Path(text)
+    looks_like_path = path.suffix in (".yaml", ".yml") or "/" in text or path.exists()
+    if not looks_like_path:
+        path = _profile_dir() / f"{text}.yaml"
+        if not path.exists():
+            names = builtin_profile_names()
+            close = difflib.get_close_matches(text, names, n=3, cutoff=0.4)
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; known devices: {', '.join(names)}"
+            raise PoetError(f"unknown device {text!r}{hint} (or give a path to a YAML profile)", field="--device")
+    return _load_profile_file(str(path.resolve()))
+
+
+@lru_cache(maxsize=64)
+def _load_profile_file(path: str) -> DeviceProfile:
+    source = path
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise PoetError("no such profile file", source=source) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise PoetError(f"not valid YAML{where}: {getattr(exc, 'problem', exc)}", source=source) from None
+    if not isinstance(raw, dict):
+        raise PoetError("a profile must be a YAML mapping (name:, compute:, memory:, storage:)", source=source)
+    raw.setdefault("name", Path(path).stem)
+    try:
+        profile = DeviceProfile.model_validate({**raw, "source": source})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        message = err["msg"]
+        if err["type"] == "missing":
+            message = "missing field"
+        elif err["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling against docs/profiles.md)"
+        elif "input" in err and not isinstance(err["input"], dict):
+            message = f"{message} (got {err['input']!r})"
+        raise PoetError(message, source=source, field=field) from None
+    except PoetError as exc:  # a size string that does not parse
+        raise PoetError(exc.message, source=source, field=exc.field) from None
+    return profile
+
+
+def list_profiles() -> list[DeviceProfile]:
+    return [load_profile(name) for name in builtin_profile_names()]
+
+
