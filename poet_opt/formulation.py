@@ -1,0 +1,381 @@
+"""Joint rematerialization + paging as a MILP, assembled in bulk as sparse matrices.
+
+Stages t = 0..T-1 follow the graph's topological order; stage t computes node t for the first time
+and walks positions k = 0..t in order. At position k a stage may *materialize* tensor k, by
+recomputing it (R[t,k]) or by paging it in from storage (Min[t,k]); node t itself is computed at
+position t and may be paged out right away (Mout[t]). S[t,i] says tensor i is in RAM when stage t
+starts. Memory is accounted per position, as in Checkmate: a tensor occupies RAM from the start of
+the stage (if kept) or from its materialization, until its last reader in the stage, unless it is
+kept for the next stage; FREE[t,i,k] = 1 lets the accounting release tensor i after position k.
+
+Reductions that keep the optimum exact, each justified where it is made:
+- backward nodes are never recomputed (their inputs include gradients that are gone by then);
+- a tensor exists in a stage only up to the last stage in which anything could still read it;
+- a tensor is paged out only right after its first computation: a later page-out of a copy that was
+  kept in RAM all along costs the same and holds storage for less time, and a page-out of a
+  recomputed copy is dominated by paging out the first;
+- a tensor is materialized at most once per stage and never while already resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+from .costs import NodeCosts
+from .graph import TrainingGraph
+
+MODES = ("joint", "remat", "paging", "none")
+
+
+@dataclass(frozen=True)
+class Budgets:
+    ram_bytes: float
+    runtime_s: float
+    storage_bytes: float
+
+
+@dataclass
+class Milp:
+    """min c.x + offset  s.t.  row_lb <= A x <= row_ub,  lb <= x <= ub,  x[integrality==1] integer."""
+
+    c: np.ndarray
+    offset: float
+    A: sp.csr_matrix
+    row_lb: np.ndarray
+    row_ub: np.ndarray
+    lb: np.ndarray
+    ub: np.ndarray
+    integrality: np.ndarray  # 1 = integer, 0 = continuous
+    names: list[str] = field(default_factory=list)  # one per block, for messages
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.c)
+
+    @property
+    def num_rows(self) -> int:
+        return self.A.shape[0]
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """The solver's choices, as plain sets of (stage, node) pairs; node t at stage t is implicit."""
+
+    recompute: frozenset  # (t, i): recompute i at position i of stage t (i < t)
+    page_in: frozenset  # (t, i): page i in at position i of stage t
+    page_out: frozenset  # i: page i out right after computing it in stage i
+    keep: frozenset  # (t, i): i is in RAM at the start of stage t
+
+
+class _Rows:
+    """Accumulates constraint rows as COO triplets, built from numpy arrays in bulk."""
+
+    def __init__(self):
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
+        self.lb: list[np.ndarray] = []
+        self.ub: list[np.ndarray] = []
+        self.count = 0
+
+    def add(self, terms, lb, ub):
+        """terms: list of (col_array, coef_array_or_scalar), all arrays of the same length m; one row
+        per element. Columns < 0 are absent variables and are dropped."""
+        m = len(np.asarray(terms[0][0]))
+        row_ids = np.arange(self.count, self.count + m)
+        for cols, coefs in terms:
+            cols = np.asarray(cols)
+            coefs = np.broadcast_to(np.asarray(coefs, dtype=float), cols.shape)
+            present = cols >= 0
+            self.rows.append(row_ids[present])
+            self.cols.append(cols[present])
+            self.vals.append(coefs[present])
+        self.lb.append(np.broadcast_to(np.asarray(lb, dtype=float), (m,)))
+        self.ub.append(np.broadcast_to(np.asarray(ub, dtype=float), (m,)))
+        self.count += m
+
+    def add_sparse(self, rows, cols, vals):
+        """Extra terms for rows already added (rows are absolute ids)."""
+        rows, cols = np.asarray(rows), np.asarray(cols)
+        present = cols >= 0
+        self.rows.append(rows[present])
+        self.cols.append(cols[present])
+        self.vals.append(np.broadcast_to(np.asarray(vals, dtype=float), rows.shape)[present])
+
+    def add_row(self, cols, vals, lb, ub):
+        """One row over many columns (a budget)."""
+        cols = np.asarray(cols, dtype=np.int64)
+        self.rows.append(np.full(len(cols), self.count))
+        self.cols.append(cols)
+        self.vals.append(np.asarray(vals, dtype=float))
+        self.lb.append(np.array([lb], dtype=float))
+        self.ub.append(np.array([ub], dtype=float))
+        self.count += 1
+
+    def matrix(self, num_vars: int):
+        if not self.rows:
+            return sp.csr_matrix((0, num_vars)), np.zeros(0), np.zeros(0)
+        A = sp.csr_matrix(
+            (np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
+            shape=(self.count, num_vars),
+        )
+        A.sum_duplicates()
+        return A, np.concatenate(self.lb), np.concatenate(self.ub)
+
+
+def horizons(graph: TrainingGraph, allow_remat: bool) -> tuple[np.ndarray, np.ndarray]:
+    """need[i]: the last stage in which tensor i may be read; compute[i]: the last stage in which
+    node i may be computed (itself, or later when it can be recomputed for a reader)."""
+    n = len(graph)
+    users = graph.users()
+    need = np.arange(n)
+    compute = np.arange(n)
+    for i in range(n - 1, -1, -1):
+        for j in users[i]:
+            need[i] = max(need[i], compute[j])
+        if allow_remat and not graph.nodes[i].is_backward:
+            compute[i] = need[i]
+    return need, compute
+
+
+class Formulation:
+    """Builds the MILP for one (graph, costs, budgets, mode) and maps solutions back to decisions."""
+
+    def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
+                 *, minimize_peak: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
+        self.minimize_peak = minimize_peak
+        self.allow_remat = mode in ("joint", "remat")
+        self.allow_paging = mode in ("joint", "paging")
+        self.milp = self._build()
+
+    # -- variable layout ---------------------------------------------------------------------
+    def _build(self) -> Milp:
+        g, costs, T = self.graph, self.costs, len(self.graph)
+        need, comp = horizons(g, self.allow_remat)
+        nbytes = np.array([node.bytes for node in g.nodes], dtype=float)
+        users = g.users()
+        deps = [np.array(node.deps, dtype=np.int64) for node in g.nodes]
+        tt, ii = np.tril_indices(T, -1)  # all (t, i) with i < t
+
+        self.need, self.comp = need, comp
+        ncols = 0
+
+        def alloc(mask_count):
+            nonlocal ncols
+            start = ncols
+            ncols += mask_count
+            return np.arange(start, ncols)
+
+        # R[t,i], i < t: recompute, only for nodes that may be computed after their own stage.
+        r_mask = tt <= comp[ii]
+        if not self.allow_remat:
+            r_mask[:] = False
+        self.R = np.full((T, T), -1, dtype=np.int64)
+        self.R[tt[r_mask], ii[r_mask]] = alloc(int(r_mask.sum()))
+
+        # Mout[i]: paging out is useful only for a tensor read in some later stage.
+        mo_mask = (need > np.arange(T)) if self.allow_paging else np.zeros(T, dtype=bool)
+        self.Mout = np.full(T, -1, dtype=np.int64)
+        self.Mout[mo_mask] = alloc(int(mo_mask.sum()))
+
+        # Min[t,i], i < t: page in, while something could still read it.
+        mi_mask = (tt <= need[ii]) & mo_mask[ii]
+        self.Min = np.full((T, T), -1, dtype=np.int64)
+        self.Min[tt[mi_mask], ii[mi_mask]] = alloc(int(mi_mask.sum()))
+
+        # S[t,i], i < t <= need[i]: in RAM at the start of stage t.
+        s_mask = tt <= need[ii]
+        self.S = np.full((T + 1, T), -1, dtype=np.int64)
+        self.S[tt[s_mask], ii[s_mask]] = alloc(int(s_mask.sum()))
+
+        # computable[t,k]: node k may be computed in stage t (k == t, or a recompute variable exists)
+        computable = self.R >= 0
+        computable[np.arange(T), np.arange(T)] = True
+        materializable = computable | (self.Min >= 0)
+
+        # FREE[t,i,k]: release i after position k of stage t. Candidates: k reads i, or k == i
+        # (a tensor nobody reads later in the stage goes right after it is made).
+        # A later reader of i that is node t itself (always computed) rules the release out.
+        f_t, f_i, f_k = [], [], []
+        for t in range(T):
+            ks = np.flatnonzero(computable[t, : t + 1])
+            for k in ks:
+                for i in np.concatenate([deps[k], [k]]):
+                    if any(u == t and u > k for u in users[i]):
+                        continue
+                    f_t.append(t), f_i.append(int(i)), f_k.append(int(k))
+        self.F_t = np.array(f_t, dtype=np.int64)
+        self.F_i = np.array(f_i, dtype=np.int64)
+        self.F_k = np.array(f_k, dtype=np.int64)
+        self.F = alloc(len(f_t))
+
+        # U at every materializable position of every stage (continuous, bytes).
+        u_t, u_k = np.nonzero(np.tril(materializable))
+        self.U_t, self.U_k = u_t, u_k
+        self.U = alloc(len(u_t))
+        self.B = alloc(1)[0] if self.minimize_peak else -1
+        n_vars = ncols
+
+        # -- bounds, objective -----------------------------------------------------------------
+        lb = np.zeros(n_vars)
+        ub = np.ones(n_vars)
+        integrality = np.ones(n_vars, dtype=np.int8)
+        ram_cap = np.inf if self.minimize_peak else float(self.budgets.ram_bytes)
+        ub[self.U] = ram_cap
+        integrality[self.U] = 0
+        if self.minimize_peak:
+            ub[self.B] = np.inf
+            integrality[self.B] = 0
+
+        c = np.zeros(n_vars)
+        rr, ri = np.nonzero(self.R >= 0)
+        c[self.R[rr, ri]] = costs.compute_j[ri]
+        mr, mi = np.nonzero(self.Min >= 0)
+        c[self.Min[mr, mi]] = costs.page_in_j[mi]
+        mo = np.flatnonzero(self.Mout >= 0)
+        c[self.Mout[mo]] = costs.page_out_j[mo]
+        offset = float(costs.compute_j.sum())
+        if self.minimize_peak:
+            # Smallest budget first; energy only breaks ties, scaled far below one byte.
+            energy_scale = 1e-6 / max(1e-30, float(costs.compute_j.sum()) * 10 + c.sum())
+            c *= energy_scale
+            offset *= energy_scale
+            c[self.B] = 1.0
+
+        rows = _Rows()
+
+        # (1) a node computed in stage t has each input kept, recomputed or paged in, in stage t
+        ct, ck = np.nonzero(np.tril(computable))
+        for t, k in zip(ct, ck):
+            d = deps[k]
+            if len(d) == 0:
+                continue
+            lhs = self.R[t, k] if k != t else -1
+            # R[t,d] + Min[t,d] + S[t,d] - R[t,k] >= 0   (R[t,t] = 1 as a constant)
+            rows.add(
+                [(self.R[t, d], 1.0), (self.Min[t, d], 1.0), (self.S[t, d], 1.0),
+                 (np.full(len(d), lhs), -1.0)],
+                0.0 if k != t else 1.0, np.inf,
+            )
+
+        # (2) kept into stage t+1 only if resident during stage t:  S[t+1,i] <= S[t,i] + R[t,i] + Min[t,i]
+        st, si = np.nonzero(self.S[1:] >= 0)
+        st = st + 1  # stage of the kept copy
+        prev = st - 1
+        later = prev > si  # at prev == i the node was just computed: always possible
+        rows.add([(self.S[st[later], si[later]], 1.0), (self.S[prev[later], si[later]], -1.0),
+                  (self.R[prev[later], si[later]], -1.0), (self.Min[prev[later], si[later]], -1.0)],
+                 -np.inf, 0.0)
+
+        # (3) at most one of kept / recomputed / paged in per stage
+        tt2, ii2 = np.nonzero((self.S[:T] >= 0) & ((self.R >= 0) | (self.Min >= 0)))
+        rows.add([(self.S[tt2, ii2], 1.0), (self.R[tt2, ii2], 1.0), (self.Min[tt2, ii2], 1.0)], -np.inf, 1.0)
+
+        # (4) page in only what was paged out
+        rows.add([(self.Min[mr, mi], 1.0), (self.Mout[mi], -1.0)], -np.inf, 0.0)
+
+        # (5) release i after position k only if k runs, i is not kept, and no later reader runs
+        F, Ft, Fi, Fk = self.F, self.F_t, self.F_i, self.F_k
+        runs_k = np.where(Fk == Ft, -1, self.R[Ft, Fk])  # k == t always runs: no row needed
+        self_release = Fi == Fk
+        mat_i = np.where(self_release, self.Min[Ft, Fi], -1)
+        need_row = Fk != Ft
+        rows.add([(F[need_row], 1.0), (runs_k[need_row], -1.0), (mat_i[need_row], -1.0)], -np.inf, 0.0)
+        kept_next = self.S[np.minimum(Ft + 1, T), Fi]
+        has_keep = kept_next >= 0
+        rows.add([(F[has_keep], 1.0), (kept_next[has_keep], 1.0)], -np.inf, 1.0)
+        later_f, later_col = [], []
+        for f, t, i, k in zip(F, Ft, Fi, Fk):
+            for j in users[i]:
+                if k < j < t and self.R[t, j] >= 0:
+                    later_f.append(f), later_col.append(self.R[t, j])
+        if later_f:
+            rows.add([(np.array(later_f), 1.0), (np.array(later_col), 1.0)], -np.inf, 1.0)
+
+        # (6) memory: U at each materializable position, chained within a stage.
+        #     U[t,p] = U[t,prev p] - released after positions in [prev p, p) + bytes(p) * materialized(p)
+        #     the first position of a stage starts from the tensors kept into the stage.
+        u_index = {}
+        for idx, (t, k) in enumerate(zip(self.U_t, self.U_k)):
+            u_index[(int(t), int(k))] = idx
+        releases_at = {}
+        for f, t, i, k in zip(F, Ft, Fi, Fk):
+            releases_at.setdefault((int(t), int(k)), []).append((f, i))
+        row_start = rows.count
+        n_u = len(self.U)
+        rows.add([(self.U, 1.0)], 0.0, 0.0)  # terms added below, row r <-> U[r]
+        extra_r, extra_c, extra_v = [], [], []
+        prev_pos = {}
+        for idx, (t, k) in enumerate(zip(self.U_t, self.U_k)):
+            t, k, r = int(t), int(k), row_start + idx
+            # materialized at k: node t always; otherwise recompute or page in
+            if k == t:
+                # constant bytes(t): move it to the bounds below
+                pass
+            else:
+                for col in (self.R[t, k], self.Min[t, k]):
+                    if col >= 0:
+                        extra_r.append(r), extra_c.append(col), extra_v.append(-nbytes[k])
+            if t in prev_pos:
+                p = prev_pos[t]
+                extra_r.append(r), extra_c.append(self.U[u_index[(t, p)]]), extra_v.append(-1.0)
+                for f, i in releases_at.get((t, p), ()):
+                    extra_r.append(r), extra_c.append(f), extra_v.append(nbytes[i])
+            else:
+                kept = np.flatnonzero(self.S[t] >= 0)
+                extra_r.extend([r] * len(kept)), extra_c.extend(self.S[t, kept]), extra_v.extend(-nbytes[kept])
+            prev_pos[t] = k
+        rows.add_sparse(extra_r, extra_c, extra_v)
+        A, row_lb, row_ub = rows.matrix(n_vars)
+        # constants: U[t,t] includes bytes(t) for the node computed in its own stage
+        own = self.U_t == self.U_k
+        row_lb[row_start:row_start + n_u][own] = nbytes[self.U_k[own]]
+        row_ub[row_start:row_start + n_u][own] = nbytes[self.U_k[own]]
+
+        extra = _Rows()
+        if self.minimize_peak:
+            extra.add([(self.U, 1.0), (np.full(n_u, self.B), -1.0)], -np.inf, 0.0)
+
+        # (7) runtime: compute, recompute and paging all count. A hair below the budget, so that
+        #     solver tolerances cannot push the replayed runtime over it.
+        plain_s = float(costs.compute_s.sum())
+        run_cols = np.concatenate([self.R[rr, ri], self.Min[mr, mi], self.Mout[mo]])
+        run_vals = np.concatenate([costs.compute_s[ri], costs.page_in_s[mi], costs.page_out_s[mo]])
+        if len(run_cols):
+            extra.add_row(run_cols, run_vals, -np.inf, self.budgets.runtime_s * (1 - 1e-9) - plain_s)
+
+        # (8) storage capacity: every paged tensor holds its own erase-block-aligned region
+        if len(mo):
+            extra.add_row(self.Mout[mo], costs.storage_bytes[mo], -np.inf, float(self.budgets.storage_bytes))
+
+        if extra.count:
+            A2, lb2, ub2 = extra.matrix(n_vars)
+            A = sp.vstack([A, A2], format="csr")
+            row_lb = np.concatenate([row_lb, lb2])
+            row_ub = np.concatenate([row_ub, ub2])
+
+        return Milp(c=c, offset=offset, A=A, row_lb=row_lb, row_ub=row_ub, lb=lb, ub=ub,
+                    integrality=integrality)
+
+    # -- solutions ----------------------------------------------------------------------------
+    def decode(self, x: np.ndarray) -> Decisions:
+        on = np.asarray(x) > 0.5
+
+        def pairs(index):
+            t, i = np.nonzero(index >= 0)
+            chosen = on[index[t, i]]
+            return frozenset(zip(t[chosen].tolist(), i[chosen].tolist()))
+
+        outs = np.flatnonzero(self.Mout >= 0)
+        return Decisions(
+            recompute=pairs(self.R),
+            page_in=pairs(self.Min),
+            page_out=frozenset(outs[on[self.Mout[outs]]].tolist()),
+            keep=pairs(self.S[: len(self.graph)]),
+        )

@@ -1,0 +1,72 @@
+"""Human-readable and JSON summaries of a schedule."""
+
+from __future__ import annotations
+
+import math
+
+from .schedule import Schedule
+from .units import format_bytes, format_joules, format_seconds
+
+
+def summary_dict(s: Schedule) -> dict:
+    t, plain, mem = s.totals, s.plain, s.memory()
+    names = [n.name for n in s.graph.nodes]
+    runtime_budget = s.budgets.runtime_s if math.isfinite(s.budgets.runtime_s) else None
+    return {
+        "model": s.model,
+        "device": s.profile.name,
+        "mode": s.mode,
+        "budgets": {"ram_bytes": int(s.budgets.ram_bytes), "runtime_s": runtime_budget},
+        "totals": t,
+        "plain": plain,
+        "energy_vs_plain": t["energy_j"] / plain["energy_j"] if plain["energy_j"] else None,
+        "runtime_vs_plain": t["runtime_s"] / plain["runtime_s"] if plain["runtime_s"] else None,
+        "memory": mem,
+        "recomputed": [names[i] for i in s.recomputed_nodes()],
+        "paged": [names[i] for i in s.paged_nodes()],
+        "solver": s.solver,
+    }
+
+
+def summary_text(s: Schedule) -> str:
+    t, plain, mem, solver = s.totals, s.plain, s.memory(), s.solver
+    names = [n.name for n in s.graph.nodes]
+    lines = []
+    lines.append(f"{s.model} on {s.profile.name} ({s.profile.cpu}), mode {s.mode}: "
+                 f"{len(s.graph)} nodes, {len(s.steps)} steps")
+    ratio = t["energy_j"] / plain["energy_j"] if plain["energy_j"] else float("nan")
+    lines.append(f"  energy   {format_joules(t['energy_j'])} ({ratio:.3f}x plain training's "
+                 f"{format_joules(plain['energy_j'])}): compute {format_joules(t['compute_j'])}, "
+                 f"page-in {format_joules(t['page_in_j'])}, page-out {format_joules(t['page_out_j'])}")
+    budget = s.budgets.runtime_s
+    budget_text = "no limit" if not math.isfinite(budget) else f"budget {format_seconds(budget)}"
+    lines.append(f"  runtime  {format_seconds(t['runtime_s'])} ({t['runtime_s'] / plain['runtime_s']:.3f}x plain), "
+                 f"{budget_text}")
+    lines.append(f"  RAM      peak {format_bytes(t['peak_ram_bytes'])} of budget {format_bytes(s.budgets.ram_bytes)} "
+                 f"(plain training peaks at {format_bytes(plain['peak_ram_bytes'])})")
+    lines.append(f"  params   weights {format_bytes(mem['param_bytes'])} + weight gradients "
+                 f"{format_bytes(mem['param_grad_bytes'])} + working peak = {format_bytes(mem['total_bytes'])} "
+                 f"of the device's {format_bytes(mem['device_ram_bytes'])}")
+    if not mem["fits_device"]:
+        lines.append(f"  WARNING  parameters plus working memory ({format_bytes(mem['total_bytes'])}) exceed "
+                     f"the device's RAM ({format_bytes(mem['device_ram_bytes'])}): train fewer layers or page weights")
+    rec, paged = s.recomputed_nodes(), s.paged_nodes()
+    lines.append(f"  remat    {t['recomputes']} recomputations of {len(rec)} nodes{_names(names, rec)}")
+    lines.append(f"  paging   {t['page_outs']} page-outs, {t['page_ins']} page-ins "
+                 f"({format_bytes(t['storage_bytes'])} on {s.profile.storage.kind}){_names(names, paged)}")
+    gap = solver.get("gap")
+    gap_text = "-" if gap is None else f"{100 * gap:.3g}%"
+    bound = solver.get("bound")
+    bound_text = "-" if bound is None else format_joules(bound)
+    lines.append(f"  solver   {solver['backend']} {solver['status']}, bound {bound_text}, gap {gap_text}, "
+                 f"build {solver['build_s']:.2f} s, solve {solver['solve_s']:.2f} s "
+                 f"({solver['variables']} variables, {solver['constraints']} constraints)")
+    return "\n".join(lines)
+
+
+def _names(names: list[str], ids: list[int], limit: int = 8) -> str:
+    if not ids:
+        return ""
+    shown = ", ".join(names[i] for i in ids[:limit])
+    more = f", +{len(ids) - limit} more" if len(ids) > limit else ""
+    return f": {shown}{more}"

@@ -1,0 +1,134 @@
+"""The whole path as one plain function: graph + profile + budgets -> validated Schedule."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from .costs import NodeCosts, node_costs
+from .errors import InfeasibleError, NoScheduleFound, PoetError
+from .formulation import MODES, Budgets, Formulation
+from .graph import TrainingGraph
+from .profiles import DeviceProfile, load_profile
+from .schedule import Schedule, build_steps, plain_decisions, totals_of
+from .solvers import Progress, solve_milp
+from .units import format_bytes, format_seconds, parse_runtime, parse_size
+from . import validator
+
+
+def resolve_budgets(graph: TrainingGraph, profile: DeviceProfile, costs: NodeCosts,
+                    ram, runtime=None) -> Budgets:
+    """ram: bytes or '1.5MB'; runtime: seconds, '2.5s', '1.2x' (of plain training), or None for
+    unlimited."""
+    ram_bytes = parse_size(ram, field="--ram")
+    plain_s = costs.plain_runtime_s
+    if runtime is None:
+        runtime_s = math.inf
+    else:
+        runtime_s = parse_runtime(runtime, plain_s, field="--runtime")
+        if runtime_s < plain_s * (1 - 1e-9):
+            raise PoetError(
+                f"the runtime budget {format_seconds(runtime_s)} is below plain training on this device "
+                f"({format_seconds(plain_s)}); every node must run at least once, so give at least 1x",
+                field="--runtime")
+    return Budgets(ram_bytes=ram_bytes, runtime_s=runtime_s, storage_bytes=profile.storage.capacity_bytes)
+
+
+def plain_summary(graph: TrainingGraph, costs: NodeCosts) -> dict:
+    steps = build_steps(graph, plain_decisions(graph))
+    totals = totals_of(graph, costs, steps)
+    return {"energy_j": totals["energy_j"], "runtime_s": totals["runtime_s"],
+            "peak_ram_bytes": totals["peak_ram_bytes"]}
+
+
+def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *,
+                     time_limit: float = 30.0, backend: str = "highs") -> tuple[Optional[int], Optional[int]]:
+    """The smallest RAM budget at which a schedule exists in this mode under the same runtime and
+    storage budgets, as (best found, proven lower bound); (None, None) when none exists at all."""
+    if mode == "none":
+        peak = graph.plain_peak_bytes()
+        return peak, peak
+    relaxed = Budgets(ram_bytes=math.inf, runtime_s=budgets.runtime_s, storage_bytes=budgets.storage_bytes)
+    form = Formulation(graph, costs, relaxed, mode, minimize_peak=True)
+    result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=1e-6)
+    if result.x is None:
+        return None, None
+    found = int(math.ceil(float(result.x[form.B]) - 1e-6))
+    bound = int(math.ceil(result.bound - 1e-6)) if result.bound is not None else graph.min_working_set_bytes()
+    return found, max(bound, graph.min_working_set_bytes())
+
+
+def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=None, mode: str = "joint",
+          backend: str = "highs", time_limit: Optional[float] = None, gap: float = 1e-4,
+          threads: Optional[int] = None, progress: Optional[Callable[[Progress], None]] = None,
+          model_name: Optional[str] = None) -> Schedule:
+    """Find the energy-optimal schedule (or the best one within the time limit) and validate it.
+
+    Raises InfeasibleError (with the smallest feasible RAM budget) when no schedule exists,
+    NoScheduleFound when the solver stopped before finding one, PoetError for bad input.
+    """
+    profile = device if isinstance(device, DeviceProfile) else load_profile(device)
+    if mode not in MODES:
+        raise PoetError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", field="--mode")
+    if not (gap >= 0):
+        raise PoetError(f"the relative gap must be >= 0, got {gap}", field="--gap")
+    if time_limit is not None and not (time_limit > 0):
+        raise PoetError(f"the time limit must be positive, got {time_limit}", field="--time-limit")
+    costs = node_costs(graph, profile)
+    budgets = resolve_budgets(graph, profile, costs, ram, runtime)
+
+    if budgets.ram_bytes < graph.min_working_set_bytes():
+        _raise_infeasible(graph, costs, budgets, mode, backend, reason="some node and its inputs alone need more")
+
+    started = time.perf_counter()
+    form = Formulation(graph, costs, budgets, mode)
+    build_s = time.perf_counter() - started
+    result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=gap, threads=threads,
+                        progress=progress)
+    if result.status == "infeasible":
+        _raise_infeasible(graph, costs, budgets, mode, backend)
+    if result.x is None:
+        what = {"time_limit": "the time limit ran out", "interrupted": "the solve was interrupted"}.get(
+            result.status, f"the solver stopped ({result.status})")
+        raise NoScheduleFound(f"{what} before any schedule within the budgets was found; "
+                              "give more time (--time-limit) or a looser budget")
+
+    decisions = form.decode(result.x)
+    steps = build_steps(graph, decisions)
+    totals = totals_of(graph, costs, steps)
+    schedule = Schedule(
+        model=model_name or graph.name, mode=mode, graph=graph, profile=profile, costs=costs, budgets=budgets,
+        decisions=decisions, steps=steps, totals=totals, plain=plain_summary(graph, costs),
+        solver={
+            "backend": result.backend, "status": result.status,
+            "objective": result.objective, "bound": result.bound, "gap": result.gap,
+            "build_s": build_s, "solve_s": result.solve_s,
+            "variables": form.milp.num_vars, "constraints": form.milp.num_rows,
+        },
+    )
+    try:
+        validator.validate(schedule.to_dict())
+    except validator.ScheduleInvalid as exc:
+        # A bug on our side, not the user's: never hand out a plan that fails its own check.
+        raise PoetError(f"internal error: the solver's schedule fails validation ({exc.message}); "
+                        "please report this with the command line you used") from None
+    return schedule
+
+
+def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "") -> None:
+    found, bound = min_feasible_ram(graph, costs, budgets, mode, backend=backend)
+    runtime_note = "" if math.isinf(budgets.runtime_s) else f" and runtime {format_seconds(budgets.runtime_s)}"
+    head = f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM{runtime_note} in mode {mode}"
+    if reason:
+        head += f" ({reason})"
+    if found is None:
+        raise InfeasibleError(f"{head}; no RAM budget is enough in this mode under this runtime budget "
+                              "(loosen --runtime or use --mode joint)", field="--ram")
+    if bound is not None and bound < found:
+        tail = f"the smallest feasible budget is between {format_bytes(bound)} and {format_bytes(found)}"
+    else:
+        tail = f"the smallest feasible budget is {format_bytes(found)} ({found} B)"
+    raise InfeasibleError(f"{head}; {tail}", min_ram_bytes=found, field="--ram")
