@@ -22,14 +22,33 @@ PROFILE_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
 
 
 def _size(value):
+    # Raise ValueError (not PoetError) so that pydantic reports the field's own path.
+    if isinstance(value, (str, bool)):
+        try:
+            return parse_size(value, field="size")
+        except PoetError as exc:
+            raise ValueError(exc.message) from None
+    return value
+
+
+def _number(value):
+    # YAML reads `yes`/`true` as a boolean, which pydantic would quietly take as 1; and PyYAML reads
+    # exponent floats without a dot or sign (1e5, 1.2e10) as strings. Refuse the first, read the second.
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
     if isinstance(value, str):
-        return parse_size(value, field="size")
+        try:
+            number = float(value)
+        except ValueError:
+            return value  # pydantic explains: "unable to parse string as a number"
+        return int(number) if number.is_integer() and abs(number) < 2**53 else number
     return value
 
 
 Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0)]
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Positive = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, BeforeValidator(_number), Field(ge=0, allow_inf_nan=False)]
+Count = Annotated[int, BeforeValidator(_number), Field(gt=0)]
 
 
 class _Strict(BaseModel):
@@ -76,7 +95,7 @@ class Storage(_Strict):
     kind: Literal["sd-card", "spi-flash", "qspi-flash", "internal-flash", "emmc", "nvme", "ssd", "usb"]
     capacity_bytes: Bytes
     erase_block_bytes: Bytes
-    endurance_cycles: Annotated[int, Field(gt=0)]
+    endurance_cycles: Count
     write_cache: bool = False
     read: Transfer
     write: Transfer
@@ -120,7 +139,7 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
     """A built-in device name (``rpi4``) or a path to a user's YAML file."""
     text = str(name_or_path)
     path = Path(text)
-    looks_like_path = path.suffix in (".yaml", ".yml") or "/" in text or path.exists()
+    looks_like_path = path.suffix in (".yaml", ".yml") or "/" in text or "\\" in text or path.is_file()
     if not looks_like_path:
         path = _profile_dir() / f"{text}.yaml"
         if not path.exists():
@@ -131,13 +150,29 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
     return _load_profile_file(str(path.resolve()))
 
 
-@lru_cache(maxsize=64)
 def _load_profile_file(path: str) -> DeviceProfile:
+    try:
+        st = Path(path).stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = None
+    # Keyed on the file's modification time and size so that an edited profile is read afresh.
+    return _load_profile_cached(path, stamp)
+
+
+@lru_cache(maxsize=64)
+def _load_profile_cached(path: str, stamp) -> DeviceProfile:
     source = path
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise PoetError("no such profile file", source=source) from None
+    except IsADirectoryError:
+        raise PoetError("is a directory, not a YAML profile", source=source) from None
+    except UnicodeDecodeError:
+        raise PoetError("not a text file (a YAML profile is UTF-8 text)", source=source) from None
+    except OSError as exc:
+        raise PoetError(f"cannot read profile file: {exc.strerror or exc}", source=source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -155,6 +190,8 @@ def _load_profile_file(path: str) -> DeviceProfile:
             message = "missing field"
         elif err["type"] == "extra_forbidden":
             message = "unknown field (check the spelling against docs/profiles.md)"
+        elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
+            message = str(err["ctx"]["error"])  # our own validators' messages, without "Value error, "
         elif "input" in err and not isinstance(err["input"], dict):
             message = f"{message} (got {err['input']!r})"
         raise PoetError(message, source=source, field=field) from None
