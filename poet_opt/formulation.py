@@ -229,6 +229,9 @@ class Formulation:
         ram_cap = np.inf if self.minimize_peak else float(self.budgets.ram_bytes)
         ub[self.U] = ram_cap
         integrality[self.U] = 0
+        # A release is bounded above by binaries only (the node runs, the tensor is not kept, no later
+        # reader runs), so at any integral choice its best value is 0 or 1 already: continuous is exact.
+        integrality[self.F] = 0
         if self.minimize_peak:
             ub[self.B] = np.inf
             integrality[self.B] = 0
@@ -309,6 +312,7 @@ class Formulation:
             releases_at.setdefault((int(t), int(k)), []).append((f, i))
         row_start = rows.count
         n_u = len(self.U)
+        self._u_rows = (row_start, n_u)
         rows.add([(self.U, 1.0)], 0.0, 0.0)  # terms added below, row r <-> U[r]
         extra_r, extra_c, extra_v = [], [], []
         prev_pos = {}
@@ -379,3 +383,53 @@ class Formulation:
             page_out=frozenset(outs[on[self.Mout[outs]]].tolist()),
             keep=pairs(self.S[: len(self.graph)]),
         )
+
+    def encode(self, decisions: Decisions) -> np.ndarray | None:
+        """The full solution vector (releases and memory levels included) of given decisions, for
+        a MIP start; None when the decisions break one of the formulation's rows."""
+        x = np.zeros(self.milp.num_vars)
+        try:
+            for t, i in decisions.recompute:
+                x[_col(self.R, t, i)] = 1
+            for t, i in decisions.page_in:
+                x[_col(self.Min, t, i)] = 1
+            for i in decisions.page_out:
+                x[_col(self.Mout, i)] = 1
+            for t, i in decisions.keep:
+                x[_col(self.S, t, i)] = 1
+        except KeyError:
+            return None
+        runs = {(t, t) for t in range(len(self.graph))} | set(decisions.recompute)
+        made = runs | set(decisions.page_in)
+        users = self.graph.users()
+        for f, t, i, k in zip(self.F, self.F_t, self.F_i, self.F_k):
+            t, i, k = int(t), int(i), int(k)
+            ok = ((t, k) in made) if k == i else ((t, k) in runs)
+            ok = ok and (t + 1, i) not in decisions.keep
+            ok = ok and not any(k < j <= t and (t, j) in runs for j in users[i])
+            x[f] = 1.0 if ok else 0.0
+        # Memory rows are equalities chained within a stage, in row order: solve them one by one.
+        A = self.milp.A
+        start, n_u = self._u_rows
+        for r in range(start, start + n_u):
+            lo, hi = A.indptr[r], A.indptr[r + 1]
+            cols, vals = A.indices[lo:hi], A.data[lo:hi]
+            u = self.U[r - start]
+            rest = sum(v * x[c] for c, v in zip(cols, vals) if c != u)
+            x[u] = self.milp.row_lb[r] - rest
+        if self.B >= 0:
+            x[self.B] = x[self.U].max(initial=0.0)
+        activity = A @ x
+        tol = 1e-6 * np.maximum(1.0, np.abs(activity))
+        if np.any(activity > self.milp.row_ub + tol) or np.any(activity < self.milp.row_lb - tol):
+            return None
+        if np.any(x > self.milp.ub + 1e-9):
+            return None
+        return x
+
+
+def _col(index: np.ndarray, *key) -> int:
+    col = int(index[key])
+    if col < 0:
+        raise KeyError(key)
+    return col

@@ -12,6 +12,7 @@ from .costs import NodeCosts, node_costs
 from .errors import InfeasibleError, NoScheduleFound, PoetError
 from .formulation import MODES, Budgets, Formulation
 from .graph import TrainingGraph
+from .heuristics import starting_points
 from .profiles import DeviceProfile, load_profile
 from .schedule import Schedule, build_steps, plain_decisions, totals_of
 from .solvers import Progress, solve_milp
@@ -62,7 +63,7 @@ def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
 
 
 def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=None, mode: str = "joint",
-          backend: str = "highs", time_limit: Optional[float] = None, gap: float = 1e-4,
+          backend: str = "highs", time_limit: Optional[float] = None, gap: float = 1e-3,
           threads: Optional[int] = None, progress: Optional[Callable[[Progress], None]] = None,
           model_name: Optional[str] = None) -> Schedule:
     """Find the energy-optimal schedule (or the best one within the time limit) and validate it.
@@ -86,8 +87,13 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     started = time.perf_counter()
     form = Formulation(graph, costs, budgets, mode)
     build_s = time.perf_counter() - started
+    start = None
+    for candidate in starting_points(graph, costs, budgets, mode):
+        start = form.encode(candidate)
+        if start is not None:
+            break
     result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=gap, threads=threads,
-                        progress=progress)
+                        progress=progress, start=start)
     if result.status == "infeasible":
         _raise_infeasible(graph, costs, budgets, mode, backend)
     if result.x is None:

@@ -34,7 +34,7 @@ class Progress:
 
 @dataclass
 class SolveResult:
-    status: str  # optimal | time_limit | interrupted | infeasible | no_solution | error
+    status: str  # optimal | gap_limit | time_limit | interrupted | infeasible | no_solution | error
     x: Optional[np.ndarray]
     objective: Optional[float]
     bound: Optional[float]
@@ -73,7 +73,7 @@ def _interrupt_flag():
 
 
 def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float] = None,
-               gap: float = 1e-4, threads: Optional[int] = None,
+               gap: float = 1e-3, threads: Optional[int] = None,
                progress: Optional[Callable[[Progress], None]] = None,
                start: Optional[np.ndarray] = None) -> SolveResult:
     if backend == "highs":
@@ -148,9 +148,11 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
     objective = info.objective_function_value if has_solution else None
     bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) and abs(info.mip_dual_bound) < 1e300 else None
     if status == ms.kOptimal:
-        name = "optimal"
         if bound is None:
             bound = objective
+        # HiGHS calls a solve stopped by the relative-gap criterion "optimal"; say which it was.
+        closed = objective is None or objective - bound <= 1e-9 * max(1.0, abs(objective))
+        name = "optimal" if closed else "gap_limit"
     elif status in (ms.kInfeasible,):
         name = "infeasible"
     elif status == ms.kInterrupt or interrupted:
