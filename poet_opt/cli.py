@@ -57,7 +57,8 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True)
 @click.option("--solver", "backend", type=click.Choice(["highs", "cbc", "gurobi"]), default="highs", show_default=True)
 @click.option("--time-limit", type=float, default=None, help="seconds; the best schedule found so far is kept")
-@click.option("--gap", type=float, default=1e-4, show_default=True, help="relative optimality gap to stop at")
+@click.option("--gap", type=float, default=1e-3, show_default=True,
+              help="stop once proven within this relative gap of the optimum")
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the schedule JSON here")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
