@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -76,11 +76,30 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
                gap: float = 1e-3, threads: Optional[int] = None,
                progress: Optional[Callable[[Progress], None]] = None,
                start: Optional[np.ndarray] = None) -> SolveResult:
+    if backend not in BACKENDS:
+        raise PoetError(f"unknown solver {backend!r}; choose one of {', '.join(BACKENDS)}", field="--solver")
+    # Energies in joules are tiny next to solver tolerances (HiGHS treats reduced costs under 1e-7
+    # as zero, and a microcontroller's recompute of a small node costs 1e-8 J): solve with the
+    # objective scaled to order one, and scale the answers back.
+    scale = 1.0 / max(abs(milp.offset), float(np.abs(milp.c).max(initial=0.0)), 1e-300)
+    scaled = replace(milp, c=milp.c * scale, offset=milp.offset * scale)
+    if progress is not None:
+        report = progress
+
+        def progress(p: Progress):
+            report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap))
+
     if backend == "highs":
-        return _solve_highs(milp, time_limit, gap, threads, progress, start)
-    if backend in ("cbc", "gurobi"):
-        return _solve_pulp(milp, backend, time_limit, gap, threads)
-    raise PoetError(f"unknown solver {backend!r}; choose one of {', '.join(BACKENDS)}", field="--solver")
+        result = _solve_highs(scaled, time_limit, gap, threads, progress, start)
+    else:
+        result = _solve_pulp(scaled, backend, time_limit, gap, threads)
+    result.objective = _unscale(result.objective, scale)
+    result.bound = _unscale(result.bound, scale)
+    return result
+
+
+def _unscale(value: Optional[float], scale: float) -> Optional[float]:
+    return None if value is None else value / scale
 
 
 def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult:
@@ -89,6 +108,9 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", float(gap))
+    # HiGHS's default absolute gap (1e-6) is a large fraction of a millijoule-scale objective on
+    # a microcontroller; only the relative gap the user asked for should stop the search.
+    h.setOptionValue("mip_abs_gap", 0.0)
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
     if threads:
