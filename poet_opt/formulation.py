@@ -145,11 +145,12 @@ class Formulation:
     """Builds the MILP for one (graph, costs, budgets, mode) and maps solutions back to decisions."""
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
-                 *, minimize_peak: bool = False):
+                 *, minimize_peak: bool = False, runtime_margin: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
         self.minimize_peak = minimize_peak
+        self.runtime_margin = runtime_margin
         self.allow_remat = mode in ("joint", "remat")
         self.allow_paging = mode in ("joint", "paging")
         self.milp = self._build()
@@ -346,13 +347,13 @@ class Formulation:
         if self.minimize_peak:
             extra.add([(self.U, 1.0), (np.full(n_u, self.B), -1.0)], -np.inf, 0.0)
 
-        # (7) runtime: compute, recompute and paging all count. A hair below the budget, so that
-        #     solver tolerances cannot push the replayed runtime over it.
+        # (7) runtime: compute, recompute and paging all count. The optimum may sit exactly on the
+        #     budget; runtime_margin (relative) leaves room for solver tolerances when it must.
         plain_s = float(costs.compute_s.sum())
         run_cols = np.concatenate([self.R[rr, ri], self.Min[mr, mi], self.Mout[mo]])
         run_vals = np.concatenate([costs.compute_s[ri], costs.page_in_s[mi], costs.page_out_s[mo]])
         if len(run_cols):
-            extra.add_row(run_cols, run_vals, -np.inf, self.budgets.runtime_s * (1 - 1e-9) - plain_s)
+            extra.add_row(run_cols, run_vals, -np.inf, self.budgets.runtime_s * (1 - self.runtime_margin) - plain_s)
 
         # (8) storage capacity: every paged tensor holds its own erase-block-aligned region
         if len(mo):

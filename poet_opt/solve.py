@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -82,35 +83,45 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     budgets = resolve_budgets(graph, profile, costs, ram, runtime)
 
     if budgets.ram_bytes < graph.min_working_set_bytes():
-        _raise_infeasible(graph, costs, budgets, mode, backend, reason="some node and its inputs alone need more")
+        _raise_infeasible(graph, costs, budgets, mode, backend, reason="some node and its inputs alone need more",
+                          time_limit=time_limit)
 
-    started = time.perf_counter()
-    form = Formulation(graph, costs, budgets, mode)
-    build_s = time.perf_counter() - started
-    start = None
-    for candidate in starting_points(graph, costs, budgets, mode):
-        start = form.encode(candidate)
-        if start is not None:
+    candidates = starting_points(graph, costs, budgets, mode)
+    for margin in (0.0, 1e-6):
+        started = time.perf_counter()
+        form = Formulation(graph, costs, budgets, mode, runtime_margin=margin)
+        build_s = time.perf_counter() - started
+        start = next((x for x in map(form.encode, candidates) if x is not None), None)
+        result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=gap, threads=threads,
+                            progress=progress, start=start)
+        if result.x is None or _replayed_runtime(graph, costs, form.decode(result.x)) <= budgets.runtime_s * (1 + 1e-9):
             break
-    result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=gap, threads=threads,
-                        progress=progress, start=start)
+        # The solver's tolerances let the plan overshoot the runtime budget by a hair: solve again
+        # with the budget tightened by a millionth.
     if result.status == "infeasible":
-        _raise_infeasible(graph, costs, budgets, mode, backend)
+        _raise_infeasible(graph, costs, budgets, mode, backend, time_limit=time_limit)
+    if result.status == "error":
+        raise PoetError("the solver failed on this model (numerical trouble); check the graph's sizes and costs "
+                        "are sane, or try --solver cbc")
     if result.x is None:
         what = {"time_limit": "the time limit ran out", "interrupted": "the solve was interrupted"}.get(
             result.status, f"the solver stopped ({result.status})")
         raise NoScheduleFound(f"{what} before any schedule within the budgets was found; "
                               "give more time (--time-limit) or a looser budget")
 
-    decisions = form.decode(result.x)
+    decisions = _without_unread_page_outs(form.decode(result.x))
     steps = build_steps(graph, decisions)
     totals = totals_of(graph, costs, steps)
+    # Report the schedule actually returned: tidying can only have lowered its energy.
+    objective = min(result.objective, totals["energy_j"])
+    bound = None if result.bound is None else min(result.bound, objective)
+    gap = None if bound is None else max(0.0, (objective - bound) / objective) if objective else 0.0
     schedule = Schedule(
         model=model_name or graph.name, mode=mode, graph=graph, profile=profile, costs=costs, budgets=budgets,
         decisions=decisions, steps=steps, totals=totals, plain=plain_summary(graph, costs),
         solver={
             "backend": result.backend, "status": result.status,
-            "objective": result.objective, "bound": result.bound, "gap": result.gap,
+            "objective": totals["energy_j"], "bound": bound, "gap": gap,
             "build_s": build_s, "solve_s": result.solve_s,
             "variables": form.milp.num_vars, "constraints": form.milp.num_rows,
         },
@@ -124,15 +135,33 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     return schedule
 
 
-def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "") -> None:
-    found, bound = min_feasible_ram(graph, costs, budgets, mode, backend=backend)
+def _replayed_runtime(graph, costs, decisions) -> float:
+    return totals_of(graph, costs, build_steps(graph, decisions))["runtime_s"]
+
+
+def _without_unread_page_outs(decisions):
+    """A page-out that is never paged back in costs energy and buys nothing; a time-limited
+    incumbent can contain one."""
+    read_back = {i for _, i in decisions.page_in}
+    return replace(decisions, page_out=frozenset(i for i in decisions.page_out if i in read_back))
+
+
+def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "", time_limit=None) -> None:
+    limit = 30.0 if time_limit is None else min(30.0, time_limit)
+    found, bound = min_feasible_ram(graph, costs, budgets, mode, backend=backend, time_limit=limit)
     runtime_note = "" if math.isinf(budgets.runtime_s) else f" and runtime {format_seconds(budgets.runtime_s)}"
     head = f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM{runtime_note} in mode {mode}"
     if reason:
         head += f" ({reason})"
     if found is None:
-        raise InfeasibleError(f"{head}; no RAM budget is enough in this mode under this runtime budget "
-                              "(loosen --runtime or use --mode joint)", field="--ram")
+        advice = []
+        if math.isfinite(budgets.runtime_s):
+            advice.append("loosen --runtime")
+        if mode != "joint":
+            advice.append("use --mode joint")
+        hint = f" ({' or '.join(advice)})" if advice else ""
+        raise InfeasibleError(f"{head}; no RAM budget is enough in this mode under these budgets{hint}",
+                              field="--ram")
     if bound is not None and bound < found:
         tail = f"the smallest feasible budget is between {format_bytes(bound)} and {format_bytes(found)}"
     else:
