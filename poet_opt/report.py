@@ -19,8 +19,8 @@ def summary_dict(s: Schedule) -> dict:
         "budgets": {"ram_bytes": int(s.budgets.ram_bytes), "runtime_s": runtime_budget},
         "totals": t,
         "plain": plain,
-        "energy_vs_plain": t["energy_j"] / plain["energy_j"] if plain["energy_j"] else None,
-        "runtime_vs_plain": t["runtime_s"] / plain["runtime_s"] if plain["runtime_s"] else None,
+        "energy_vs_plain": _ratio(t["energy_j"], plain["energy_j"], None),
+        "runtime_vs_plain": _ratio(t["runtime_s"], plain["runtime_s"], None),
         "memory": mem,
         "recomputed": [names[i] for i in s.recomputed_nodes()],
         "paged": [names[i] for i in s.paged_nodes()],
@@ -34,13 +34,13 @@ def summary_text(s: Schedule) -> str:
     lines = []
     lines.append(f"{s.model} on {s.profile.name} ({s.profile.cpu}), mode {s.mode}: "
                  f"{len(s.graph)} nodes, {len(s.steps)} steps")
-    ratio = t["energy_j"] / plain["energy_j"] if plain["energy_j"] else float("nan")
+    ratio = _ratio(t["energy_j"], plain["energy_j"])
     lines.append(f"  energy   {format_joules(t['energy_j'])} ({ratio:.3f}x plain training's "
                  f"{format_joules(plain['energy_j'])}): compute {format_joules(t['compute_j'])}, "
                  f"page-in {format_joules(t['page_in_j'])}, page-out {format_joules(t['page_out_j'])}")
     budget = s.budgets.runtime_s
     budget_text = "no limit" if not math.isfinite(budget) else f"budget {format_seconds(budget)}"
-    lines.append(f"  runtime  {format_seconds(t['runtime_s'])} ({t['runtime_s'] / plain['runtime_s']:.3f}x plain), "
+    lines.append(f"  runtime  {format_seconds(t['runtime_s'])} ({_ratio(t['runtime_s'], plain['runtime_s']):.3f}x plain), "
                  f"{budget_text}")
     lines.append(f"  RAM      peak {format_bytes(t['peak_ram_bytes'])} of budget {format_bytes(s.budgets.ram_bytes)} "
                  f"(plain training peaks at {format_bytes(plain['peak_ram_bytes'])})")
@@ -51,8 +51,9 @@ def summary_text(s: Schedule) -> str:
         lines.append(f"  WARNING  parameters plus working memory ({format_bytes(mem['total_bytes'])}) exceed "
                      f"the device's RAM ({format_bytes(mem['device_ram_bytes'])}): train fewer layers or page weights")
     rec, paged = s.recomputed_nodes(), s.paged_nodes()
-    lines.append(f"  remat    {t['recomputes']} recomputations of {len(rec)} nodes{_names(names, rec)}")
-    lines.append(f"  paging   {t['page_outs']} page-outs, {t['page_ins']} page-ins "
+    lines.append(f"  remat    {_count(t['recomputes'], 'recomputation')} of {_count(len(rec), 'node')}"
+                 f"{_names(names, rec)}")
+    lines.append(f"  paging   {_count(t['page_outs'], 'page-out')}, {_count(t['page_ins'], 'page-in')} "
                  f"({format_bytes(t['storage_bytes'])} on {s.profile.storage.kind}){_names(names, paged)}")
     gap = solver.get("gap")
     gap_text = "-" if gap is None else f"{100 * gap:.3g}%"
@@ -70,3 +71,12 @@ def _names(names: list[str], ids: list[int], limit: int = 8) -> str:
     shown = ", ".join(names[i] for i in ids[:limit])
     more = f", +{len(ids) - limit} more" if len(ids) > limit else ""
     return f": {shown}{more}"
+
+
+def _ratio(value: float, reference: float, empty=float("nan")):
+    """value / reference; a graph whose nodes all cost nothing has no meaningful ratio."""
+    return value / reference if reference else empty
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

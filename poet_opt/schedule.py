@@ -216,6 +216,10 @@ def write_json_atomic(doc: dict, path: str | Path) -> None:
         with os.fdopen(fd, "w") as fh:
             json.dump(doc, fh, indent=1)
             fh.write("\n")
+        # mkstemp creates 0600; give the file the mode an ordinary open() would have
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -253,4 +253,6 @@ def load_and_validate(path) -> tuple[dict, dict]:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PoetError(f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}", source=source) from None
+    except RecursionError:
+        raise PoetError("not valid JSON for a schedule: nested too deeply", source=source) from None
     return doc, validate(doc, source=source)
