@@ -1,20 +1,33 @@
 """The `poet-opt` command: a thin layer over plain functions that a notebook can call directly.
 
 Bad input of any kind ends as one line on stderr and exit code 2 (validation failures: 1);
-nothing is written unless the schedule validated.
+nothing is written unless the schedule validated. Exit codes: 0 success, 1 a schedule that breaks
+a rule (`validate`), 2 bad input or no schedule within the budgets, 3 an internal error (a bug:
+one line too; set POET_OPT_DEBUG=1 for the traceback), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import click
 
 from . import __version__
 from .errors import PoetError
+
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"poet-opt: {' '.join(str(message).split())}", err=True)
+    sys.exit(code)
 
 
 def _one_line_errors(fn):
@@ -23,8 +36,20 @@ def _one_line_errors(fn):
         try:
             return fn(*args, **kwargs)
         except PoetError as exc:
-            click.echo(f"poet-opt: error: {exc.one_line()}", err=True)
-            sys.exit(exc.exit_code)
+            _fail(f"error: {exc.one_line()}", exc.exit_code)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except KeyboardInterrupt:
+            _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
+        except OSError as exc:  # the machine, not the input: a full disk, a vanished directory
+            where = f"{exc.filename}: " if exc.filename else ""
+            _fail(f"error: {where}{exc.strerror or exc}", 2)
+        except Exception as exc:
+            if os.environ.get("POET_OPT_DEBUG"):
+                traceback.print_exc()
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            _fail(f"internal error: {type(exc).__name__}: {exc} (at {Path(frame.filename).name}:{frame.lineno}); "
+                  "please report it with the command line; POET_OPT_DEBUG=1 shows the traceback", EXIT_INTERNAL)
     return wrapper
 
 
@@ -80,27 +105,39 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
     schedule = solve_schedule(graph, profile, ram=ram, runtime=runtime, mode=mode, backend=backend,
                               time_limit=time_limit, gap=gap, model_name=name,
                               progress=None if quiet else print_progress)
-    if out is not None:
-        write_json_atomic(schedule.to_dict(), out)
+    # Everything that could fail comes before the write, so a failure leaves no file behind.
     if as_json:
         summary = summary_dict(schedule)
         if out is not None:
             summary["out"] = str(out)
-        click.echo(json.dumps(summary, indent=1))
+        text = json.dumps(summary, indent=1)
     else:
-        click.echo(summary_text(schedule))
-        if out is not None:
-            click.echo(f"  wrote    {out}")
+        text = summary_text(schedule) + ("" if out is None else f"\n  wrote    {out}")
+    if out is not None:
+        write_json_atomic(schedule.to_dict(), out)
+    click.echo(text)
 
 
 def _check_writable(out: str) -> None:
+    """Fail before a long solve, not after it, when --out cannot be written."""
     path = Path(out)
-    parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise PoetError("is a directory; give a file name", source=out, field="--out")
+    if path.exists() and not path.is_file():
+        raise PoetError("exists and is not a regular file", source=out, field="--out")
+    parent = path.parent
     existing = next((p for p in [parent, *parent.parents] if p.exists()), None)
-    if existing is not None and not existing.is_dir():
+    if existing is None:
+        return
+    if not existing.is_dir():
         raise PoetError(f"{existing} is a file, not a directory", source=out, field="--out")
+    # Permission bits do not tell for root or read-only mounts: try it, as the writer will.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=existing)
+    except OSError as exc:
+        raise PoetError(f"cannot write in {existing}: {exc.strerror}", source=out, field="--out") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 @main.command()
@@ -112,9 +149,10 @@ def validate(schedule_file):
     from .validator import load_and_validate
 
     doc, totals = load_and_validate(schedule_file)
+    ram_budget = doc["budgets"]["ram_bytes"]
     click.echo(f"{schedule_file}: valid: {len(doc['steps'])} steps, energy {format_joules(totals['energy_j'])}, "
                f"runtime {format_seconds(totals['runtime_s'])}, peak RAM {format_bytes(totals['peak_ram_bytes'])} "
-               f"of {format_bytes(doc['budgets']['ram_bytes'])}")
+               + ("(no RAM budget)" if ram_budget is None else f"of {format_bytes(ram_budget)}"))
 
 
 @main.command()

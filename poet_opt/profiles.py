@@ -36,6 +36,8 @@ def _number(value):
     # exponent floats without a dot or sign (1e5, 1.2e10) as strings. Refuse the first, read the second.
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got {value!r}")
+    if isinstance(value, float) and math.isnan(value):  # YAML .nan; pydantic would say "greater than 0"
+        raise ValueError("expected a finite number, got .nan")
     if isinstance(value, str):
         try:
             number = float(value)
@@ -177,8 +179,12 @@ def _load_profile_cached(path: str, stamp) -> DeviceProfile:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise PoetError(f"not valid YAML{where}: {getattr(exc, 'problem', exc)}", source=source) from None
+    if raw is None:
+        raise PoetError("the file is empty; a profile is a YAML mapping with name:, description:, cpu:, "
+                        "compute:, memory: and storage: (docs/profiles.md)", source=source, field="(top level)")
     if not isinstance(raw, dict):
-        raise PoetError("a profile must be a YAML mapping (name:, compute:, memory:, storage:)", source=source)
+        raise PoetError(f"a profile must be a YAML mapping (name:, compute:, memory:, storage:), "
+                        f"got a {type(raw).__name__}", source=source, field="(top level)")
     raw.setdefault("name", Path(path).stem)
     try:
         profile = DeviceProfile.model_validate({**raw, "source": source})
