@@ -59,7 +59,8 @@ def main():
     """Energy-optimal rematerialization + paging schedules for training on edge devices."""
 
 
-def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, bytes_per_element: int):
+def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, bytes_per_element: int,
+               input_shape: str | None = None):
     """--model NAME or --graph FILE, exactly one."""
     if bool(model) == bool(graph_file):
         raise PoetError("give exactly one of --model NAME or --graph FILE", field="--model/--graph")
@@ -69,7 +70,8 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
         return load_node_link(graph_file), Path(graph_file).stem
     from .zoo import build_model
 
-    return build_model(model, batch_size=batch_size, bytes_per_element=bytes_per_element), model
+    graph = build_model(model, batch_size=batch_size, input_shape=input_shape, bytes_per_element=bytes_per_element)
+    return graph, model
 
 
 @main.command()
@@ -85,11 +87,14 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--gap", type=float, default=1e-3, show_default=True,
               help="stop once proven within this relative gap of the optimum")
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--input-shape", default=None, help="zoo models: input shape without the batch, e.g. 3x64x64 "
+              "(C x H x W) or 256 (sequence length)")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the schedule JSON here")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
 @click.option("--quiet", "-q", is_flag=True, help="no solver progress on stderr")
 @_one_line_errors
-def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, gap, batch_size, out, as_json, quiet):
+def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, gap, batch_size, input_shape, out,
+          as_json, quiet):
     """Solve for the energy-optimal training schedule under RAM and runtime budgets."""
     from .profiles import load_profile
     from .report import summary_dict, summary_text
@@ -98,7 +103,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
     from .solvers import print_progress
 
     profile = load_profile(device)
-    graph, name = load_graph(model, graph_file, batch_size=batch_size,
+    graph, name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
                              bytes_per_element=profile.memory.bytes_per_element)
     if out is not None:
         _check_writable(out)

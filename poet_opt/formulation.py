@@ -353,7 +353,11 @@ class Formulation:
         run_cols = np.concatenate([self.R[rr, ri], self.Min[mr, mi], self.Mout[mo]])
         run_vals = np.concatenate([costs.compute_s[ri], costs.page_in_s[mi], costs.page_out_s[mo]])
         if len(run_cols):
-            extra.add_row(run_cols, run_vals, -np.inf, self.budgets.runtime_s * (1 - self.runtime_margin) - plain_s)
+            # In units of plain training's runtime: the solver's absolute feasibility tolerance (1e-7)
+            # is then relative, whether a step takes nanoseconds or minutes.
+            unit = plain_s if plain_s > 0 else max(float(run_vals.max(initial=0.0)), 1e-300)
+            slack = self.budgets.runtime_s * (1 - self.runtime_margin) - plain_s
+            extra.add_row(run_cols, run_vals / unit, -np.inf, slack / unit)
 
         # (8) storage capacity: every paged tensor holds its own erase-block-aligned region
         if len(mo):

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -189,6 +190,13 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
 
 
 def _solve_pulp(milp, backend, time_limit, gap, threads) -> SolveResult:
+    # pulp 3.x warns about APIs that change in 4.0; the dependency is pinned below 4.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve_pulp_model(milp, backend, time_limit, gap, threads)
+
+
+def _solve_pulp_model(milp, backend, time_limit, gap, threads) -> SolveResult:
     import pulp
 
     prob = pulp.LpProblem("poet", pulp.LpMinimize)
@@ -228,9 +236,12 @@ def _solve_pulp(milp, backend, time_limit, gap, threads) -> SolveResult:
     prob.solve(solver)
     solve_s = time.perf_counter() - started
     status = pulp.LpStatus[prob.status]
-    values = np.array([v.varValue if v.varValue is not None else np.nan for v in xs], dtype=float)
-    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) and not np.isnan(values).any()
-    objective = float(pulp.value(prob.objective)) if has_solution else None
+    # PuLP leaves variables that appear in no row or objective term unset: any value in bounds will
+    # do, take the lower bound.
+    lower = np.where(np.isinf(milp.lb), 0.0, milp.lb)
+    values = np.array([lower[j] if v.varValue is None else v.varValue for j, v in enumerate(xs)], dtype=float)
+    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    objective = float(milp.c @ values + milp.offset) if has_solution else None
     if status == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal:
         return SolveResult("optimal", values, objective, objective, solve_s, backend)
     if status == "Infeasible":
