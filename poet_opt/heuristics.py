@@ -6,7 +6,6 @@ step builder, replay and validator apply to them as to the optimum.
 
 from __future__ import annotations
 
-import math
 
 from .costs import NodeCosts
 from .formulation import Budgets, Decisions

@@ -7,7 +7,6 @@ import time
 from dataclasses import replace
 from typing import Callable, Optional
 
-import numpy as np
 
 from .costs import NodeCosts, node_costs
 from .errors import InfeasibleError, NoScheduleFound, PoetError
@@ -110,7 +109,9 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         # Even the tightened solve gave nothing within budget: the optimum sits on the budget's
         # edge, where only the heuristic schedules (checked by replay) are known to be exact.
         decisions = next((d for d in candidates if _fits_runtime(graph, costs, d, budgets)), None)
-    if first.status == "infeasible":
+    if first.status == "infeasible" or (decisions is None and first.x is not None):
+        # The second case: the only plans the solver found overshoot the runtime budget by less
+        # than its tolerance, and none fits once the budget is tightened by a millionth.
         _raise_infeasible(graph, costs, budgets, mode, backend, time_limit=time_limit)
     if first.status == "error":
         raise PoetError("the solver failed on this model (numerical trouble); check the graph's sizes and costs "
@@ -176,6 +177,10 @@ def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "", ti
         hint = f" ({' or '.join(advice)})" if advice else ""
         raise InfeasibleError(f"{head}; no RAM budget is enough in this mode under these budgets{hint}",
                               field="--ram")
+    if found <= budgets.ram_bytes:
+        # RAM is not what binds: the runtime budget is (to within a millionth) below every plan.
+        raise InfeasibleError(f"{head}; at this RAM budget every schedule needs more time than "
+                              f"{format_seconds(budgets.runtime_s)}: loosen --runtime", field="--runtime")
     if bound is not None and bound < found:
         tail = f"the smallest feasible budget is between {format_bytes(bound)} and {format_bytes(found)}"
     else:

@@ -1,0 +1,36 @@
+"""Shared fixtures: a device profile with round numbers, for tests that solve."""
+
+from __future__ import annotations
+
+import pytest
+
+from poet_opt.profiles import DeviceProfile
+
+# 1 GFLOP/s at 1 W (1 nJ/FLOP); storage reads at 10 MB/s and writes at 5 MB/s, at 0.5 W, with
+# 10 us / 20 us latency. On random graphs (1-8 KiB tensors, 1e4-1e6 FLOP nodes) recomputing and
+# paging cost the same order of energy, so the solver has real trade-offs to make.
+TEST_PROFILE = {
+    "name": "test-board",
+    "description": "round numbers for tests",
+    "cpu": "test",
+    "compute": {"flops_per_second": 1e9, "active_power_w": 1.0},
+    "memory": {"ram_bytes": 1 << 20, "bytes_per_element": 4, "alignment_bytes": 4},
+    "storage": {
+        "kind": "sd-card",
+        "capacity_bytes": 1 << 30,
+        "erase_block_bytes": 4096,
+        "endurance_cycles": 1000,
+        "read": {"latency_s": 1e-5, "bytes_per_second": 1e7, "power_w": 0.5},
+        "write": {"latency_s": 2e-5, "bytes_per_second": 5e6, "power_w": 0.5},
+    },
+}
+
+
+def make_test_device(**storage_overrides) -> DeviceProfile:
+    raw = {**TEST_PROFILE, "storage": {**TEST_PROFILE["storage"], **storage_overrides}}
+    return DeviceProfile.model_validate(raw)
+
+
+@pytest.fixture(scope="session")
+def test_device() -> DeviceProfile:
+    return make_test_device()
