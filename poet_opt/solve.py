@@ -93,7 +93,9 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         form = Formulation(graph, costs, budgets, mode, runtime_margin=margin)
         build_s = time.perf_counter() - started
         start = next((x for x in map(form.encode, candidates) if x is not None), None)
-        result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=gap, threads=threads,
+        # the re-solve shares the one time limit the user gave
+        remaining = None if time_limit is None else max(1.0, time_limit - solve_s)
+        result = solve_milp(form.milp, backend=backend, time_limit=remaining, gap=gap, threads=threads,
                             progress=progress, start=start)
         first = first or result  # the exact budget's bound stays valid whatever happens next
         solve_s += result.solve_s
