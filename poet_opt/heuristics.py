@@ -50,25 +50,34 @@ def _peak_stage(graph: TrainingGraph, steps: list[dict]) -> tuple[int, set[int]]
     return at
 
 
-def greedy_paging(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Decisions | None:
-    """Start from plain training; while RAM peaks over budget, page out the largest tensor that
-    sits idle in the peak stage. Fails when the peak stage holds only what it reads."""
-    paged: set[int] = set()
+def _relieve_peak(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, decisions_for, candidate,
+                  cost) -> Decisions | None:
+    """Shared greedy loop: from plain training, while RAM peaks over budget, move the largest
+    tensor that sits idle in the peak stage (and passes `candidate`, cheapest `cost` first on ties)
+    into the chosen set, then rebuild the plan with `decisions_for(chosen)`. Fails when the peak
+    stage holds nothing movable, or the plan breaks the runtime or storage budget."""
+    chosen: set[int] = set()
     while True:
-        decisions = paging_decisions(graph, paged)
+        decisions = decisions_for(chosen)
         steps = build_steps(graph, decisions)
         totals = totals_of(graph, costs, steps)
         if totals["peak_ram_bytes"] <= budgets.ram_bytes:
             break
         stage, resident = _peak_stage(graph, steps)
         busy = set(graph.nodes[stage].deps) | {stage}
-        idle = [i for i in resident - busy - paged]
+        idle = [i for i in resident - busy - chosen if candidate(i)]
         if not idle:
             return None
-        paged.add(max(idle, key=lambda i: (graph.nodes[i].bytes, -costs.page_out_j[i] - costs.page_in_j[i])))
+        chosen.add(max(idle, key=lambda i: (graph.nodes[i].bytes, -cost(i))))
     if totals["runtime_s"] > budgets.runtime_s or totals["storage_bytes"] > budgets.storage_bytes:
         return None
     return decisions
+
+
+def greedy_paging(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Decisions | None:
+    """Page out the largest idle tensor at the RAM peak until the peak fits."""
+    return _relieve_peak(graph, costs, budgets, lambda paged: paging_decisions(graph, paged),
+                         candidate=lambda i: True, cost=lambda i: costs.page_out_j[i] + costs.page_in_j[i])
 
 
 def checkpoint_decisions(graph: TrainingGraph, dropped: set[int]) -> Decisions:
@@ -105,24 +114,9 @@ def checkpoint_decisions(graph: TrainingGraph, dropped: set[int]) -> Decisions:
 
 
 def greedy_checkpointing(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Decisions | None:
-    """Start from plain training; while RAM peaks over budget, drop the largest idle forward tensor
-    at the peak from the checkpoints. Fails when nothing droppable is left there."""
-    dropped: set[int] = set()
-    while True:
-        decisions = checkpoint_decisions(graph, dropped)
-        steps = build_steps(graph, decisions)
-        totals = totals_of(graph, costs, steps)
-        if totals["peak_ram_bytes"] <= budgets.ram_bytes:
-            break
-        stage, resident = _peak_stage(graph, steps)
-        busy = set(graph.nodes[stage].deps) | {stage}
-        idle = [i for i in resident - busy - dropped if not graph.nodes[i].is_backward]
-        if not idle:
-            return None
-        dropped.add(max(idle, key=lambda i: (graph.nodes[i].bytes, -costs.compute_j[i])))
-    if totals["runtime_s"] > budgets.runtime_s:
-        return None
-    return decisions
+    """Drop the largest idle forward tensor at the RAM peak from the checkpoints until the peak fits."""
+    return _relieve_peak(graph, costs, budgets, lambda dropped: checkpoint_decisions(graph, dropped),
+                         candidate=lambda i: not graph.nodes[i].is_backward, cost=lambda i: costs.compute_j[i])
 
 
 def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str) -> list[Decisions]:
