@@ -159,7 +159,11 @@ class Formulation:
     def _build(self) -> Milp:
         g, costs, T = self.graph, self.costs, len(self.graph)
         need, comp = horizons(g, self.allow_remat)
-        nbytes = np.array([node.bytes for node in g.nodes], dtype=float)
+        # Memory rows count in units of the RAM budget, not bytes: next to 0/1 variables, byte-sized
+        # coefficients (up to 1e8) left HiGHS numerically fragile, up to wrongly claimed optima.
+        self.mem_unit = (float(self.budgets.ram_bytes) if np.isfinite(self.budgets.ram_bytes)
+                         else float(max(g.plain_peak_bytes(), 1)))
+        nbytes = np.array([node.bytes for node in g.nodes], dtype=float) / self.mem_unit
         users = g.users()
         deps = [np.array(node.deps, dtype=np.int64) for node in g.nodes]
         tt, ii = np.tril_indices(T, -1)  # all (t, i) with i < t
@@ -227,7 +231,7 @@ class Formulation:
         lb = np.zeros(n_vars)
         ub = np.ones(n_vars)
         integrality = np.ones(n_vars, dtype=np.int8)
-        ram_cap = np.inf if self.minimize_peak else float(self.budgets.ram_bytes)
+        ram_cap = np.inf if self.minimize_peak else 1.0
         ub[self.U] = ram_cap
         integrality[self.U] = 0
         # A release is bounded above by binaries only (the node runs, the tensor is not kept, no later
@@ -247,7 +251,7 @@ class Formulation:
         offset = float(costs.compute_j.sum())
         if self.minimize_peak:
             # Smallest budget first; energy only breaks ties, scaled far below one byte.
-            energy_scale = 1e-6 / max(1e-30, float(costs.compute_j.sum()) * 10 + c.sum())
+            energy_scale = 0.01 / self.mem_unit / max(1e-30, float(costs.compute_j.sum()) * 10 + c.sum())
             c *= energy_scale
             offset *= energy_scale
             c[self.B] = 1.0
@@ -361,7 +365,8 @@ class Formulation:
 
         # (8) storage capacity: every paged tensor holds its own erase-block-aligned region
         if len(mo):
-            extra.add_row(self.Mout[mo], costs.storage_bytes[mo], -np.inf, float(self.budgets.storage_bytes))
+            capacity = float(self.budgets.storage_bytes)  # the row in units of it, as for memory
+            extra.add_row(self.Mout[mo], costs.storage_bytes[mo] / capacity, -np.inf, 1.0)
 
         if extra.count:
             A2, lb2, ub2 = extra.matrix(n_vars)

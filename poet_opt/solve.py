@@ -48,17 +48,22 @@ def plain_summary(graph: TrainingGraph, costs: NodeCosts) -> dict:
 def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *,
                      time_limit: float = 30.0, backend: str = "highs") -> tuple[Optional[int], Optional[int]]:
     """The smallest RAM budget at which a schedule exists in this mode under the same runtime and
-    storage budgets, as (best found, proven lower bound); (None, None) when none exists at all."""
+    storage budgets, as (best found, proven lower bound). (None, None): proven that none exists;
+    (None, bound): none found within the time limit."""
     if mode == "none":
         peak = graph.plain_peak_bytes()
         return peak, peak
     relaxed = Budgets(ram_bytes=math.inf, runtime_s=budgets.runtime_s, storage_bytes=budgets.storage_bytes)
     form = Formulation(graph, costs, relaxed, mode, minimize_peak=True)
-    result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=1e-6)
+    # Plain training fits any runtime budget poet-opt accepts: the search starts from its peak.
+    result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=1e-6,
+                        start=form.encode(plain_decisions(graph)))
     if result.x is None:
-        return None, None
-    found = int(math.ceil(float(result.x[form.B]) - 1e-6))
-    bound = int(math.ceil(result.bound - 1e-6)) if result.bound is not None else graph.min_working_set_bytes()
+        return None, (None if result.status == "infeasible" else graph.min_working_set_bytes())
+    # Peaks are sums of whole bytes: round away the solver's tolerance (in units of form.mem_unit).
+    found = int(round(float(result.x[form.B]) * form.mem_unit))
+    bound = (int(math.ceil(result.bound * form.mem_unit - 0.5)) if result.bound is not None
+             else graph.min_working_set_bytes())
     return found, max(bound, graph.min_working_set_bytes())
 
 
@@ -170,6 +175,9 @@ def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "", ti
     head = f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM{runtime_note} in mode {mode}"
     if reason:
         head += f" ({reason})"
+    if found is None and bound is not None:
+        raise InfeasibleError(f"{head}; the smallest feasible budget is at least {format_bytes(bound)}, but no "
+                              "schedule was found within the time limit to say how much more", field="--ram")
     if found is None:
         advice = []
         if math.isfinite(budgets.runtime_s):
