@@ -90,15 +90,18 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--input-shape", default=None, help="zoo models: input shape without the batch, e.g. 3x64x64 "
               "(C x H x W) or 256 (sequence length)")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the schedule JSON here")
+@click.option("--export", "export_file", type=click.Path(dir_okay=False), default=None,
+              help="also write the schedule as a C header for firmware (see `poet-opt export`)")
+@click.option("--prefix", default="POET_", show_default=True, help="--export: prefix of the header's C names")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
 @click.option("--quiet", "-q", is_flag=True, help="no solver progress on stderr")
 @_one_line_errors
 def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, gap, batch_size, input_shape, out,
-          as_json, quiet):
+          export_file, prefix, as_json, quiet):
     """Solve for the energy-optimal training schedule under RAM and runtime budgets."""
     from .profiles import load_profile
     from .report import summary_dict, summary_text
-    from .schedule import write_json_atomic
+    from .schedule import write_json_atomic, write_text_atomic
     from .solve import solve as solve_schedule
     from .solvers import print_progress
 
@@ -107,6 +110,12 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
                              bytes_per_element=profile.memory.bytes_per_element)
     if out is not None:
         _check_writable(out)
+    if export_file is not None:
+        if out is not None and Path(out).resolve() == Path(export_file).resolve():
+            raise PoetError("is also the --out file; give the header its own name", source=export_file,
+                            field="--export")
+        _check_writable(export_file, field="--export")
+        _check_prefix(prefix)
     schedule = solve_schedule(graph, profile, ram=ram, runtime=runtime, mode=mode, backend=backend,
                               time_limit=time_limit, gap=gap, model_name=name,
                               progress=None if quiet else print_progress)
@@ -118,29 +127,78 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
         text = json.dumps(summary, indent=1)
     else:
         text = summary_text(schedule) + ("" if out is None else f"\n  wrote    {out}")
+    header = None
+    if export_file is not None:
+        from .export_c import export, export_summary
+
+        header, plan, flash = export(schedule.to_dict(), prefix=prefix)
+        if as_json:
+            summary.update(_export_dict(plan, flash, export_file))
+            text = json.dumps(summary, indent=1)
+        else:
+            text += f"\n{export_summary(plan, flash)}\n  wrote    {export_file}"
     if out is not None:
         write_json_atomic(schedule.to_dict(), out)
+    if header is not None:
+        write_text_atomic(header, export_file, field="--export")
     click.echo(text)
 
 
-def _check_writable(out: str) -> None:
+def _check_prefix(prefix: str) -> None:
+    """Before a long solve, not after it."""
+    from .export_c import check_prefix
+
+    check_prefix(prefix)
+
+
+def _export_dict(plan, flash, path) -> dict:
+    return {"export": str(path), "arena_bytes": plan.arena_bytes, "live_peak_bytes": plan.live_peak_bytes,
+            "arena_ratio": plan.ratio, "flash_bytes": flash.flash_bytes,
+            "flash_bytes_written_per_step": flash.bytes_written_per_step,
+            "flash_lifetime_steps": flash.lifetime_steps}
+
+
+@main.command()
+@click.argument("schedule_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="the C header to write")
+@click.option("--prefix", default="POET_", show_default=True, help="prefix of every C name in the header")
+@_one_line_errors
+def export(schedule_file, out, prefix):
+    """Export a schedule as a C99 header: static arena offsets, flash layout and the step table."""
+    from .export_c import export as export_header, export_summary
+    from .schedule import write_text_atomic
+    from .validator import ScheduleInvalid, load_and_validate
+
+    _check_prefix(prefix)
+    _check_writable(out)
+    try:
+        doc, _ = load_and_validate(schedule_file)
+    except ScheduleInvalid as exc:  # nothing to export either way: bad input, exit 2
+        raise PoetError(f"not a valid schedule, nothing exported: {exc.message}", source=schedule_file) from None
+    header, plan, flash = export_header(doc, prefix=prefix, source=schedule_file)
+    write_text_atomic(header, out)
+    click.echo(f"{schedule_file}: {len(doc['steps'])} steps, {len(doc['graph']['nodes'])} tensors\n"
+               f"{export_summary(plan, flash)}\n  wrote    {out}")
+
+
+def _check_writable(out: str, field: str = "--out") -> None:
     """Fail before a long solve, not after it, when --out cannot be written."""
     path = Path(out)
     if path.is_dir():
-        raise PoetError("is a directory; give a file name", source=out, field="--out")
+        raise PoetError("is a directory; give a file name", source=out, field=field)
     if path.exists() and not path.is_file():
-        raise PoetError("exists and is not a regular file", source=out, field="--out")
+        raise PoetError("exists and is not a regular file", source=out, field=field)
     parent = path.parent
     existing = next((p for p in [parent, *parent.parents] if p.exists()), None)
     if existing is None:
         return
     if not existing.is_dir():
-        raise PoetError(f"{existing} is a file, not a directory", source=out, field="--out")
+        raise PoetError(f"{existing} is a file, not a directory", source=out, field=field)
     # Permission bits do not tell for root or read-only mounts: try it, as the writer will.
     try:
         fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=existing)
     except OSError as exc:
-        raise PoetError(f"cannot write in {existing}: {exc.strerror}", source=out, field="--out") from None
+        raise PoetError(f"cannot write in {existing}: {exc.strerror}", source=out, field=field) from None
     os.close(fd)
     os.unlink(probe)
 
@@ -195,6 +253,131 @@ def models(batch_size):
 def _table(rows) -> str:
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+
+@main.command()
+@click.option("--model", help="zoo model name (see `poet-opt models`)")
+@click.option("--graph", "graph_file", type=click.Path(dir_okay=False), help="training graph, node-link JSON")
+@click.option("--device", "devices", multiple=True, required=True,
+              help="device name or YAML profile; repeat for several devices")
+@click.option("--ram-from", default=None, help="smallest RAM budget of a range, e.g. 256KB")
+@click.option("--ram-to", default=None, help="largest RAM budget of a range, e.g. 4MB")
+@click.option("--points", type=int, default=None, help="budgets in the range, spaced geometrically (at least 2)")
+@click.option("--ram", "ram_list", default=None, help="explicit budgets instead of a range: 256KB,512KB,1MB")
+@click.option("--runtime", default=None, help="runtime budget for every point: 1.2x (of plain training) or 2.5s")
+@click.option("--modes", default="joint", show_default=True, help="comma-separated: joint, remat, paging, none")
+@click.option("--time-limit", type=float, default=60.0, show_default=True, help="seconds per point")
+@click.option("--gap", type=float, default=1e-3, show_default=True, help="relative gap at which a point stops")
+@click.option("--jobs", type=int, default=None, help="worker processes (default: one per CPU; 1: no pool)")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--input-shape", default=None, help="zoo models: input shape without the batch, e.g. 3x64x64")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="directory for the CSVs and plots")
+@click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
+@_one_line_errors
+def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runtime, modes, time_limit, gap, jobs,
+           batch_size, input_shape, out_dir, quiet):
+    """Sweep RAM budgets and plot the energy-memory Pareto front (docs/pareto.md)."""
+    from . import pareto as pf
+    from .profiles import load_profile
+    from .units import format_bytes, format_joules
+
+    if ram_list is not None and any(v is not None for v in (ram_from, ram_to, points)):
+        raise PoetError("give either --ram LIST or --ram-from/--ram-to/--points, not both", field="--ram")
+    if ram_list is not None:
+        rams = pf.parse_ram_list(ram_list)
+    elif None in (ram_from, ram_to, points):
+        raise PoetError("give --ram-from, --ram-to and --points together (or --ram LIST)", field="--ram-from")
+    else:
+        rams = pf.ram_range(ram_from, ram_to, points)
+    mode_list = [m.strip() for m in modes.split(",")]
+    for m in mode_list:
+        if m not in ("joint", "remat", "paging", "none"):
+            raise PoetError(f"unknown mode {m!r}; choose from joint, remat, paging, none", field="--modes")
+    if time_limit is not None and not time_limit > 0:
+        raise PoetError(f"must be positive, got {time_limit}", field="--time-limit")
+    if not gap >= 0:
+        raise PoetError(f"must be >= 0, got {gap}", field="--gap")
+    if jobs is not None and jobs < 1:
+        raise PoetError(f"must be at least 1, got {jobs}", field="--jobs")
+    profiles = [load_profile(d) for d in devices]
+    if graph_file:
+        subject, _name = load_graph(None, graph_file, batch_size=batch_size, bytes_per_element=4)
+        kwargs = {}
+    else:
+        load_graph(model, None, batch_size=batch_size, input_shape=input_shape,
+                   bytes_per_element=profiles[0].memory.bytes_per_element)  # fails here on a bad name
+        subject, kwargs = model, {"batch_size": batch_size, "input_shape": input_shape}
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise PoetError("exists and is not a directory", source=out_dir, field="-o")
+    _check_writable(str(out / "pareto.csv"), field="-o")
+
+    bar = None
+    if quiet:
+        report = None
+    elif sys.stderr.isatty():
+        total = len(rams) * len(profiles) * len(mode_list)
+        bar = click.progressbar(length=total, label="solving", show_eta=True, show_pos=True, file=sys.stderr)
+        bar.__enter__()
+
+        def report(done, total, row):
+            bar.update(1)
+    else:
+        def report(done, total, row):
+            energy = "" if row["energy_j"] is None else f" {format_joules(row['energy_j'])}"
+            click.echo(f"[{done}/{total}] {row['device']} {row['mode']} {format_bytes(row['ram_bytes'])}: "
+                       f"{row['status']}{energy} ({row['solve_s']:.1f} s)", err=True)
+    try:
+        rows = pf.sweep(subject, devices, rams, runtime=runtime, modes=mode_list, time_limit=time_limit, gap=gap,
+                        jobs=jobs, progress=report, model_kwargs=kwargs, model_name=None if graph_file else model)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    written = []
+    if rows:
+        out.mkdir(parents=True, exist_ok=True)
+        pf.write_csv(rows, out / "pareto.csv")
+        pf.write_csv(pf.non_dominated(rows), out / "pareto_front.csv")
+        written = ["pareto.csv", "pareto_front.csv"] + [p.name for p in pf.plot_front(rows, out / "pareto")]
+    if rows.interrupted:
+        _fail(f"interrupted; {len(rows)} finished points written to {out}" if rows else "interrupted; nothing was written",
+              EXIT_INTERRUPTED)
+    table = [("device", "mode", "RAM budget", "status", "energy", "x plain", "peak RAM", "recomp", "page-in")]
+    for r in rows:
+        solved = r["energy_j"] is not None
+        table.append((r["device"], r["mode"], format_bytes(r["ram_bytes"]), r["status"],
+                      format_joules(r["energy_j"]) if solved else "-",
+                      f"{r['energy_j'] / r['plain_energy_j']:.3f}" if solved and r["plain_energy_j"] else "-",
+                      format_bytes(r["peak_ram_bytes"]) if solved else "-",
+                      str(r["recomputes"]) if solved else "-", str(r["page_ins"]) if solved else "-"))
+    click.echo(_table(table))
+    for (device, mode) in dict.fromkeys((r["device"], r["mode"]) for r in rows):
+        mins = [r["min_feasible_ram_bytes"] for r in rows
+                if (r["device"], r["mode"]) == (device, mode) and r["min_feasible_ram_bytes"]]
+        if mins:
+            click.echo(f"{device} ({mode}): smallest feasible budget {format_bytes(min(mins))}")
+    click.echo(f"wrote {', '.join(str(out / w) for w in written)}")
+
+
+@main.command()
+@click.argument("schedule_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
+              help="image to write: .png, or .svg (a .png is written beside it)")
+@_one_line_errors
+def plot(schedule_file, out):
+    """Plot one schedule: RAM over the steps, and the stage x node compute/keep matrix."""
+    from .pareto import plot_timeline
+    from .validator import ScheduleInvalid, load_and_validate
+
+    if Path(out).suffix.lower() not in (".png", ".svg"):
+        raise PoetError("give a file name ending .png or .svg", source=out, field="-o")
+    try:
+        doc, _totals = load_and_validate(schedule_file)
+    except ScheduleInvalid as exc:
+        raise PoetError(f"not a valid schedule, nothing plotted: {exc.message}", source=schedule_file) from None
+    _check_writable(out, field="-o")
+    written = plot_timeline(doc, out)
+    click.echo(f"wrote {', '.join(map(str, written))}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,653 @@
+"""Energy-memory Pareto fronts: solve one model over a range of RAM budgets, on several devices and
+modes, and plot what each byte of RAM buys in joules.
+
+Plain functions a notebook can call (``sweep``, ``non_dominated``, ``write_csv``, ``plot_front``,
+``plot_timeline``); ``poet-opt pareto`` and ``poet-opt plot`` are thin wrappers (docs/pareto.md).
+
+A sweep is a list of rows (dicts, one per device x mode x RAM budget, columns in ``COLUMNS``). A
+point that fails is a row with its status, never a lost sweep. Points run on a local process pool;
+each series (device, mode) is solved from the largest budget down, because a budget that is
+infeasible makes every smaller one infeasible too: those are marked without solving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import csv
+import math
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+from .errors import InfeasibleError, NoScheduleFound, PoetError
+from .units import format_bytes, parse_size
+
+COLUMNS = [
+    "model", "device", "mode", "ram_bytes", "runtime_budget_s", "status",
+    "energy_j", "compute_j", "page_in_j", "page_out_j", "runtime_s", "peak_ram_bytes",
+    "recomputes", "page_ins", "page_outs", "gap", "solve_s",
+    "plain_energy_j", "plain_peak_bytes", "min_feasible_ram_bytes", "error",
+]
+# statuses of a row that carries a schedule (and so an energy)
+SOLVED = ("optimal", "gap_limit", "time_limit")
+STATUSES = SOLVED + ("infeasible", "no_schedule", "error")
+
+_INT_COLUMNS = {"ram_bytes", "peak_ram_bytes", "recomputes", "page_ins", "page_outs", "plain_peak_bytes",
+                "min_feasible_ram_bytes"}
+_FLOAT_COLUMNS = {"runtime_budget_s", "energy_j", "compute_j", "page_in_j", "page_out_j", "runtime_s", "gap",
+                  "solve_s", "plain_energy_j"}
+
+
+class SweepResult(list):
+    """The rows of a sweep; ``interrupted`` is True when Ctrl-C stopped it (the rows are those that
+    finished)."""
+
+    interrupted: bool = False
+
+
+# ---------------------------------------------------------------- budgets
+
+
+def ram_range(start, stop, points: int) -> list[int]:
+    """``points`` RAM budgets from ``start`` to ``stop`` (both included), spaced geometrically:
+    each budget is the previous one times a constant factor, so a front that spans 100 KB to 10 MB
+    gets as many points per decade at the small end, where the energy changes fastest, as at the
+    large one. Sizes as ``units.parse_size`` reads them ('256KiB', '1.5MB', 4096); whole bytes,
+    increasing, without duplicates (a very narrow range can give fewer than ``points``)."""
+    lo = parse_size(start, field="--ram-from")
+    hi = parse_size(stop, field="--ram-to")
+    if isinstance(points, bool) or not isinstance(points, int) or points < 2:
+        raise PoetError(f"need at least 2 points for a range, got {points!r}", field="--points")
+    if lo >= hi:
+        raise PoetError(f"the range is empty or reversed: {format_bytes(lo)} to {format_bytes(hi)}; "
+                        "give --ram-from below --ram-to", field="--ram-from/--ram-to")
+    ratio = (hi / lo) ** (1.0 / (points - 1))
+    values = [lo] + [int(round(lo * ratio**k)) for k in range(1, points - 1)] + [hi]
+    return sorted(set(values))
+
+
+def parse_ram_list(text: str | Iterable) -> list[int]:
+    """'256KB,512KB,1MB' (or a list of sizes) -> increasing whole bytes without duplicates."""
+    items = [s for s in (text.split(",") if isinstance(text, str) else list(text))]
+    if isinstance(text, str):
+        items = [s.strip() for s in items]
+    if not items or any(s == "" for s in items):
+        raise PoetError(f"give a comma-separated list of sizes such as 256KB,512KB,1MB, got {text!r}", field="--ram")
+    return sorted({parse_size(s, field="--ram") for s in items})
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+_GRAPHS: dict = {}  # per process: (model, kwargs, bytes per element) -> graph
+
+
+def _graph_for(model, model_kwargs: dict, profile):
+    if not isinstance(model, str):
+        return model
+    key = (model, tuple(sorted(model_kwargs.items())), profile.memory.bytes_per_element)
+    if key not in _GRAPHS:
+        from .zoo import build_model
+
+        _GRAPHS[key] = build_model(model, bytes_per_element=profile.memory.bytes_per_element, **model_kwargs)
+    return _GRAPHS[key]
+
+
+def _empty_row(model_name: str, device_name: str, mode: str, ram: int) -> dict:
+    row = dict.fromkeys(COLUMNS)
+    row.update(model=model_name, device=device_name, mode=mode, ram_bytes=int(ram))
+    return row
+
+
+def _run_point(task: dict) -> dict:
+    """Solve one point; never raises (except KeyboardInterrupt): failures become a row's status,
+    and solve_s is the point's wall time. Module-level and fed plain data, so a process pool can
+    run it."""
+    import time
+
+    started = time.perf_counter()
+    row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
+    try:
+        row.update(_solve_point(task, row))
+    finally:
+        row["solve_s"] = time.perf_counter() - started
+    return row
+
+
+def _solve_point(task: dict, row: dict) -> dict:
+    import math as _math
+
+    from .costs import node_costs
+    from .profiles import load_profile
+    from .solve import plain_summary, solve
+    from .units import parse_runtime
+
+    try:
+        device = task["device"]
+        profile = device if not isinstance(device, (str, os.PathLike)) else load_profile(device)
+        graph = _graph_for(task["model"], task["model_kwargs"], profile)
+        costs = node_costs(graph, profile)
+        plain = plain_summary(graph, costs)
+        row.update(plain_energy_j=plain["energy_j"], plain_peak_bytes=plain["peak_ram_bytes"])
+        if task["runtime"] is not None:
+            row["runtime_budget_s"] = parse_runtime(task["runtime"], costs.plain_runtime_s, field="--runtime")
+        schedule = solve(graph, profile, ram=task["ram"], runtime=task["runtime"], mode=task["mode"],
+                         time_limit=task["time_limit"], gap=task["gap"], model_name=task["model_name"])
+    except InfeasibleError as exc:
+        # no message: a point skipped below it would say something else, and rows must not depend
+        # on which points a pool happened to solve
+        row.update(status="infeasible", min_feasible_ram_bytes=exc.min_ram_bytes)
+        return row
+    except NoScheduleFound as exc:
+        status = "interrupted" if "interrupted" in exc.message else "no_schedule"
+        row.update(status=status, error=exc.one_line())
+        return row
+    except PoetError as exc:
+        row.update(status="error", error=exc.one_line())
+        return row
+    except Exception as exc:  # a bug on our side: keep the sweep, say what happened
+        row.update(status="error", error=f"internal error: {type(exc).__name__}: {exc}")
+        return row
+    t, solver = schedule.totals, schedule.solver
+    row.update(
+        status=solver["status"], energy_j=t["energy_j"], compute_j=t["compute_j"], page_in_j=t["page_in_j"],
+        page_out_j=t["page_out_j"], runtime_s=t["runtime_s"], peak_ram_bytes=t["peak_ram_bytes"],
+        recomputes=t["recomputes"], page_ins=t["page_ins"], page_outs=t["page_outs"], gap=solver["gap"],
+    )
+    if _math.isfinite(schedule.budgets.runtime_s):
+        row["runtime_budget_s"] = float(schedule.budgets.runtime_s)
+    return row
+
+
+def _worker_init() -> None:
+    """Ctrl-C reaches the workers too: an idle one ignores it (no traceback from each), a solving one
+    still stops (the solver installs its own handler), and the sweep ends the workers itself."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _skipped(task: dict, cause: dict) -> dict:
+    """A point below a budget proven infeasible in the same series: infeasible, not solved."""
+    row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
+    for key in ("runtime_budget_s", "plain_energy_j", "plain_peak_bytes", "min_feasible_ram_bytes"):
+        row[key] = cause[key]
+    row.update(status="infeasible", solve_s=0.0)
+    return row
+
+
+def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] = ("joint",),
+          time_limit: Optional[float] = 60.0, gap: float = 1e-3, jobs: Optional[int] = None,
+          progress: Optional[Callable[[int, int, dict], None]] = None, model_kwargs: Optional[dict] = None,
+          model_name: Optional[str] = None) -> SweepResult:
+    """Solve every (device, mode, RAM budget) and return one row per point (``COLUMNS``), sorted by
+    device, mode and budget in the order given.
+
+    model_or_graph: a zoo model name (built per device with its bytes per element and
+    ``model_kwargs`` such as batch_size, input_shape) or a TrainingGraph. devices: names, YAML paths
+    or DeviceProfile objects. rams: sizes (see ``ram_range``). runtime: as for ``solve`` (``'1.2x'``,
+    ``'2.5s'`` or None). jobs: worker processes (default ``os.cpu_count()``; 1 runs in this process).
+    progress(done, total, row) is called in this process as each point finishes. Ctrl-C stops the
+    sweep and returns the rows that finished, with ``.interrupted`` set.
+    """
+    from .formulation import MODES
+    from .profiles import DeviceProfile, load_profile
+
+    if isinstance(devices, (str, os.PathLike, DeviceProfile)):
+        devices = [devices]
+    if not devices:
+        raise PoetError("give at least one device", field="--device")
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if not modes:
+        raise PoetError("give at least one mode", field="--modes")
+    for mode in modes:
+        if mode not in MODES:
+            raise PoetError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}", field="--modes")
+    budgets = sorted({parse_size(r, field="--ram") for r in rams})
+    if not budgets:
+        raise PoetError("give at least one RAM budget", field="--ram")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise PoetError(f"--jobs must be a positive whole number, got {jobs!r}", field="--jobs")
+    model_kwargs = dict(model_kwargs or {})
+    # Bad input fails here, once, rather than as a row per point.
+    profiles = [d if isinstance(d, DeviceProfile) else load_profile(d) for d in devices]
+    if isinstance(model_or_graph, str):
+        _graph_for(model_or_graph, model_kwargs, profiles[0])
+        name = model_name or model_or_graph
+    else:
+        name = model_name or model_or_graph.name
+
+    series = []  # (device, mode) in the order given; each runs from its largest budget down
+    for device, profile in zip(devices, profiles):
+        for mode in modes:
+            series.append([{
+                "model": model_or_graph, "model_kwargs": model_kwargs, "model_name": name,
+                "device": device if isinstance(device, (str, os.PathLike)) else profile,
+                "device_name": profile.name, "mode": mode, "ram": ram, "runtime": runtime,
+                "time_limit": time_limit, "gap": gap, "series": len(series),
+            } for ram in reversed(budgets)])
+    total = sum(map(len, series))
+    rows = SweepResult()
+    infeasible_at: dict[int, dict] = {}  # series -> the row of its largest infeasible budget so far
+
+    finished: set[int] = set()
+
+    def finish(task, row):
+        finished.add(id(task))
+        rows.append(row)
+        if row["status"] == "infeasible":
+            s = task["series"]
+            if s not in infeasible_at or row["ram_bytes"] > infeasible_at[s]["ram_bytes"]:
+                infeasible_at[s] = row
+        if progress is not None:
+            progress(len(rows), total, row)
+
+    def blocked(task) -> Optional[dict]:
+        cause = infeasible_at.get(task["series"])
+        return cause if cause is not None and task["ram"] < cause["ram_bytes"] else None
+
+    jobs = jobs or os.cpu_count() or 1
+    tasks = [t for s in series for t in s]
+    if jobs == 1:
+        try:
+            for task in tasks:
+                cause = blocked(task)
+                if cause is not None:
+                    finish(task, _skipped(task, cause))
+                    continue
+                row = _run_point(task)
+                if row["status"] == "interrupted":  # the solver took the Ctrl-C
+                    raise KeyboardInterrupt
+                finish(task, row)
+        except KeyboardInterrupt:
+            rows.interrupted = True
+        return _sorted(rows, devices, profiles, modes)
+
+    # A worker that dies (killed for memory, a crash in the solver) breaks the whole pool, and which
+    # point killed it is unknown: then each unfinished point gets a pool of its own, one at a time,
+    # so that a point that kills its worker again costs only its own row.
+    broken = _pool_round(tasks, jobs, rows, finish, blocked)
+    if broken and not rows.interrupted:
+        for task in tasks:
+            if id(task) in finished:
+                continue
+            if _pool_round([task], 1, rows, finish, blocked) and id(task) not in finished:
+                row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
+                row.update(status="error", error="the worker process solving this point died "
+                           "(out of memory?); try fewer --jobs or a smaller model")
+                finish(task, row)
+            if rows.interrupted:
+                break
+    return _sorted(rows, devices, profiles, modes)
+
+
+def _pool_round(tasks: list[dict], jobs: int, rows: SweepResult, finish, blocked) -> bool:
+    """Run tasks on a fresh process pool; True if the pool broke (a worker died)."""
+    pool = cf.ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), initializer=_worker_init)
+    futures: dict = {}
+    broken = False
+    try:
+        for task in tasks:
+            cause = blocked(task)
+            if cause is not None:
+                finish(task, _skipped(task, cause))
+            else:
+                futures[pool.submit(_run_point, task)] = task
+        order = {id(t): k for k, t in enumerate(tasks)}
+        waiting = set(futures)
+        while waiting:
+            done, waiting = cf.wait(waiting, return_when=cf.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: order[id(futures[f])]):
+                if fut.cancelled():
+                    continue
+                try:
+                    row = fut.result()
+                except cf.process.BrokenProcessPool:
+                    broken = True
+                    continue
+                if row["status"] == "interrupted":  # the solver took a Ctrl-C meant for us
+                    raise KeyboardInterrupt
+                finish(futures[fut], row)
+            if broken:
+                break
+            # Short-circuit: points below an infeasible budget of their series, not yet started.
+            for fut in list(waiting):
+                cause = blocked(futures[fut])
+                if cause is not None and fut.cancel():
+                    waiting.discard(fut)
+                    finish(futures[fut], _skipped(futures[fut], cause))
+    except KeyboardInterrupt:
+        rows.interrupted = True
+    finally:
+        for fut in futures:
+            fut.cancel()
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        stop = rows.interrupted or broken
+        pool.shutdown(wait=not stop, cancel_futures=True)
+        if stop:
+            for proc in processes:  # our own workers, still solving points nobody will read
+                if proc.is_alive():
+                    proc.terminate()
+    return broken
+
+
+def _sorted(rows: SweepResult, devices, profiles, modes) -> SweepResult:
+    device_order = {p.name: k for k, p in enumerate(profiles)}
+    mode_order = {m: k for k, m in enumerate(modes)}
+    out = SweepResult(sorted(rows, key=lambda r: (device_order.get(r["device"], 0), mode_order.get(r["mode"], 0),
+                                                  r["ram_bytes"])))
+    # The minimum-peak search behind an infeasible point has a time limit: what it found is only an
+    # upper bound on the smallest feasible budget, and a solved point of the same series can show a
+    # smaller one (its own peak), or show that one exists where the search found none.
+    smallest_peak: dict = {}
+    for r in out:
+        if r["status"] in SOLVED and r["peak_ram_bytes"] is not None:
+            key = (r["device"], r["mode"])
+            smallest_peak[key] = min(smallest_peak.get(key, r["peak_ram_bytes"]), r["peak_ram_bytes"])
+    for r in out:
+        peak = smallest_peak.get((r["device"], r["mode"]))
+        if r["status"] == "infeasible" and peak is not None:
+            found = r["min_feasible_ram_bytes"]
+            r["min_feasible_ram_bytes"] = peak if found is None else min(found, peak)
+    out.interrupted = rows.interrupted
+    return out
+
+
+# ---------------------------------------------------------------- the front
+
+
+def non_dominated(rows: Iterable[dict]) -> list[dict]:
+    """The Pareto-optimal rows in (ram_bytes, energy_j), separately per device and mode: a solved
+    row is kept unless another solved row of its series needs no more RAM and no more energy, and
+    less of one. Of rows equal in both, the first is kept. Sorted like the input's series, by RAM."""
+    series: dict = {}
+    for row in rows:
+        if row.get("status") in SOLVED and row.get("energy_j") is not None:
+            series.setdefault((row["device"], row["mode"]), []).append(row)
+    front = []
+    for members in series.values():
+        best = math.inf
+        for row in sorted(members, key=lambda r: (r["ram_bytes"], r["energy_j"])):
+            if row["energy_j"] < best:
+                front.append(row)
+                best = row["energy_j"]
+    return front
+
+
+# ---------------------------------------------------------------- CSV
+
+
+def write_csv(rows: Iterable[dict], path) -> None:
+    """Rows as CSV with the ``COLUMNS`` header; empty cells for missing values."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_csv(path) -> list[dict]:
+    """The inverse of ``write_csv``: numbers back as int/float, empty cells as None."""
+    out = []
+    with open(path, newline="") as fh:
+        for raw in csv.DictReader(fh):
+            row = {}
+            for k, v in raw.items():
+                if v == "" or v is None:
+                    row[k] = None
+                elif k in _INT_COLUMNS:
+                    row[k] = int(float(v))
+                elif k in _FLOAT_COLUMNS:
+                    row[k] = float(v)
+                else:
+                    row[k] = v
+            out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _bytes_axis(ax, axis: str = "x") -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    fmt = FuncFormatter(lambda v, _pos: format_bytes(v) if v > 0 else "0")
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_formatter(fmt)
+
+
+def _energy_unit(values) -> tuple[float, str]:
+    top = max((abs(v) for v in values if v is not None and math.isfinite(v)), default=1.0)
+    for scale, unit in ((1.0, "J"), (1e-3, "mJ"), (1e-6, "uJ")):
+        if top >= scale:
+            return scale, unit
+    return 1e-6, "uJ"
+
+
+def _save(fig, path) -> list[Path]:
+    """Write PNG at ``path`` (any other suffix: PNG and SVG side by side under its stem)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".svg":
+        targets = [path, path.with_suffix(".png")]
+    elif path.suffix.lower() == ".png":
+        targets = [path]
+    else:
+        targets = [path.with_suffix(".png"), path.with_suffix(".svg")]
+    for target in targets:
+        fig.savefig(target, dpi=150, bbox_inches="tight")
+    return targets
+
+
+def plot_front(rows: Sequence[dict], path) -> list[Path]:
+    """Energy per training step against the RAM budget, one line per (device, mode).
+
+    Solved points are joined by a line (hollow markers: not proven optimal); infeasible budgets are
+    crosses on the axis with the region below the smallest feasible budget shaded; the smallest
+    feasible budget is annotated; plain training (its peak RAM and energy) is a star. Writes PNG and
+    SVG (``path`` without suffix or ending .svg) or PNG only (``path`` ending .png); returns the
+    files written."""
+    plt = _pyplot()
+    rows = list(rows)
+    series: dict = {}
+    for row in rows:
+        series.setdefault((row["device"], row["mode"]), []).append(row)
+    energies = [r["energy_j"] for r in rows if r.get("energy_j") is not None]
+    energies += [r["plain_energy_j"] for r in rows if r.get("plain_energy_j") is not None]
+    scale, unit = _energy_unit(energies)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    floor = min(energies) / scale if energies else 0.0
+    for k, ((device, mode), members) in enumerate(series.items()):
+        color = colors[k % len(colors)]
+        members = sorted(members, key=lambda r: r["ram_bytes"])
+        solved = [r for r in members if r["status"] in SOLVED and r.get("energy_j") is not None]
+        label = f"{device} ({mode})"
+        if solved:
+            xs = [r["ram_bytes"] for r in solved]
+            ys = [r["energy_j"] / scale for r in solved]
+            ax.plot(xs, ys, "-", color=color, label=label)
+            for r, x, y in zip(solved, xs, ys):
+                ax.plot([x], [y], "o", color=color, markerfacecolor=color if r["status"] == "optimal" else "white")
+        else:
+            ax.plot([], [], "-", color=color, label=label)
+        infeasible = [r for r in members if r["status"] == "infeasible"]
+        if infeasible:
+            xs = [r["ram_bytes"] for r in infeasible]
+            ax.plot(xs, [floor] * len(xs), "x", color=color, markersize=8)
+            mins = [r["min_feasible_ram_bytes"] for r in infeasible if r.get("min_feasible_ram_bytes")]
+            if mins:  # a solved point's own peak can undercut a time-limited minimum-peak search
+                mins += [r["peak_ram_bytes"] for r in solved if r.get("peak_ram_bytes")]
+            # proven infeasible: up to the largest infeasible budget, or the smallest feasible one
+            edge = min(mins) if mins else max(xs)
+            ax.axvspan(min(xs) * 0.97, edge, color=color, alpha=0.08, lw=0)
+            if mins:
+                m = min(mins)
+                ax.axvline(m, color=color, ls=":", lw=1)
+                ax.annotate(f"min feasible {format_bytes(m)}", xy=(m, floor), xytext=(4, 12),
+                            textcoords="offset points", color=color, fontsize=8, rotation=90, va="bottom")
+        plain = next((r for r in members if r.get("plain_energy_j") is not None), None)
+        if plain is not None:
+            ax.plot([plain["plain_peak_bytes"]], [plain["plain_energy_j"] / scale], "*", color=color, markersize=13,
+                    markeredgecolor="black", markeredgewidth=0.5)
+    if rows:
+        ax.plot([], [], "*", color="grey", markeredgecolor="black", label="plain training (peak RAM)")
+        if any(r["status"] == "infeasible" for r in rows):
+            ax.plot([], [], "x", color="grey", label="infeasible budget")
+    model = rows[0]["model"] if rows else ""
+    runtime = next((r["runtime_budget_s"] for r in rows if r.get("runtime_budget_s") is not None), None)
+    ax.set_title(f"{model}: energy per training step vs RAM budget"
+                 + ("" if runtime is None else " (runtime budget applied)"))
+    ax.set_xlabel("RAM budget for activations and gradients")
+    ax.set_ylabel(f"energy per training step ({unit})")
+    positive = [e / scale for e in energies if e > 0]
+    if positive and max(positive) > 8 * min(positive):
+        # devices an order of magnitude apart would flatten each other's curves on a linear axis
+        from matplotlib.ticker import FuncFormatter, LogLocator
+
+        ax.set_yscale("log")
+        label = FuncFormatter(lambda v, _pos: f"{v:g}")
+        ax.yaxis.set_major_formatter(label)
+        ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+        ax.yaxis.set_minor_formatter(label)
+        ax.set_ylabel(f"energy per training step ({unit}, log scale)")
+    _bytes_axis(ax, "x")
+    ax.grid(True, alpha=0.3)
+    if rows:
+        ax.legend(fontsize=8, loc="best")
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+# stage x node matrix codes and their colours
+_CELLS = [("not resident", "#ffffff"), ("on storage", "#d9d2e9"), ("kept", "#9ecae1"), ("paged in", "#31a354"),
+          ("recomputed", "#e6550d"), ("computed", "#08306b")]
+
+
+def timeline(doc: dict) -> dict:
+    """Replay a schedule document's steps: RAM after every step (total and per node), the steps
+    that recompute or page, and the stage x node matrix (codes index ``_CELLS``). Stage t is the
+    part of the plan that ends with node t's first computation (docs/schedule-format.md)."""
+    nodes = doc["graph"]["nodes"]
+    size = [int(n["bytes"]) for n in nodes]
+    T = len(nodes)
+    resident: set[int] = set()
+    stored: set[int] = set()
+    computed: set[int] = set()
+    matrix = [[0] * T for _ in range(T)]
+    total, per_node, marks = [], [], {"recompute": [], "page_in": [], "page_out": []}
+    stage, opening = 0, True
+    for k, step in enumerate(doc["steps"]):
+        op, n = step["op"], int(step["node"])
+        if op in ("compute", "page_in") and opening and stage < T:
+            for i in resident:
+                matrix[stage][i] = 2
+            for i in stored - resident:
+                matrix[stage][i] = max(matrix[stage][i], 1)
+            opening = False
+        row = matrix[min(stage, T - 1)]
+        if op == "compute":
+            resident.add(n)
+            if n in computed:
+                marks["recompute"].append(k)
+                row[n] = max(row[n], 4)
+            else:
+                computed.add(n)
+                matrix[min(n, T - 1)][n] = 5
+                stage, opening = n + 1, True
+        elif op == "page_in":
+            resident.add(n)
+            marks["page_in"].append(k)
+            row[n] = max(row[n], 3)
+        elif op == "page_out":
+            stored.add(n)
+            marks["page_out"].append(k)
+        elif op == "free":
+            resident.discard(n)
+        total.append(sum(size[i] for i in resident))
+        per_node.append(frozenset(resident))
+    return {"total": total, "resident": per_node, "marks": marks, "matrix": matrix, "sizes": size}
+
+
+def plot_timeline(doc: dict, path) -> list[Path]:
+    """Two panels for one (validated) schedule document: RAM in use after every step, stacked by
+    tensor (forward activations blue, gradients orange), with the budget and plain training's peak
+    as lines and recomputations / page-ins / page-outs marked; and the stage x node matrix in the
+    style of the Checkmate and POET papers. PNG at ``path``; with a .svg path, SVG and a PNG beside
+    it; without a suffix both."""
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    plt = _pyplot()
+    tl = timeline(doc)
+    nodes = doc["graph"]["nodes"]
+    T, S = len(nodes), len(doc["steps"])
+    fig, (ax, mx) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [1.6, 1]})
+    steps = np.arange(S)
+    stack = np.zeros((T, S))
+    for k, res in enumerate(tl["resident"]):
+        for i in res:
+            stack[i, k] = tl["sizes"][i]
+    used = [i for i in range(T) if stack[i].any()]
+    blues, oranges = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
+    colors = [(blues if nodes[i]["kind"] != "backward" else oranges)(0.35 + 0.5 * (i % 7) / 6) for i in used]
+    if used:
+        ax.stackplot(steps, stack[used], colors=colors, step="post", linewidth=0)
+    ax.step(steps, tl["total"], where="post", color="black", lw=0.8, label="RAM in use")
+    budget = (doc.get("budgets") or {}).get("ram_bytes")
+    if budget is not None:
+        ax.axhline(budget, color="red", ls="--", lw=1, label=f"budget {format_bytes(budget)}")
+    plain_peak = (doc.get("plain") or {}).get("peak_ram_bytes")
+    if plain_peak:
+        ax.axhline(plain_peak, color="grey", ls=":", lw=1, label=f"plain training peak {format_bytes(plain_peak)}")
+    top = max([*tl["total"], budget or 0, plain_peak or 0, 1])
+    for key, marker, color, label in (("recompute", "v", "#e6550d", "recompute"), ("page_in", "^", "#31a354", "page-in"),
+                                      ("page_out", "s", "#756bb1", "page-out")):
+        xs = tl["marks"][key]
+        if xs:
+            ax.plot(xs, [top * 1.04] * len(xs), marker, color=color, markersize=4, ls="", label=f"{label} ({len(xs)})")
+    ax.set_ylim(0, top * 1.1)
+    ax.set_xlim(0, max(S - 1, 1))
+    ax.set_xlabel("step")
+    ax.set_ylabel("RAM in use (activations and gradients)")
+    _bytes_axis(ax, "y")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
+    totals = doc.get("totals") or {}
+    energy = totals.get("energy_j")
+    from .units import format_joules
+
+    ax.set_title(f"{doc.get('model', '')} on {(doc.get('device') or {}).get('name', '')}, mode {doc.get('mode', '')}"
+                 + ("" if energy is None else f": {format_joules(energy)}"))
+
+    cmap = ListedColormap([c for _, c in _CELLS])
+    mx.imshow(np.array(tl["matrix"]), cmap=cmap, vmin=-0.5, vmax=len(_CELLS) - 0.5, interpolation="nearest",
+              aspect="auto", origin="upper")
+    mx.set_xlabel("node (topological order)")
+    mx.set_ylabel("stage")
+    mx.set_title("what each stage computes, keeps and pages")
+    mx.legend(handles=[Patch(facecolor=c, edgecolor="grey", label=name) for name, c in _CELLS[1:]], fontsize=7,
+              loc="upper right")
+    fig.tight_layout()
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
