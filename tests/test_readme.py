@@ -26,22 +26,28 @@ def test_readme_opens_with_exactly_two_commands_and_ci_runs_the_second():
     assert commands[1] in ci.splitlines(), ".ci/run must run the README's test command unchanged"
 
 
-def test_readme_first_command_solves_and_writes_a_valid_schedule(tmp_path):
-    """Runs the solve part of the first command as written (the install part is what CI's own
-    install already did), with the output redirected into a temporary directory."""
+def test_readme_first_command_writes_a_valid_schedule_header_and_plot(tmp_path):
+    """Runs the poet-opt parts of the first command as written (the install part is what CI's own
+    install already did), with every output path moved into a temporary directory."""
     first = readme_commands()[0]
-    solve_part = first[first.index(".venv/bin/poet-opt"):]
-    argv = shlex.split(solve_part)[1:]
-    out_at = argv.index("--out") + 1
-    expected_name = Path(argv[out_at]).name
-    argv[out_at] = str(tmp_path / expected_name)
-    run = subprocess.run([sys.executable, "-m", "poet_opt.cli", *argv, "-q"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.stderr
-    doc = json.loads((tmp_path / expected_name).read_text())
+    invocations = [shlex.split(part)[1:] for part in first.split("&&") if ".venv/bin/poet-opt" in part]
+    assert [argv[0] for argv in invocations] == ["solve", "plot"]
+    moved = {}
+    for argv in invocations:
+        for k, arg in enumerate(argv):
+            if arg.startswith("schedules/"):
+                moved[arg] = argv[k] = str(tmp_path / Path(arg).name)
+    for argv in invocations:
+        run = subprocess.run([sys.executable, "-m", "poet_opt.cli", *argv, *(["-q"] if argv[0] == "solve" else [])],
+                             capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert run.returncode == 0, run.stderr
+    schedule, header, picture = (Path(moved[f"schedules/resnet18-cifar-rpi4.{ext}"]) for ext in ("json", "h", "png"))
+    doc = json.loads(schedule.read_text())
     assert doc["format"] == "poet-opt/schedule@1"
     assert doc["model"] == "resnet18-cifar" and doc["device"]["name"] == "rpi4"
     assert doc["totals"]["peak_ram_bytes"] <= doc["budgets"]["ram_bytes"] == 1_500_000
-    check = subprocess.run([sys.executable, "-m", "poet_opt.cli", "validate", str(tmp_path / expected_name)],
+    check = subprocess.run([sys.executable, "-m", "poet_opt.cli", "validate", str(schedule)],
                            capture_output=True, text=True, cwd=ROOT)
     assert check.returncode == 0, check.stderr
+    assert "#define POET_ARENA_BYTES" in header.read_text()
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
