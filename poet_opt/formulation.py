@@ -167,8 +167,6 @@ class Formulation:
         users = g.users()
         deps = [np.array(node.deps, dtype=np.int64) for node in g.nodes]
         tt, ii = np.tril_indices(T, -1)  # all (t, i) with i < t
-
-        self.need, self.comp = need, comp
         ncols = 0
 
         def alloc(mask_count):
@@ -220,7 +218,7 @@ class Formulation:
         self.F_k = np.array(f_k, dtype=np.int64)
         self.F = alloc(len(f_t))
 
-        # U at every materializable position of every stage (continuous, bytes).
+        # U at every materializable position of every stage (continuous, in units of mem_unit).
         u_t, u_k = np.nonzero(np.tril(materializable))
         self.U_t, self.U_k = u_t, u_k
         self.U = alloc(len(u_t))

@@ -15,7 +15,7 @@ from .graph import TrainingGraph
 from .heuristics import starting_points
 from .profiles import DeviceProfile, load_profile
 from .schedule import Schedule, build_steps, plain_decisions, totals_of
-from .solvers import Progress, solve_milp
+from .solvers import Progress, relative_gap, solve_milp
 from .units import format_bytes, format_seconds, parse_runtime, parse_size
 from . import validator
 
@@ -133,7 +133,7 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     totals = totals_of(graph, costs, steps)
     objective = totals["energy_j"]
     bound = None if first.bound is None else min(first.bound, objective)
-    gap = None if bound is None else max(0.0, (objective - bound) / objective) if objective else 0.0
+    gap = relative_gap(objective, bound)
     status = first.status
     if status in ("optimal", "gap_limit"):
         status = "optimal" if gap is not None and gap <= 1e-9 else "gap_limit"

@@ -44,11 +44,16 @@ class SolveResult:
 
     @property
     def gap(self) -> Optional[float]:
-        if self.objective is None or self.bound is None:
-            return None
-        if abs(self.objective) < 1e-12:
-            return 0.0
-        return max(0.0, (self.objective - self.bound) / abs(self.objective))
+        return relative_gap(self.objective, self.bound)
+
+
+def relative_gap(objective: Optional[float], bound: Optional[float]) -> Optional[float]:
+    """(objective - bound) / |objective|, the gap reported everywhere; None when either is unknown."""
+    if objective is None or bound is None:
+        return None
+    if abs(objective) < 1e-12:
+        return 0.0
+    return max(0.0, (objective - bound) / abs(objective))
 
 
 @contextmanager
