@@ -268,14 +268,19 @@ def _table(rows) -> str:
 @click.option("--modes", default="joint", show_default=True, help="comma-separated: joint, remat, paging, none")
 @click.option("--time-limit", type=float, default=60.0, show_default=True, help="seconds per point")
 @click.option("--gap", type=float, default=1e-3, show_default=True, help="relative gap at which a point stops")
-@click.option("--jobs", type=int, default=None, help="worker processes (default: one per CPU; 1: no pool)")
+@click.option("--jobs", type=int, default=None, help="points solved at once (default: one per CPU, or the Dask "
+              "cluster's worker threads; 1: no pool)")
+@click.option("--scheduler", default=None, help="run the points on a Dask cluster: tcp://HOST:PORT of its scheduler "
+              "(needs the dask extra)")
+@click.option("--warm/--no-warm", default=True, show_default=True,
+              help="start each point from the schedule of the next smaller budget")
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--input-shape", default=None, help="zoo models: input shape without the batch, e.g. 3x64x64")
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="directory for the CSVs and plots")
 @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
 @_one_line_errors
 def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runtime, modes, time_limit, gap, jobs,
-           batch_size, input_shape, out_dir, quiet):
+           scheduler, warm, batch_size, input_shape, out_dir, quiet):
     """Sweep RAM budgets and plot the energy-memory Pareto front (docs/pareto.md)."""
     from . import pareto as pf
     from .profiles import load_profile
@@ -312,6 +317,8 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
         raise PoetError("exists and is not a directory", source=out_dir, field="-o")
     _check_writable(str(out / "pareto.csv"), field="-o")
 
+    # an unreachable scheduler is bad input: say so before any progress bar is drawn
+    client = pf.dask_client(scheduler) if scheduler is not None else None
     bar = None
     if quiet:
         report = None
@@ -329,10 +336,13 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
                        f"{row['status']}{energy} ({row['solve_s']:.1f} s)", err=True)
     try:
         rows = pf.sweep(subject, devices, rams, runtime=runtime, modes=mode_list, time_limit=time_limit, gap=gap,
-                        jobs=jobs, progress=report, model_kwargs=kwargs, model_name=None if graph_file else model)
+                        jobs=jobs, progress=report, model_kwargs=kwargs, model_name=None if graph_file else model,
+                        warm=warm, scheduler=client)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+        if client is not None:
+            client.close()
     written = []
     if rows:
         out.mkdir(parents=True, exist_ok=True)

@@ -26,10 +26,13 @@ class PoetError(Exception):
 
 
 class InfeasibleError(PoetError):
-    """No schedule exists under the given budgets; carries the smallest RAM budget that works."""
+    """No schedule exists under the given budgets; carries the smallest RAM budget that works, and a
+    proven lower bound on it (inf: no budget works; a sweep skips every budget below the bound)."""
 
-    def __init__(self, message: str, *, min_ram_bytes: float | None = None, **kw):
+    def __init__(self, message: str, *, min_ram_bytes: float | None = None,
+                 min_ram_lower_bound: float | None = None, **kw):
         self.min_ram_bytes = min_ram_bytes
+        self.min_ram_lower_bound = min_ram_lower_bound
         super().__init__(message, **kw)
 
 

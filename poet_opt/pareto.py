@@ -5,9 +5,12 @@ Plain functions a notebook can call (``sweep``, ``non_dominated``, ``write_csv``
 ``plot_timeline``); ``poet-opt pareto`` and ``poet-opt plot`` are thin wrappers (docs/pareto.md).
 
 A sweep is a list of rows (dicts, one per device x mode x RAM budget, columns in ``COLUMNS``). A
-point that fails is a row with its status, never a lost sweep. Points run on a local process pool;
-each series (device, mode) is solved from the largest budget down, because a budget that is
-infeasible makes every smaller one infeasible too: those are marked without solving.
+point that fails is a row with its status, never a lost sweep. Points run on a local process pool
+or a Dask cluster. Each series (device, mode) is solved from its smallest budget up, each point
+starting from the schedule of the budget below it (which fits: it needs no more RAM than that
+smaller budget). A budget that is infeasible makes every smaller one infeasible too, and the
+minimum-peak search behind it proves a lower bound on the smallest feasible budget: the budgets
+below are marked infeasible without solving.
 """
 
 from __future__ import annotations
@@ -132,11 +135,13 @@ def _solve_point(task: dict, row: dict) -> dict:
         if task["runtime"] is not None:
             row["runtime_budget_s"] = parse_runtime(task["runtime"], costs.plain_runtime_s, field="--runtime")
         schedule = solve(graph, profile, ram=task["ram"], runtime=task["runtime"], mode=task["mode"],
-                         time_limit=task["time_limit"], gap=task["gap"], model_name=task["model_name"])
+                         time_limit=task["time_limit"], gap=task["gap"], model_name=task["model_name"],
+                         start=task.get("start"))
     except InfeasibleError as exc:
         # no message: a point skipped below it would say something else, and rows must not depend
         # on which points a pool happened to solve
-        row.update(status="infeasible", min_feasible_ram_bytes=exc.min_ram_bytes)
+        row.update(status="infeasible", min_feasible_ram_bytes=exc.min_ram_bytes,
+                   _min_ram_lower_bound=exc.min_ram_lower_bound)
         return row
     except NoScheduleFound as exc:
         status = "interrupted" if "interrupted" in exc.message else "no_schedule"
@@ -156,6 +161,8 @@ def _solve_point(task: dict, row: dict) -> dict:
     )
     if _math.isfinite(schedule.budgets.runtime_s):
         row["runtime_budget_s"] = float(schedule.budgets.runtime_s)
+    if task.get("warm"):  # the start of the next budget up; the sweep takes it out of the row
+        row["_decisions"] = schedule.decisions
     return row
 
 
@@ -179,16 +186,20 @@ def _skipped(task: dict, cause: dict) -> dict:
 def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] = ("joint",),
           time_limit: Optional[float] = 60.0, gap: float = 1e-3, jobs: Optional[int] = None,
           progress: Optional[Callable[[int, int, dict], None]] = None, model_kwargs: Optional[dict] = None,
-          model_name: Optional[str] = None) -> SweepResult:
+          model_name: Optional[str] = None, warm: bool = True, scheduler: Optional[str] = None) -> SweepResult:
     """Solve every (device, mode, RAM budget) and return one row per point (``COLUMNS``), sorted by
     device, mode and budget in the order given.
 
     model_or_graph: a zoo model name (built per device with its bytes per element and
     ``model_kwargs`` such as batch_size, input_shape) or a TrainingGraph. devices: names, YAML paths
     or DeviceProfile objects. rams: sizes (see ``ram_range``). runtime: as for ``solve`` (``'1.2x'``,
-    ``'2.5s'`` or None). jobs: worker processes (default ``os.cpu_count()``; 1 runs in this process).
-    progress(done, total, row) is called in this process as each point finishes. Ctrl-C stops the
-    sweep and returns the rows that finished, with ``.interrupted`` set.
+    ``'2.5s'`` or None). jobs: points solved at once (default ``os.cpu_count()``, or the Dask
+    cluster's worker threads; 1 without a scheduler runs in this process). warm: start each point
+    from the schedule of the next smaller budget in its series (it fits the larger budget).
+    scheduler: ``'tcp://HOST:PORT'`` of a Dask scheduler (or a ``distributed.Client``) to run the
+    points on instead of a local process pool (needs the ``dask`` extra). progress(done, total, row) is called in this process
+    as each point finishes. Ctrl-C stops the sweep and returns the rows that finished, with
+    ``.interrupted`` set.
     """
     from .formulation import MODES
     from .profiles import DeviceProfile, load_profile
@@ -217,118 +228,268 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
     else:
         name = model_name or model_or_graph.name
 
-    series = []  # (device, mode) in the order given; each runs from its largest budget down
+    series = []  # (device, mode) in the order given; each runs from its smallest budget up
     for device, profile in zip(devices, profiles):
         for mode in modes:
             series.append([{
                 "model": model_or_graph, "model_kwargs": model_kwargs, "model_name": name,
                 "device": device if isinstance(device, (str, os.PathLike)) else profile,
                 "device_name": profile.name, "mode": mode, "ram": ram, "runtime": runtime,
-                "time_limit": time_limit, "gap": gap, "series": len(series),
-            } for ram in reversed(budgets)])
+                "time_limit": time_limit, "gap": gap, "series": len(series), "warm": warm,
+            } for ram in budgets])
     total = sum(map(len, series))
-    rows = SweepResult()
-    infeasible_at: dict[int, dict] = {}  # series -> the row of its largest infeasible budget so far
 
-    finished: set[int] = set()
+    client = owned = None
+    if scheduler is not None:
+        owned = not hasattr(scheduler, "submit")  # an address, not a distributed.Client of the caller's
+        client = dask_client(scheduler) if owned else scheduler
+        capacity = jobs or max(1, sum(client.nthreads().values()))
+    else:
+        capacity = jobs or os.cpu_count() or 1
+    driver = _Driver(_chains(series, capacity, warm), total, progress)
+    try:
+        if client is not None:
+            _run_on_dask(driver, client, capacity)
+        elif capacity == 1:
+            _run_here(driver)
+        else:
+            # A worker that dies (killed for memory, a crash in the solver) breaks the whole pool, and
+            # which point killed it is unknown: then each unfinished point gets a pool of its own, one
+            # at a time, so that a point that kills its worker again costs only its own row.
+            if _run_on_pool(driver, capacity) and not driver.rows.interrupted:
+                _run_alone(driver)
+    finally:
+        if owned:
+            client.close()
+    return _sorted(driver.rows, devices, profiles, modes)
 
-    def finish(task, row):
-        finished.add(id(task))
-        rows.append(row)
-        if row["status"] == "infeasible":
-            s = task["series"]
-            if s not in infeasible_at or row["ram_bytes"] > infeasible_at[s]["ram_bytes"]:
-                infeasible_at[s] = row
-        if progress is not None:
-            progress(len(rows), total, row)
 
-    def blocked(task) -> Optional[dict]:
-        cause = infeasible_at.get(task["series"])
-        return cause if cause is not None and task["ram"] < cause["ram_bytes"] else None
+def _chains(series: list[list[dict]], capacity: int, warm: bool) -> list[list[dict]]:
+    """Cut each series (ascending budgets) into chains solved one point after the other, each point
+    starting from its predecessor's schedule. Enough chains to keep ``capacity`` workers busy: a
+    series gets cut into contiguous pieces when there are fewer series than workers (a piece's
+    first point starts cold). Without warm starts every point is a chain of its own. The cut
+    depends only on the counts, never on timing, so a sweep gives the same rows on any executor."""
+    chains = []
+    for points in series:
+        if not warm:
+            pieces = len(points)
+        else:
+            pieces = min(len(points), max(1, -(-capacity // len(series))))
+        size, extra = divmod(len(points), pieces)
+        at = 0
+        for k in range(pieces):
+            n = size + (1 if k < extra else 0)
+            chains.append([dict(t, chain=len(chains)) for t in points[at:at + n]])
+            at += n
+    return chains
 
-    jobs = jobs or os.cpu_count() or 1
-    tasks = [t for s in series for t in s]
-    if jobs == 1:
-        try:
-            for task in tasks:
-                cause = blocked(task)
-                if cause is not None:
-                    finish(task, _skipped(task, cause))
-                    continue
-                row = _run_point(task)
-                if row["status"] == "interrupted":  # the solver took the Ctrl-C
-                    raise KeyboardInterrupt
-                finish(task, row)
-        except KeyboardInterrupt:
-            rows.interrupted = True
-        return _sorted(rows, devices, profiles, modes)
 
-    # A worker that dies (killed for memory, a crash in the solver) breaks the whole pool, and which
-    # point killed it is unknown: then each unfinished point gets a pool of its own, one at a time,
-    # so that a point that kills its worker again costs only its own row.
-    broken = _pool_round(tasks, jobs, rows, finish, blocked)
-    if broken and not rows.interrupted:
-        for task in tasks:
-            if id(task) in finished:
+class _Driver:
+    """Hands out points chain by chain and records what they prove.
+
+    A point is handed out when the one before it in its chain has finished, with that chain's last
+    schedule as its start. Once a point is infeasible, every budget at or below it is too (less RAM
+    never helps), and so is every budget below the proven lower bound of the minimum-peak search
+    behind it: those points become ``infeasible`` rows without being solved."""
+
+    def __init__(self, chains: list[list[dict]], total: int, progress):
+        self.chains = chains
+        self.total = total
+        self.progress = progress
+        self.busy: set[int] = set()
+        self.plans: dict[int, object] = {}  # chain -> Decisions of its last solved point
+        self.floor: dict[int, tuple[float, dict]] = {}  # series -> (budgets below are infeasible, cause)
+        self.rows = SweepResult()
+
+    def take(self) -> Optional[dict]:
+        """The next point to solve (from the idle chain with the most points left), or None."""
+        while True:
+            idle = [c for c, points in enumerate(self.chains) if points and c not in self.busy]
+            if not idle:
+                return None
+            c = max(idle, key=lambda c: len(self.chains[c]))
+            task = self.chains[c].pop(0)
+            floor, cause = self.floor.get(task["series"], (0, None))
+            if task["ram"] < floor:
+                self._record(_skipped(task, cause))
                 continue
-            if _pool_round([task], 1, rows, finish, blocked) and id(task) not in finished:
-                row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
-                row.update(status="error", error="the worker process solving this point died "
-                           "(out of memory?); try fewer --jobs or a smaller model")
-                finish(task, row)
-            if rows.interrupted:
-                break
-    return _sorted(rows, devices, profiles, modes)
+            self.busy.add(c)
+            return dict(task, start=self.plans.get(c))
+
+    def give_back(self, task: dict) -> None:
+        """A point whose worker died: first in its chain again."""
+        self.busy.discard(task["chain"])
+        self.chains[task["chain"]].insert(0, {k: v for k, v in task.items() if k != "start"})
+
+    def finish(self, task: dict, row: dict) -> None:
+        decisions = row.pop("_decisions", None)
+        lower_bound = row.pop("_min_ram_lower_bound", None)
+        self.busy.discard(task["chain"])
+        if decisions is not None:
+            self.plans[task["chain"]] = decisions
+        if row["status"] == "infeasible":
+            floor = max(row["ram_bytes"] + 1, lower_bound or 0)
+            if floor > self.floor.get(task["series"], (0, None))[0]:
+                self.floor[task["series"]] = (floor, row)
+        self._record(row)
+
+    def _record(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.progress is not None:
+            self.progress(len(self.rows), self.total, row)
+
+    def unfinished(self) -> bool:
+        return any(self.chains) or bool(self.busy)
 
 
-def _pool_round(tasks: list[dict], jobs: int, rows: SweepResult, finish, blocked) -> bool:
-    """Run tasks on a fresh process pool; True if the pool broke (a worker died)."""
-    pool = cf.ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), initializer=_worker_init)
+def _run_here(driver: _Driver) -> None:
+    try:
+        while (task := driver.take()) is not None:
+            row = _run_point(task)
+            if row["status"] == "interrupted":  # the solver took the Ctrl-C
+                raise KeyboardInterrupt
+            driver.finish(task, row)
+    except KeyboardInterrupt:
+        driver.rows.interrupted = True
+
+
+def _run_on_pool(driver: _Driver, jobs: int) -> bool:
+    """Run the points on a local process pool; True if the pool broke (a worker died)."""
+    pool = cf.ProcessPoolExecutor(max_workers=min(jobs, driver.total), initializer=_worker_init)
     futures: dict = {}
     broken = False
     try:
-        for task in tasks:
-            cause = blocked(task)
-            if cause is not None:
-                finish(task, _skipped(task, cause))
-            else:
+        while True:
+            while len(futures) < jobs and (task := driver.take()) is not None:
                 futures[pool.submit(_run_point, task)] = task
-        order = {id(t): k for k, t in enumerate(tasks)}
-        waiting = set(futures)
-        while waiting:
-            done, waiting = cf.wait(waiting, return_when=cf.FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: order[id(futures[f])]):
-                if fut.cancelled():
-                    continue
+            if not futures:
+                break
+            done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: (futures[f]["series"], futures[f]["ram"])):
+                task = futures.pop(fut)
                 try:
                     row = fut.result()
                 except cf.process.BrokenProcessPool:
                     broken = True
+                    driver.give_back(task)
                     continue
                 if row["status"] == "interrupted":  # the solver took a Ctrl-C meant for us
                     raise KeyboardInterrupt
-                finish(futures[fut], row)
+                driver.finish(task, row)
             if broken:
+                for task in futures.values():
+                    driver.give_back(task)
+                futures.clear()
                 break
-            # Short-circuit: points below an infeasible budget of their series, not yet started.
-            for fut in list(waiting):
-                cause = blocked(futures[fut])
-                if cause is not None and fut.cancel():
-                    waiting.discard(fut)
-                    finish(futures[fut], _skipped(futures[fut], cause))
     except KeyboardInterrupt:
-        rows.interrupted = True
+        driver.rows.interrupted = True
     finally:
-        for fut in futures:
-            fut.cancel()
         processes = list((getattr(pool, "_processes", None) or {}).values())
-        stop = rows.interrupted or broken
+        stop = driver.rows.interrupted or broken
         pool.shutdown(wait=not stop, cancel_futures=True)
         if stop:
             for proc in processes:  # our own workers, still solving points nobody will read
                 if proc.is_alive():
                     proc.terminate()
     return broken
+
+
+def _run_alone(driver: _Driver) -> None:
+    """After a worker died: each remaining point in a pool of its own."""
+    while not driver.rows.interrupted and (task := driver.take()) is not None:
+        if not _run_on_pool_once(driver, task):
+            continue
+        row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
+        row.update(status="error", error="the worker process solving this point died "
+                   "(out of memory?); try fewer --jobs or a smaller model")
+        driver.finish(task, row)
+
+
+def _run_on_pool_once(driver: _Driver, task: dict) -> bool:
+    """One point on a one-worker pool; True if the worker died."""
+    pool = cf.ProcessPoolExecutor(max_workers=1, initializer=_worker_init)
+    try:
+        row = pool.submit(_run_point, task).result()
+        if row["status"] == "interrupted":
+            raise KeyboardInterrupt
+        driver.finish(task, row)
+        return False
+    except cf.process.BrokenProcessPool:
+        return True
+    except KeyboardInterrupt:
+        driver.rows.interrupted = True
+        return False
+    finally:
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=not driver.rows.interrupted, cancel_futures=True)
+        for proc in processes:
+            if proc.is_alive() and driver.rows.interrupted:
+                proc.terminate()
+
+
+# ---------------------------------------------------------------- Dask
+
+
+DASK_CONNECT_TIMEOUT_S = 10.0  # long enough for a busy scheduler, short enough to fail before a sweep
+
+
+def dask_client(address: str):
+    """A client of the Dask scheduler at ``address``; bad input (no dask, no scheduler there) is one
+    line naming --scheduler."""
+    try:
+        from distributed import Client
+    except ImportError:
+        raise PoetError("running a sweep on a Dask cluster needs the dask extra: "
+                        "pip install 'poet-opt[dask]'", field="--scheduler") from None
+    if not isinstance(address, str) or "://" not in address:
+        raise PoetError(f"give the scheduler's address as tcp://HOST:PORT, got {address!r}", field="--scheduler")
+    import logging
+
+    # distributed logs every failed connection attempt before giving up; the one line below says it
+    quiet = logging.getLogger("distributed")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        client = Client(address, timeout=DASK_CONNECT_TIMEOUT_S, set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise PoetError(f"cannot reach the Dask scheduler at {address}: {type(exc).__name__}: {exc}",
+                        field="--scheduler") from None
+    finally:
+        quiet.setLevel(level)
+    if not client.nthreads():
+        client.close()
+        raise PoetError(f"the Dask scheduler at {address} has no workers", field="--scheduler")
+    return client
+
+
+def _run_on_dask(driver: _Driver, client, capacity: int) -> None:
+    """The same hand-out as on the local pool, on a Dask cluster's workers (which need poet-opt
+    installed): never more than ``capacity`` points in flight, so chains stay in order."""
+    executor = client.get_executor(pure=False)
+    futures: dict = {}
+    try:
+        while True:
+            while len(futures) < capacity and (task := driver.take()) is not None:
+                futures[executor.submit(_run_point, task)] = task
+            if not futures:
+                break
+            done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: (futures[f]["series"], futures[f]["ram"])):
+                task = futures.pop(fut)
+                try:
+                    row = fut.result()
+                except Exception as exc:  # the cluster lost the point (a worker died too often)
+                    row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
+                    row.update(status="error", error=f"the Dask cluster failed on this point: "
+                               f"{type(exc).__name__}: {exc}")
+                driver.finish(task, row)
+    except KeyboardInterrupt:
+        driver.rows.interrupted = True
+    finally:
+        for fut in futures:
+            fut.cancel()
+        executor.shutdown(wait=False)
 
 
 def _sorted(rows: SweepResult, devices, profiles, modes) -> SweepResult:

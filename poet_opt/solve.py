@@ -70,8 +70,11 @@ def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
 def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=None, mode: str = "joint",
           backend: str = "highs", time_limit: Optional[float] = None, gap: float = 1e-3,
           threads: Optional[int] = None, progress: Optional[Callable[[Progress], None]] = None,
-          model_name: Optional[str] = None) -> Schedule:
+          model_name: Optional[str] = None, start=None) -> Schedule:
     """Find the energy-optimal schedule (or the best one within the time limit) and validate it.
+
+    start: a Schedule or formulation Decisions to start the search from (a Pareto sweep passes the
+    plan of a smaller budget, which fits this one); ignored where it breaks this problem's budgets.
 
     Raises InfeasibleError (with the smallest feasible RAM budget) when no schedule exists,
     NoScheduleFound when the solver stopped before finding one, PoetError for bad input.
@@ -90,6 +93,7 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         _raise_infeasible(graph, costs, budgets, mode, backend, reason="some node and its inputs alone need more",
                           time_limit=time_limit)
 
+    warm = getattr(start, "decisions", start)
     candidates = starting_points(graph, costs, budgets, mode)
     first = decisions = None
     solve_s = 0.0
@@ -97,7 +101,7 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         started = time.perf_counter()
         form = Formulation(graph, costs, budgets, mode, runtime_margin=margin)
         build_s = time.perf_counter() - started
-        start = next((x for x in map(form.encode, candidates) if x is not None), None)
+        start = _cheapest_start(form, warm, candidates)
         # the re-solve shares the one time limit the user gave
         remaining = None if time_limit is None else max(1.0, time_limit - solve_s)
         result = solve_milp(form.milp, backend=backend, time_limit=remaining, gap=gap, threads=threads,
@@ -156,6 +160,19 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     return schedule
 
 
+def _cheapest_start(form: Formulation, warm, candidates):
+    """The MIP start: the caller's plan if it fits this problem, unless the first heuristic plan that
+    fits costs less energy (a solver gets one start, and the better incumbent prunes more)."""
+    heuristic = next((x for x in map(form.encode, candidates) if x is not None), None)
+    try:
+        given = None if warm is None else form.encode(warm)
+    except (IndexError, TypeError, ValueError):  # a plan for some other graph: no start at all
+        given = None
+    if given is None or (heuristic is not None and form.milp.c @ heuristic < form.milp.c @ given):
+        return heuristic
+    return given
+
+
 def _fits_runtime(graph, costs, decisions, budgets) -> bool:
     replayed = totals_of(graph, costs, build_steps(graph, decisions))["runtime_s"]
     return replayed <= budgets.runtime_s * (1 + 1e-9)  # the validator's float tolerance
@@ -177,7 +194,8 @@ def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "", ti
         head += f" ({reason})"
     if found is None and bound is not None:
         raise InfeasibleError(f"{head}; the smallest feasible budget is at least {format_bytes(bound)}, but no "
-                              "schedule was found within the time limit to say how much more", field="--ram")
+                              "schedule was found within the time limit to say how much more",
+                              min_ram_lower_bound=bound, field="--ram")
     if found is None:
         advice = []
         if math.isfinite(budgets.runtime_s):
@@ -186,13 +204,14 @@ def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "", ti
             advice.append("use --mode joint")
         hint = f" ({' or '.join(advice)})" if advice else ""
         raise InfeasibleError(f"{head}; no RAM budget is enough in this mode under these budgets{hint}",
-                              field="--ram")
+                              min_ram_lower_bound=math.inf, field="--ram")
     if found <= budgets.ram_bytes:
         # RAM is not what binds: the runtime budget is (to within a millionth) below every plan.
         raise InfeasibleError(f"{head}; at this RAM budget every schedule needs more time than "
-                              f"{format_seconds(budgets.runtime_s)}: loosen --runtime", field="--runtime")
+                              f"{format_seconds(budgets.runtime_s)}: loosen --runtime", min_ram_lower_bound=bound,
+                              field="--runtime")
     if bound is not None and bound < found:
         tail = f"the smallest feasible budget is between {format_bytes(bound)} and {format_bytes(found)}"
     else:
         tail = f"the smallest feasible budget is {format_bytes(found)} ({found} B)"
-    raise InfeasibleError(f"{head}; {tail}", min_ram_bytes=found, field="--ram")
+    raise InfeasibleError(f"{head}; {tail}", min_ram_bytes=found, min_ram_lower_bound=bound, field="--ram")

@@ -87,9 +87,10 @@ def test_infeasible_below_the_smallest_feasible_budget(mlp_rows):
             if r["ram_bytes"] < smallest:
                 assert r["status"] == "infeasible" and r["energy_j"] is None
                 assert r["min_feasible_ram_bytes"] == MLP_MIN
-        # solved from the top down: only the largest infeasible budget was solved, the rest skipped
+        # solved from the bottom up: the smallest budget's minimum-peak search proves the smallest
+        # feasible budget, so the other infeasible budgets are skipped, not solved
         infeasible = [r for r in rows if r["status"] == "infeasible"]
-        assert [r["solve_s"] > 0 for r in infeasible] == [False] * (len(infeasible) - 1) + [True]
+        assert [r["solve_s"] > 0 for r in infeasible] == [True] + [False] * (len(infeasible) - 1)
 
 
 def test_energy_never_rises_with_more_ram(mlp_rows):
@@ -356,3 +357,87 @@ def test_cli_pareto_on_a_graph_file(tmp_path):
     rows = pareto.read_csv(out / "pareto.csv")
     assert [r["model"] for r in rows] == ["random_training_s1_n8"] * 3
     assert rows[0]["status"] == "infeasible" and rows[-1]["status"] == "optimal"
+
+
+# ---------------------------------------------------------------- warm starts
+
+
+WARM_RAMS = [18000, 22000, 23000, 24000, 28000, 33000, 36000]  # 18 KB: infeasible
+
+
+def test_a_warm_sweep_gives_the_cold_energies():
+    kwargs = {"modes": ("joint", "paging"), "jobs": 1, "time_limit": 20, "gap": 1e-3}
+    cold = pareto.sweep(RANDOM, make_test_device(), WARM_RAMS, warm=False, **kwargs)
+    warm = pareto.sweep(RANDOM, make_test_device(), WARM_RAMS, warm=True, **kwargs)
+    assert [(r["mode"], r["ram_bytes"], r["status"] in pareto.SOLVED) for r in warm] == \
+        [(r["mode"], r["ram_bytes"], r["status"] in pareto.SOLVED) for r in cold]
+    compared = 0
+    for c, w in zip(cold, warm):
+        if c["status"] in ("optimal", "gap_limit") and w["status"] in ("optimal", "gap_limit"):
+            # each is within the gap of the same optimum
+            assert abs(w["energy_j"] - c["energy_j"]) <= 1e-3 * max(c["energy_j"], w["energy_j"]) * (1 + 1e-9), (c, w)
+            assert w["peak_ram_bytes"] <= w["ram_bytes"]
+            compared += 1
+    assert compared >= 8
+
+
+def test_each_point_starts_from_the_schedule_of_the_budget_below(monkeypatch):
+    import poet_opt.solve as solve_module
+
+    calls = []
+    real = solve_module.solve
+
+    def spy(graph, device, *, ram, start=None, **kw):
+        schedule = real(graph, device, ram=ram, start=start, **kw)
+        calls.append((kw["mode"], ram, start, schedule))
+        return schedule
+
+    monkeypatch.setattr(solve_module, "solve", spy)
+    pareto.sweep(RANDOM, make_test_device(), WARM_RAMS, modes=("joint", "remat"), jobs=1, **FAST)
+    for mode in ("joint", "remat"):
+        mine = [c for c in calls if c[0] == mode]
+        assert [c[1] for c in mine] == sorted(c[1] for c in mine)  # bottom up
+        assert mine[0][2] is None  # the first solved point has no neighbour below
+        for below, here in zip(mine, mine[1:]):
+            assert here[2] is below[3].decisions  # the plan of the budget below...
+            assert below[3].totals["peak_ram_bytes"] <= here[1]  # ...which fits this budget
+    calls.clear()
+    pareto.sweep(RANDOM, make_test_device(), WARM_RAMS[:3], modes=("joint",), jobs=1, warm=False, **FAST)
+    assert calls and all(c[2] is None for c in calls)
+
+
+def test_solve_ignores_a_start_that_does_not_fit():
+    roomy = solve(RANDOM, make_test_device(), ram=36000, mode="joint", **FAST)
+    tight = solve(RANDOM, make_test_device(), ram=23000, mode="joint", **FAST)
+    assert roomy.totals["peak_ram_bytes"] > 23000  # too big a plan for the tight budget
+    for start in (roomy, roomy.decisions, solve(MLP, make_test_device(), ram=MLP_PLAIN, **FAST)):
+        again = solve(RANDOM, make_test_device(), ram=23000, mode="joint", start=start, **FAST)
+        assert again.totals["energy_j"] == pytest.approx(tight.totals["energy_j"], rel=1e-6)
+        assert again.totals["peak_ram_bytes"] <= 23000
+    # a plan that pages is no start for remat, which cannot page
+    paging = solve(RANDOM, make_test_device(), ram=22000, mode="paging", **FAST)
+    assert paging.totals["page_ins"] > 0
+    remat = solve(RANDOM, make_test_device(), ram=22000, mode="remat", start=paging, **FAST)
+    assert remat.totals["page_ins"] == 0
+
+
+def test_the_warm_start_is_the_cheaper_of_the_plans_that_fit():
+    from poet_opt.costs import node_costs
+    from poet_opt.formulation import Budgets, Formulation
+    from poet_opt.heuristics import starting_points
+    from poet_opt.solve import _cheapest_start
+
+    device = make_test_device()
+    below = solve(RANDOM, device, ram=23000, mode="joint", **FAST)
+    costs = node_costs(RANDOM, device)
+    budgets = Budgets(ram_bytes=28000, runtime_s=float("inf"), storage_bytes=device.storage.capacity_bytes)
+    form = Formulation(RANDOM, costs, budgets, "joint")
+    candidates = starting_points(RANDOM, costs, budgets, "joint")
+    x = _cheapest_start(form, below.decisions, candidates)
+    given = form.encode(below.decisions)
+    assert given is not None  # a smaller budget's plan fits a larger one
+    heuristic = next((h for h in map(form.encode, candidates) if h is not None), None)
+    best = min(v for v in (form.milp.c @ given, None if heuristic is None else form.milp.c @ heuristic)
+               if v is not None)
+    assert form.milp.c @ x == pytest.approx(best)
+    assert form.milp.c @ given + form.milp.offset == pytest.approx(below.totals["energy_j"], rel=1e-9)
