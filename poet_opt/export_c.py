@@ -58,14 +58,19 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
     P = prefix
     nodes, steps = doc["graph"]["nodes"], doc["steps"]
     operands: list[int] = []
+    operand_nodes: list[int] = []  # which node each operand is: the runtime's debug build checks it is live there
     first: list[int] = []
-    for offs in plan.operand_offsets:
+    for step, offs in zip(steps, plan.operand_offsets):
         first.append(len(operands))
         operands.extend(offs)
+        if offs:
+            operand_nodes.extend(int(d) for d in nodes[step["node"]]["deps"])
+    assert len(operand_nodes) == len(operands)
+    max_operands = max((len(o) for o in plan.operand_offsets), default=0)
 
     node_t = _uint(len(nodes) - 1)
     first_t = _uint(max(len(operands), 1))
-    count_t = _uint(max((len(o) for o in plan.operand_offsets), default=0))
+    count_t = _uint(max_operands)
     _uint(max(plan.arena_bytes, flash.flash_bytes, max((int(n["bytes"]) for n in nodes), default=0)))
 
     rows = []
@@ -125,6 +130,7 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
         f"#define {P}NUM_STEPS {len(steps)}u",
         f"#define {P}NUM_TENSORS {len(nodes)}u",
         f"#define {P}NUM_OPERANDS {len(operands)}u",
+        f"#define {P}MAX_OPERANDS {max_operands}u",
         "",
         f"enum {{ {', '.join(f'{P}{k} = {i}' for i, k in enumerate(KINDS.values()))} }};",
         "",
@@ -147,6 +153,11 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
         f"/* arena offsets of the inputs of compute steps, {P}STEPS[s].first_operand onwards */",
         f"static const uint32_t {P}OPERANDS[{max(len(operands), 1)}] {unused} = {{",
         _rows([f"{o}u" for o in operands], 8),
+        "};",
+        "",
+        f"/* node id of each entry of {P}OPERANDS: the deps of the step's node, in order */",
+        f"static const {node_t} {P}OPERAND_NODES[{max(len(operands), 1)}] {unused} = {{",
+        _rows([f"{d}u" for d in operand_nodes], 12),
         "};",
         "",
         "/* bytes of each node's output tensor, by node id */",
