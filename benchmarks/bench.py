@@ -213,13 +213,16 @@ def machine_facts() -> dict:
         highs = "?"
     try:
         git = ["git", "-C", str(HERE.parent)]
-        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if head.returncode != 0:
+            raise OSError("not a git checkout")
+        commit = head.stdout.strip()
         dirty = subprocess.run([*git, "status", "--porcelain", "--", "poet_opt"], capture_output=True,
                                text=True).stdout.split("\n")
         dirty = [line[3:] for line in dirty if line.strip()]
         code = commit + (f" plus uncommitted changes to {', '.join(dirty)}" if dirty else "")
     except OSError:
-        code = "?"
+        code = f"{HERE.parent} (not a git checkout)"
     return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "highspy": highs,
             "host": platform.node(), "code": code}
 
