@@ -34,7 +34,8 @@ class _Op:
     params: int = 0
     # What back-propagating through this op into one of its inputs reads besides the output
     # gradient: "in" (its inputs), "out" (its own output), "other" (the other operand of a product
-    # of two activations) or "" (nothing: weights are parameters, add only routes gradients).
+    # of two activations) or "" (nothing: weights are parameters, add only routes gradients);
+    # "in+out" joins two.
     saves: str = ""
 
     @property
@@ -131,6 +132,15 @@ def _mlp(net: _Net) -> None:
     for i in (1, 2, 3):
         x = net.act(net.linear(x, f"fc{i}", 256), f"relu{i}")
     net.linear(x, "fc4", 10)
+
+
+def _mlp_residual(net: _Net) -> None:
+    # The smallest network with a skip connection, small enough that tests/test_c_execution.py
+    # solves it to optimality in seconds and runs its training step in C.
+    x = net.act(net.linear(0, "fc_in", 256), "relu_in")
+    y = net.linear(net.act(net.linear(x, "block.fc1", 256), "block.relu1"), "block.fc2", 256)
+    x = net.act(net.add(x, y, "block.add"), "block.relu2")
+    net.linear(x, "fc_out", 10)
 
 
 _VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
@@ -257,6 +267,8 @@ def _hidden_states(shape: tuple[int, ...]) -> tuple[int, ...]:
 # name -> (description, default input shape, input shape -> the input tensor's shape, declare layers)
 _ZOO: dict[str, tuple[str, tuple[int, ...], Callable | None, Callable[[_Net], None]]] = {
     "mlp": ("784-256-256-256-10 multilayer perceptron with ReLU (MNIST-sized)", (784,), None, _mlp),
+    "mlp-residual": ("784-256-256-256-10 MLP whose middle two layers form a residual block (one skip connection)",
+                     (784,), None, _mlp_residual),
     "vgg16-cifar": ("VGG-16 with batch norm, CIFAR-10 (3x32x32, 10 classes)", (3, 32, 32), None,
                     lambda net: _vgg16(net, imagenet=False)),
     "vgg16-imagenet": ("VGG-16 with batch norm, ImageNet (3x224x224, 1000 classes)", (3, 224, 224), None,
@@ -402,7 +414,8 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
         for u in users[f]:  # dL/df = sum over users of the data gradient back through u
             deps.add(grad[u])
             flops += ops[u].flops
-            deps |= {"in": set(ops[u].inputs), "out": {u}, "other": set(ops[u].inputs) - {f}}.get(ops[u].saves, set())
+            for rule in ops[u].saves.split("+"):  # e.g. "in+out": fused attention keeps both
+                deps |= {"in": set(ops[u].inputs), "out": {u}, "other": set(ops[u].inputs) - {f}}.get(rule, set())
         if f in train:  # the weight gradient, written outside the graph, reads f's inputs
             deps |= set(ops[f].inputs)
             flops += ops[f].flops
@@ -413,4 +426,10 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
             "param_count": sum(o.params for o in ops),
             "trainable_param_count": sum(ops[i].params for i in train)}
     return TrainingGraph.build(name, nodes, meta=meta)
+
+
+# The importers (torch_import, onnx_import) describe a network as these forward operators and get
+# its loss and backward graph from the same function, so the backward rules stay in one place.
+ForwardOp = _Op
+training_graph = _training_graph
 

@@ -26,7 +26,7 @@ def zoo():
 
 
 def test_every_model_is_a_well_formed_training_graph(zoo):
-    assert set(zoo) == {"mlp", "vgg16-cifar", "vgg16-imagenet", "resnet18-cifar", "resnet18-imagenet", "resnet50",
+    assert set(zoo) == {"mlp", "mlp-residual", "vgg16-cifar", "vgg16-imagenet", "resnet18-cifar", "resnet18-imagenet", "resnet50",
                         "mobilenetv2", "mcu-vww", "transformer-block", "bert-base"}
     for name, g in zoo.items():
         assert all(n.id == i for i, n in enumerate(g.nodes)), name

@@ -22,7 +22,7 @@ GAP = 1e-2
 RAM_FRACTION = 0.8
 RUNTIME_FACTOR = 1.5
 
-MCU_MODELS = {"mlp", "mcu-vww"}
+MCU_MODELS = {"mlp", "mlp-residual", "mcu-vww"}
 MCU_DEVICES = ("nrf52840", "stm32f746")
 BOARD_DEVICES = ("rpi4", "jetson-tx2")
 
