@@ -99,7 +99,7 @@ def run_dense(graph, profile, costs, budgets, mode, args) -> dict:
     starts = starting_points(graph, costs, budgets, mode)
     out = solve_dense(graph, profile, costs, budgets, mode, semantics="poet", runtime=args.dense_runtime,
                       time_limit=args.time_limit, gap=args.gap, threads=args.threads,
-                      start=starts[0] if starts else None)
+                      start=starts)
     row = {"status": out.status, "gap": out.gap, "bound_j": out.bound, "build_s": out.build_s,
            "solve_s": out.solve_s, "vars": out.num_vars, "wall_s": time.perf_counter() - started,
            "objective_j": out.objective}
@@ -111,6 +111,7 @@ def run_dense(graph, profile, costs, budgets, mode, args) -> dict:
             notes.append(f"as our decisions {out.mapped['energy_j']:.6g} J")
         elif out.mapped_note:
             notes.append(f"not expressible as ours: {out.mapped_note}")
+        notes.append("MIP start: " + ("ours" if out.had_start else "none its rows accept"))
         row["note"] = "; ".join(notes)
     elif out.objective is not None:
         row.update(energy_j=out.objective, fits=False, note=f"plan fails our validator: {out.replay_error}")

@@ -432,6 +432,7 @@ class DenseOutcome:
     decisions: Optional[Decisions]  # the same plan in our decision space, when expressible
     mapped: Optional[dict]  # validated totals of build_steps(decisions)
     mapped_note: str
+    had_start: bool = False  # whether a MIP start was accepted
 
 
 def validated_totals(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budgets, steps: list[dict],
@@ -450,11 +451,13 @@ def validated_totals(graph: TrainingGraph, profile, costs: NodeCosts, budgets: B
 def solve_dense(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budgets, mode: str = "joint", *,
                 semantics: str = "poet", runtime: str = "all", time_limit: Optional[float] = None,
                 gap: float = 1e-3, threads: Optional[int] = None, backend: str = "highs",
-                start: Optional[Decisions] = None) -> DenseOutcome:
+                start=None) -> DenseOutcome:
     """Build and solve the dense model, then check its plan with our validator (both as replayed in
-    its own semantics and, where expressible, mapped onto our decisions)."""
+    its own semantics and, where expressible, mapped onto our decisions). start: Decisions, or a
+    list of them tried in order, as a MIP start (the first its rows accept)."""
     form = DenseFormulation(graph, costs, budgets, mode, semantics=semantics, runtime=runtime)
-    x0 = form.encode(start) if start is not None else None
+    candidates = [] if start is None else ([start] if isinstance(start, Decisions) else list(start))
+    x0 = next((x for x in map(form.encode, candidates) if x is not None), None)
     result: SolveResult = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=gap, threads=threads,
                                      start=x0)
     replay = mapped = decisions = None
@@ -479,7 +482,8 @@ def solve_dense(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budget
     return DenseOutcome(status=status, objective=result.objective, bound=result.bound, gap=result.gap,
                         build_s=form.build_s, solve_s=result.solve_s, num_vars=form.milp.num_vars,
                         num_binaries=form.num_binaries, num_rows=form.milp.num_rows, replay=replay,
-                        replay_error=replay_error, decisions=decisions, mapped=mapped, mapped_note=mapped_note)
+                        replay_error=replay_error, decisions=decisions, mapped=mapped, mapped_note=mapped_note,
+                        had_start=x0 is not None)
 
 
 def plain_start(graph: TrainingGraph) -> Decisions:
