@@ -60,18 +60,15 @@ def main():
 
 
 def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, bytes_per_element: int,
-               input_shape: str | None = None):
-    """--model NAME or --graph FILE, exactly one."""
-    if bool(model) == bool(graph_file):
-        raise PoetError("give exactly one of --model NAME or --graph FILE", field="--model/--graph")
-    if graph_file:
-        from .importers import load_node_link
+               input_shape: str | None = None, torch: str | None = None, onnx: str | None = None,
+               trainable="all", costs: str | None = None, optimizer: str = "none"):
+    """--model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE, exactly one
+    (poet_opt.sources.load_training_graph)."""
+    from .sources import load_training_graph
 
-        return load_node_link(graph_file), Path(graph_file).stem
-    from .zoo import build_model
-
-    graph = build_model(model, batch_size=batch_size, input_shape=input_shape, bytes_per_element=bytes_per_element)
-    return graph, model
+    return load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
+                               bytes_per_element=bytes_per_element, input_shape=input_shape, trainable=trainable,
+                               costs=costs, optimizer=optimizer)
 
 
 @main.command()
@@ -87,8 +84,18 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--gap", type=float, default=1e-3, show_default=True,
               help="stop once proven within this relative gap of the optimum")
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or "
+              "package.module:FACTORY (needs the torch extra; docs/importers.md)")
+@click.option("--onnx", "onnx_file", type=click.Path(dir_okay=False), default=None,
+              help="an ONNX model file (needs the onnx extra)")
 @click.option("--input-shape", default=None, help="zoo models: input shape without the batch, e.g. 3x64x64 "
-              "(C x H x W) or 256 (sequence length)")
+              "(C x H x W) or 256 (sequence length); --torch/--onnx: the whole input, batch first, e.g. 1,3,32,32")
+@click.option("--trainable", default="all", show_default=True,
+              help="layers to fine-tune: all, last:N (the last N layers with weights) or NAME,NAME,...")
+@click.option("--optimizer", type=click.Choice(["none", "sgd", "adam"]), default="none", show_default=True,
+              help="add the weight update (and Adam's state) to the graph")
+@click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
+              help="measured per-layer time/energy, CSV or YAML, by node name or operator type")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the schedule JSON here")
 @click.option("--export", "export_file", type=click.Path(dir_okay=False), default=None,
               help="also write the schedule as a C header for firmware (see `poet-opt export`)")
@@ -96,8 +103,8 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
 @click.option("--quiet", "-q", is_flag=True, help="no solver progress on stderr")
 @_one_line_errors
-def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, gap, batch_size, input_shape, out,
-          export_file, prefix, as_json, quiet):
+def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, gap, batch_size, torch_spec, onnx_file,
+          input_shape, trainable, optimizer, costs_file, out, export_file, prefix, as_json, quiet):
     """Solve for the energy-optimal training schedule under RAM and runtime budgets."""
     from .profiles import load_profile
     from .report import summary_dict, summary_text
@@ -107,7 +114,8 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
 
     profile = load_profile(device)
     graph, name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
-                             bytes_per_element=profile.memory.bytes_per_element)
+                             bytes_per_element=profile.memory.bytes_per_element, torch=torch_spec, onnx=onnx_file,
+                             trainable=trainable, costs=costs_file, optimizer=optimizer)
     if out is not None:
         _check_writable(out)
     if export_file is not None:
@@ -116,9 +124,16 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
                             field="--export")
         _check_writable(export_file, field="--export")
         _check_prefix(prefix)
-    schedule = solve_schedule(graph, profile, ram=ram, runtime=runtime, mode=mode, backend=backend,
-                              time_limit=time_limit, gap=gap, model_name=name,
-                              progress=None if quiet else print_progress)
+    solve_kwargs = dict(runtime=runtime, mode=mode, backend=backend, time_limit=time_limit, gap=gap,
+                        model_name=name, progress=None if quiet else print_progress)
+    firmware = None
+    if export_file is None:
+        schedule = solve_schedule(graph, profile, ram=ram, **solve_kwargs)
+    else:  # re-solves with a tighter budget if the static arena would not fit
+        from .plan import solve_for_export
+
+        firmware = solve_for_export(graph, profile, ram=ram, **solve_kwargs)
+        schedule = firmware.schedule
     # Everything that could fail comes before the write, so a failure leaves no file behind.
     if as_json:
         summary = summary_dict(schedule)
@@ -128,15 +143,16 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
     else:
         text = summary_text(schedule) + ("" if out is None else f"\n  wrote    {out}")
     header = None
-    if export_file is not None:
-        from .export_c import export, export_summary
+    if firmware is not None:
+        from .export_c import export_summary, render_header
 
-        header, plan, flash = export(schedule.to_dict(), prefix=prefix)
+        plan, flash = firmware.arena, firmware.flash
+        header = render_header(schedule.to_dict(), plan, flash, prefix=prefix)
         if as_json:
-            summary.update(_export_dict(plan, flash, export_file))
+            summary.update(_export_dict(plan, flash, export_file), arena_rounds=firmware.rounds)
             text = json.dumps(summary, indent=1)
         else:
-            text += f"\n{export_summary(plan, flash)}\n  wrote    {export_file}"
+            text += f"\n{export_summary(plan, flash)}{_rounds_text(firmware.rounds)}\n  wrote    {export_file}"
     if out is not None:
         write_json_atomic(schedule.to_dict(), out)
     if header is not None:
@@ -149,6 +165,14 @@ def _check_prefix(prefix: str) -> None:
     from .export_c import check_prefix
 
     check_prefix(prefix)
+
+
+def _rounds_text(rounds: list[dict]) -> str:
+    from .units import format_bytes
+
+    return "".join(f"\n  re-solve the arena of the plan solved at {format_bytes(a['ram_bytes'])} needed "
+                   f"{format_bytes(a['arena_bytes'])}; solved again at {format_bytes(b['ram_bytes'])}"
+                   for a, b in zip(rounds, rounds[1:]))
 
 
 def _export_dict(plan, flash, path) -> dict:

@@ -1,7 +1,8 @@
 """Cost model: device profile x training graph -> per-node time and energy, in SI units.
 
 Compute: a node with a measured time (imported graphs, measured-cost files) takes that time at the
-device's active power; otherwise FLOPs / throughput, with energy from the energy per FLOP.
+device's active power; otherwise FLOPs / throughput, with energy from the energy per FLOP. A measured
+energy (``--costs``) replaces either energy.
 Paging: latency + bytes / throughput, at the storage's power while it runs. Input nodes are "loaded",
 not computed: reading the sample from storage is their cost, so re-reading one is a page-in.
 """
@@ -48,6 +49,8 @@ def node_costs(graph: TrainingGraph, profile: DeviceProfile) -> NodeCosts:
     compute = profile.compute
     compute_s = np.where(np.isnan(measured), flops / compute.flops_per_second, measured)
     compute_j = np.where(np.isnan(measured), flops * compute.joules_per_flop, measured * compute.power_w)
+    measured_j = np.array([np.nan if node.compute_j is None else node.compute_j for node in graph.nodes])
+    compute_j = np.where(np.isnan(measured_j), compute_j, measured_j)  # a measured energy wins over both
 
     read, write = profile.storage.read, profile.storage.write
     page_in_s = read.latency_s + nbytes / read.bytes_per_second
@@ -56,7 +59,7 @@ def node_costs(graph: TrainingGraph, profile: DeviceProfile) -> NodeCosts:
     page_out_j = page_out_s * write.power_w
 
     compute_s = np.where(is_input & np.isnan(measured), page_in_s, compute_s)
-    compute_j = np.where(is_input & np.isnan(measured), page_in_j, compute_j)
+    compute_j = np.where(is_input & np.isnan(measured) & np.isnan(measured_j), page_in_j, compute_j)
 
     block = profile.storage.erase_block_bytes
     storage_bytes = np.ceil(nbytes / block) * block

@@ -28,6 +28,7 @@ class Node:
     param_bytes: int = 0  # weights owned by this operator (counted once, outside the RAM budget)
     trainable: bool = False  # whether the weights get a gradient (another param_bytes)
     compute_s: float | None = None  # a measured time (imported graphs); overrides flops / throughput
+    compute_j: float | None = None  # a measured energy (--costs); overrides the profile's energy model
 
     @property
     def is_backward(self) -> bool:
@@ -111,6 +112,9 @@ class TrainingGraph:
             if node.compute_s is not None and not (node.compute_s >= 0):
                 raise PoetError(f"node {node.id} ({node.name}) has a compute time of {node.compute_s}; must be >= 0",
                                 source=source, field="nodes.cost_cpu")
+            if node.compute_j is not None and not (node.compute_j >= 0):
+                raise PoetError(f"node {node.id} ({node.name}) has a compute energy of {node.compute_j}; must be >= 0",
+                                source=source, field="nodes.compute_j")
         for node in nodes:
             for d in node.deps:
                 if d not in by_id:

@@ -44,7 +44,9 @@ def summary_text(s: Schedule) -> str:
                  f"{budget_text}")
     lines.append(f"  RAM      peak {format_bytes(t['peak_ram_bytes'])} of budget {format_bytes(s.budgets.ram_bytes)} "
                  f"(plain training peaks at {format_bytes(plain['peak_ram_bytes'])})")
-    lines.append(f"  params   weights {format_bytes(mem['param_bytes'])} + weight gradients "
+    state = mem.get("optimizer_state_bytes") or 0
+    state_text = f" (with optimizer state {format_bytes(state)})" if state else ""
+    lines.append(f"  params   weights {format_bytes(mem['param_bytes'])}{state_text} + weight gradients "
                  f"{format_bytes(mem['param_grad_bytes'])} + working peak = {format_bytes(mem['total_bytes'])} "
                  f"of the device's {format_bytes(mem['device_ram_bytes'])}")
     if not mem["fits_device"]:

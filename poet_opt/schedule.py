@@ -153,6 +153,8 @@ class Schedule:
         return {
             "param_bytes": params,
             "param_grad_bytes": grads,
+            # part of param_bytes: Adam's moments, owned by the update nodes (--optimizer adam)
+            "optimizer_state_bytes": sum(n.param_bytes for n in self.graph.nodes if n.op.endswith("_update")),
             "working_peak_bytes": working,
             "total_bytes": total,
             "device_ram_bytes": self.profile.memory.ram_bytes,

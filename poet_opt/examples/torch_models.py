@@ -1,0 +1,146 @@
+"""Example networks in plain PyTorch (no torchvision), for ``poet-opt solve --torch``.
+
+Layer names follow the model zoo (``poet_opt.zoo``), so an imported graph can be compared with the
+zoo's node by node: ``poet-opt solve --torch poet_opt.examples.torch_models:resnet18 --input-shape
+1,3,32,32 ...`` and ``--model resnet18-cifar`` describe the same network. Each factory takes no
+argument and returns an ``nn.Module``; its input shape is given on the command line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _conv_bn(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1) -> tuple[nn.Conv2d, nn.BatchNorm2d]:
+    return nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int):
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(cin, width, 3, stride)
+        self.relu1 = nn.ReLU()
+        self.conv2, self.bn2 = _conv_bn(width, width, 3)
+        self.relu2 = nn.ReLU()
+        self.downsample = nn.Sequential(*_conv_bn(cin, width, 1, stride)) if stride != 1 or cin != width else None
+
+    def forward(self, x):
+        y = self.relu1(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return self.relu2(y + shortcut)
+
+
+class ResNet18(nn.Module):
+    """ResNet-18, CIFAR variant: 3x3 stem, no max-pool (the zoo's resnet18-cifar)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(3, 64, 3)
+        self.relu = nn.ReLU()
+        cin, stages = 64, []
+        for stage, width in enumerate((64, 128, 256, 512)):
+            stride = 1 if stage == 0 else 2
+            stages.append(nn.Sequential(BasicBlock(cin, width, stride), BasicBlock(width, width, 1)))
+            cin = width
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, expand: int):
+        super().__init__()
+        hidden = cin * expand
+        self.expand = self.expand_bn = self.expand_relu = None
+        if expand != 1:
+            self.expand, self.expand_bn = _conv_bn(cin, hidden, 1)
+            self.expand_relu = nn.ReLU6()
+        self.dw, self.dw_bn = _conv_bn(hidden, hidden, 3, stride, groups=hidden)
+        self.dw_relu = nn.ReLU6()
+        self.project, self.project_bn = _conv_bn(hidden, cout, 1)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+        y = x
+        if self.expand is not None:
+            y = self.expand_relu(self.expand_bn(self.expand(y)))
+        y = self.dw_relu(self.dw_bn(self.dw(y)))
+        y = self.project_bn(self.project(y))
+        return x + y if self.residual else y
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 width 1.0 (the zoo's mobilenetv2)."""
+
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        self.stem = nn.Sequential()
+        self.stem.conv, self.stem.bn = _conv_bn(3, 32, 3, 2)
+        self.stem.relu = nn.ReLU6()
+        blocks, cin = [], 32
+        for t, c, n, s in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                           (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)):
+            for i in range(n):
+                blocks.append(InvertedResidual(cin, c, s if i == 0 else 1, t))
+                cin = c
+        for k, block in enumerate(blocks):
+            setattr(self, f"block{k}", block)
+        self.num_blocks = len(blocks)
+        self.head = nn.Sequential()
+        self.head.conv, self.head.bn = _conv_bn(cin, 1280, 1)
+        self.head.relu = nn.ReLU6()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(1280, num_classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for k in range(self.num_blocks):
+            x = getattr(self, f"block{k}")(x)
+        x = self.head(x)
+        return self.classifier(torch.flatten(self.avgpool(x), 1))
+
+
+class EncoderBlock(nn.Module):
+    """One post-LN encoder block (as BERT) with fused scaled-dot-product attention. Input: hidden
+    states (batch, seq, d_model)."""
+
+    def __init__(self, d_model: int = 768, heads: int = 12, d_ff: int = 3072):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.out = nn.Linear(d_model, d_model)
+        self.attn_ln = nn.LayerNorm(d_model)
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.gelu = nn.GELU()
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.ffn_ln = nn.LayerNorm(d_model)
+
+    def _split(self, t):
+        b, s, d = t.shape
+        return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        ctx = F.scaled_dot_product_attention(self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x)))
+        x = self.attn_ln(x + self.out(ctx.transpose(1, 2).reshape(b, s, d)))
+        return self.ffn_ln(x + self.fc2(self.gelu(self.fc1(x))))
+
+
+def resnet18() -> nn.Module:
+    return ResNet18()
+
+
+def mobilenetv2() -> nn.Module:
+    return MobileNetV2()
+
+
+def transformer_block() -> nn.Module:
+    return EncoderBlock()
