@@ -57,6 +57,7 @@ class ArenaPlan:
     live_peak_bytes: int
     strategy: str = ""
     step_interval: list[int] = field(default_factory=list)  # per step: index into intervals
+    lower_bound_bytes: int = 0       # no placement can do better: the live peak plus unavoidable padding
 
     @property
     def ratio(self) -> float:
@@ -96,20 +97,36 @@ def _neighbours(intervals: list[Interval]) -> list[list[int]]:
     return near
 
 
-def _place(intervals: list[Interval], near: list[list[int]], order: list[int], alignment: int) -> list[int]:
+def _place(intervals: list[Interval], near: list[list[int]], order: list[int], alignment: int,
+           offsets: list[int] | None = None, start: int = 0, limit: int | None = None) -> list[int] | None:
     """Greedy placement: each interval in `order` goes to the lowest aligned offset where it does
-    not collide with an already placed interval that is live at the same time (first fit)."""
-    offsets = [-1] * len(intervals)
-    for k in order:
+    not collide with an already placed interval that is live at the same time (first fit).
+    With `offsets` from a placement of an order sharing the first `start` entries, those keep
+    their offsets and only the rest is placed again. None as soon as an interval would end past
+    `limit`: the search discards such orders, so it need not finish them."""
+    placed = [-1] * len(intervals)
+    if offsets is not None:
+        for k in order[:start]:
+            placed[k] = offsets[k]
+    else:
+        start = 0
+    for k in order[start:]:
         size = intervals[k].bytes
-        busy = sorted((offsets[j], offsets[j] + intervals[j].bytes) for j in near[k] if offsets[j] >= 0)
+        busy = sorted([(placed[j], placed[j] + intervals[j].bytes) for j in near[k] if placed[j] >= 0])
         offset = 0
         for lo, hi in busy:
             if offset + size <= lo:
                 break
-            offset = max(offset, align_up(hi, alignment))
-        offsets[k] = offset
-    return offsets
+            if hi > offset:  # offsets are aligned, so only ends need rounding up
+                offset = -(-hi // alignment) * alignment
+        if limit is not None and offset + size > limit:
+            return None
+        placed[k] = offset
+    return placed
+
+
+def _extent(intervals: list[Interval], offsets: list[int]) -> int:
+    return max((o + iv.bytes for o, iv in zip(offsets, intervals)), default=0)
 
 
 def live_peak(intervals: list[Interval]) -> int:
@@ -122,11 +139,47 @@ def live_peak(intervals: list[Interval]) -> int:
     return peak
 
 
+def padded_lower_bound(intervals: list[Interval], alignment: int) -> int:
+    """No arena can be smaller: at every step the live tensors sit at aligned offsets without
+    overlapping, so each but the topmost takes its size rounded up to the alignment (at best the
+    topmost is the one with the most padding to save). Equals the
+    live peak when every size is a multiple of the alignment."""
+    events = sorted([(iv.start, 1, iv.bytes) for iv in intervals if iv.bytes]
+                    + [(iv.end, -1, iv.bytes) for iv in intervals if iv.bytes])  # releases first at a step
+    live_paddings: dict[int, int] = {}  # padding -> number of live tensors with it
+    padded = bound = 0
+    for _, delta, size in events:
+        padding = align_up(size, alignment) - size
+        padded += delta * (size + padding)
+        live_paddings[padding] = live_paddings.get(padding, 0) + delta
+        if not live_paddings[padding]:
+            del live_paddings[padding]
+        if delta > 0:  # a subset of what is live at this step: a valid bound, and the full set comes last
+            bound = max(bound, padded - max(live_paddings))
+    return bound
+
+
 def plan_arena(doc: dict) -> ArenaPlan:
-    """Place every resident interval of a (validated) schedule document in one arena."""
+    """Place every resident interval of a (validated) schedule document in one arena.
+
+    Classic greedy orders and seeded restarts first; if they leave fragmentation, a local search
+    over the placement order; if the arena still exceeds the schedule's RAM budget, the same
+    search for much longer (the stronger placement the export needs before it gives up). All
+    of it is bounded by work, not time: one schedule document always gives one plan."""
     alignment = device_int(doc, "alignment_bytes")
     intervals, step_interval = resident_intervals(doc)
-    arena_bytes, strategy, offsets = _best_placement(intervals, alignment)
+    near = _neighbours(intervals)
+    bound = padded_lower_bound(intervals, alignment)
+    arena_bytes, strategy, offsets, order = _best_placement(intervals, near, alignment, bound)
+    if arena_bytes > bound:
+        budget = (doc.get("budgets") or {}).get("ram_bytes")
+        arena_bytes, offsets, moves = _local_search(intervals, near, alignment, bound, order, offsets, SEARCH_WORK)
+        if budget is not None and arena_bytes > budget:
+            arena_bytes, offsets, more = _local_search(intervals, near, alignment, bound, order, offsets,
+                                                       STRONG_SEARCH_WORK, seed=1)
+            moves += more
+        if moves:
+            strategy = f"{strategy} + {moves} local-search moves"
     peak = live_peak(intervals)
 
     nodes = doc["graph"]["nodes"]
@@ -141,22 +194,25 @@ def plan_arena(doc: dict) -> ArenaPlan:
         else:
             operand_offsets.append([])
     return ArenaPlan(alignment, intervals, offsets, step_offsets, operand_offsets, arena_bytes, peak,
-                     strategy, step_interval)
+                     strategy, step_interval, bound)
 
 
-# Randomised restarts are bounded by work (pairs of conflicting intervals visited), not by time,
-# so the same schedule always gives the same header.
+# Restarts and the local search are bounded by work (pairs of conflicting intervals visited), not
+# by time, so the same schedule always gives the same header on any machine. A unit of work is
+# about half a microsecond here: the search costs at most ~2 s, the stronger one ~15 s, and only
+# when the arena would not fit the RAM budget otherwise.
 RESTART_WORK = 4_000_000
 MAX_RESTARTS = 128
+SEARCH_WORK = 4_000_000
+STRONG_SEARCH_WORK = 32_000_000
 
 
-def _best_placement(intervals: list[Interval], alignment: int) -> tuple[int, str, list[int]]:
+def _best_placement(intervals: list[Interval], near: list[list[int]], alignment: int,
+                    bound: int) -> tuple[int, str, list[int], list[int]]:
     """Greedy by size (TFLite Micro's planner) plus a few other classic orders, then greedy by
     randomly perturbed sizes and areas: on training schedules (mixed sizes, recomputed copies)
     a single order can leave 30% fragmentation that a few dozen restarts remove. Stops early once
-    the arena equals the live peak, which no placement can beat."""
-    near = _neighbours(intervals)
-    peak = live_peak(intervals)
+    the arena reaches the lower bound, which no placement can beat."""
     idx = range(len(intervals))
     life = [iv.end - iv.start for iv in intervals]
     size = [iv.bytes for iv in intervals]
@@ -174,14 +230,49 @@ def _best_placement(intervals: list[Interval], alignment: int) -> tuple[int, str
         by_area = t % 2
         orders[f"random-{t}"] = lambda w=w, a=by_area: sorted(idx, key=lambda k: (-size[k] * w[k] * (life[k] if a else 1), k))
     best = None
-    for name, order in orders.items():
-        offsets = _place(intervals, near, order(), alignment)
-        arena = max((o + iv.bytes for o, iv in zip(offsets, intervals)), default=0)
+    for name, make_order in orders.items():
+        order = make_order()
+        offsets = _place(intervals, near, order, alignment)
+        arena = _extent(intervals, offsets)
         if best is None or arena < best[0]:
-            best = (arena, name, offsets)
-        if best[0] <= peak:
+            best = (arena, name, offsets, order)
+        if best[0] <= bound:
             break
     return best
+
+
+def _local_search(intervals: list[Interval], near: list[list[int]], alignment: int, bound: int,
+                  order: list[int], offsets: list[int], work_limit: int, seed: int = 0) -> tuple[int, list[int], int]:
+    """Hill-climb over the placement order, keeping every move that does not grow the arena
+    (sideways moves let it cross plateaus). A move takes an interval that reaches the top of the
+    arena and places it earlier, or swaps two intervals; only the order from the first changed
+    position on is placed again. Updates `order` in place; returns (arena, offsets, moves kept)."""
+    rng = random.Random(seed)
+    arena = _extent(intervals, offsets)
+    pair_work = [1 + len(n) for n in near]
+    spent = kept = 0
+    n = len(order)
+    while arena > bound and spent < work_limit and n > 1:
+        candidate = list(order)
+        top = [k for k in range(n) if intervals[k].bytes and offsets[k] + intervals[k].bytes == arena]
+        if top and rng.random() < 0.5:
+            k = rng.choice(top)
+            old = candidate.index(k)
+            first = rng.randrange(0, old + 1)
+            candidate.insert(first, candidate.pop(old))
+        else:
+            i, j = rng.randrange(n), rng.randrange(n)
+            candidate[i], candidate[j] = candidate[j], candidate[i]
+            first = min(i, j)
+        spent += sum(pair_work[k] for k in candidate[first:])
+        placed = _place(intervals, near, candidate, alignment, offsets, first, limit=arena)
+        if placed is None:
+            continue
+        extent = _extent(intervals, placed)
+        if extent <= arena:
+            kept += extent < arena or candidate != order
+            order[:], offsets, arena = candidate, placed, extent
+    return arena, offsets, kept
 
 
 def check_no_overlap(plan: ArenaPlan) -> None:
