@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -180,3 +182,25 @@ def test_done_when_command_solves_and_validates(tmp_path):
     assert result.exit_code == 0, result.output
     check = CliRunner().invoke(main, ["validate", str(out)])
     assert check.exit_code == 0 and "valid" in check.output
+
+
+def test_users_own_file_with_an_unsupported_operator_solves_with_measured_costs(tmp_path):
+    (tmp_path / "mynet.py").write_text(
+        "import torch\n\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.fc2(torch.cumsum(self.fc1(x), 1))\n\n"
+        "def build():\n"
+        "    return Net()\n")
+    costs = tmp_path / "costs.csv"
+    costs.write_text("name,time_s,energy_j\ncumsum,0.001,0.004\ncumsum_grad,0.002,\n")
+    args = ["solve", "--torch", f"{tmp_path / 'mynet.py'}:build", "--input-shape", "8,16", "--device", "rpi4",
+            "--ram", "64KB", "--json", "-q"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "'cumsum'" in result.output and "--costs" in result.output
+    result = CliRunner().invoke(main, args + ["--costs", str(costs)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["totals"]["compute_j"] >= 0.004
