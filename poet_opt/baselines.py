@@ -185,6 +185,24 @@ def dtr_decisions(graph: TrainingGraph, costs: NodeCosts, ram_bytes: float) -> O
     return Decisions(frozenset(recompute), frozenset(), frozenset(), frozenset(keep))
 
 
+def without_idle_keeps(graph: TrainingGraph, decisions: Decisions) -> Decisions:
+    """Drop each keep (t, i) after which i is neither read in stage t nor kept further. Our step
+    builder frees such a tensor at the stage start anyway, so the plan and its replay are
+    unchanged; but a MILP counts a kept tensor for the whole stage, and would reject the plan as a
+    MIP start (DTR evicts tensors it kept into a stage before that stage reads them)."""
+    nodes = graph.nodes
+    read_in: dict[int, set[int]] = {}
+    for t in range(len(graph)):
+        read_in.setdefault(t, set()).update(nodes[t].deps)
+    for t, k in decisions.recompute:
+        read_in.setdefault(t, set()).update(nodes[k].deps)
+    keep = set(decisions.keep)
+    for t, i in sorted(decisions.keep, reverse=True):
+        if i not in read_in.get(t, ()) and (t + 1, i) not in keep:
+            keep.discard((t, i))
+    return Decisions(decisions.recompute, decisions.page_in, decisions.page_out, frozenset(keep))
+
+
 def evaluate(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budgets, name: str,
              decisions: Optional[Decisions], note: str = "") -> BaselineResult:
     """Our step builder, cost model and validator on a baseline's decisions. The rules are checked
@@ -206,6 +224,10 @@ def evaluate(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budgets, 
 def run_baselines(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budgets) -> dict[str, BaselineResult]:
     return {
         "checkpoint-all": evaluate(graph, profile, costs, budgets, "checkpoint-all", plain_decisions(graph)),
-        "sqrt-n": evaluate(graph, profile, costs, budgets, "sqrt-n", sqrt_n_decisions(graph)),
-        "dtr": evaluate(graph, profile, costs, budgets, "dtr", dtr_decisions(graph, costs, budgets.ram_bytes)),
+        "sqrt-n": evaluate(graph, profile, costs, budgets, "sqrt-n", without_idle_keeps(graph, sqrt_n_decisions(graph))),
+        "dtr": evaluate(graph, profile, costs, budgets, "dtr", _pruned(graph, dtr_decisions(graph, costs, budgets.ram_bytes))),
     }
+
+
+def _pruned(graph, decisions):
+    return None if decisions is None else without_idle_keeps(graph, decisions)

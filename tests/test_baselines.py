@@ -99,3 +99,25 @@ def test_our_optimum_is_never_worse_than_a_baseline_that_fits(seed):
         assert fitting  # otherwise this test checks nothing
         for result in fitting:
             assert ours <= result.totals["energy_j"] * (1 + 1e-9), result.name
+
+
+@pytest.mark.parametrize("name", ["resnet18-cifar", "random-n60"])
+def test_fitting_baselines_are_mip_starts_for_both_formulations(name):
+    """A plan that fits must be a feasible point of our MILP and of the dense one (idle keeps
+    pruned), so either solver can start from it."""
+    from poet_opt.dense import DenseFormulation
+    from poet_opt.formulation import Formulation
+
+    graph = GRAPHS[name]()
+    profile = load_profile("rpi4")
+    costs = node_costs(graph, profile)
+    checked = 0
+    for fraction in (0.9, 0.5):
+        budgets = resolve_budgets(graph, profile, costs, int(fraction * graph.plain_peak_bytes()))
+        ours, dense = Formulation(graph, costs, budgets, "remat"), DenseFormulation(graph, costs, budgets, "remat")
+        for result in run_baselines(graph, profile, costs, budgets).values():
+            if result.fits:
+                assert ours.encode(result.decisions) is not None, result.name
+                assert dense.encode(result.decisions) is not None, result.name
+                checked += 1
+    assert checked >= 2
