@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 from .errors import PoetError
@@ -31,6 +32,15 @@ ELEMENTWISE = {
     "elu": (5, "out"),
     "softmax": (5, "out"),
     "log_softmax": (5, "out"),
+    # plain math, as custom layers and older ONNX opsets (GELU through Erf) spell activations
+    "exp": (4, "out"),
+    "log": (4, "in"),
+    "sqrt": (2, "out"),
+    "erf": (5, "in"),
+    "pow": (4, "in"),
+    "neg": (1, ""),
+    "abs": (1, "in"),
+    "reciprocal": (1, "out"),
 }
 
 NORMS = ("batchnorm", "layernorm", "groupnorm", "instancenorm")
@@ -87,7 +97,12 @@ def finish(name: str, ops: list[ForwardOp], output: int, *, bytes_per_element: i
     if not isinstance(bytes_per_element, int) or isinstance(bytes_per_element, bool) or bytes_per_element < 1:
         raise PoetError(f"must be a positive whole number, got {bytes_per_element!r}", field="--bytes-per-element")
     meta = {**meta, "bytes_per_element": bytes_per_element, "forward_layers": len(kept) - 1}
-    return training_graph(name, kept, 1, bytes_per_element, trainable, meta)
+    graph = training_graph(name, kept, 1, bytes_per_element, trainable, meta)
+    # the shapes hold the batch, so the zoo's rule was told batch 1; the loss keeps one value per
+    # sample, as the zoo sizes it
+    batch = kept[0].shape[0] if kept[0].shape else 1
+    nodes = tuple(replace(n, bytes=bytes_per_element * batch) if n.kind == "loss" else n for n in graph.nodes)
+    return TrainingGraph(graph.name, nodes, graph.meta)
 
 
 def parse_full_shape(value, field: str = "--input-shape") -> tuple[int, ...]:

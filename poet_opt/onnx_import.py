@@ -26,11 +26,12 @@ from .netops import ELEMENTWISE, OpList, attention_flops, finish, norm_flops, pa
 FIELD = "--onnx"
 
 VIEWS = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout", "Cast", "Expand",
-         "Slice", "Split", "Gather_view"}
+         "Slice", "Split"}
 METADATA = {"Shape", "Size", "ConstantOfShape", "NonZero"}  # outputs describe tensors; they are not tensors
 ACTIVATIONS = {"Relu": "relu", "Gelu": "gelu", "Tanh": "tanh", "Sigmoid": "sigmoid", "HardSwish": "hardswish",
                "HardSigmoid": "hardsigmoid", "LeakyRelu": "leaky_relu", "Elu": "elu", "Softmax": "softmax",
-               "LogSoftmax": "log_softmax"}
+               "LogSoftmax": "log_softmax", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Erf": "erf", "Pow": "pow",
+               "Neg": "neg", "Abs": "abs", "Reciprocal": "reciprocal"}
 BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div"}
 FLOAT_TYPES = {1, 10, 11, 16}  # float, float16, double, bfloat16
 
@@ -123,6 +124,9 @@ def import_onnx(path, *, input_shape=None, bytes_per_element: int = 4, trainable
                     producer[out] = producer[acts[0]]
             continue
         if op_type == "Add" and node.output[0] in fused:
+            continue
+        if op_type == "Gather" and node.input[0] in producer:  # indexing an activation: x[:, 0]
+            producer[node.output[0]] = producer[node.input[0]]
             continue
         out = node.output[0]
         out_shape = shape_of(out, f"{op_type} {node.name!r}")

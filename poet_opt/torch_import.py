@@ -311,7 +311,9 @@ def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_co
             "in+out", [], []  # flash attention keeps q, k, v and its output
     functional = {"relu": "relu", "relu_": "relu", "relu6": "relu6", "gelu": "gelu", "tanh": "tanh",
                   "sigmoid": "sigmoid", "silu": "silu", "hardswish": "hardswish", "hardsigmoid": "hardsigmoid",
-                  "leaky_relu": "leaky_relu", "elu": "elu", "softmax": "softmax", "log_softmax": "log_softmax"}
+                  "leaky_relu": "leaky_relu", "elu": "elu", "softmax": "softmax", "log_softmax": "log_softmax",
+                  "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "sqrt", "erf": "erf", "pow": "pow",
+                  "neg": "neg", "abs": "abs", "reciprocal": "reciprocal"}
     if fn in functional:
         per, saves = ELEMENTWISE[functional[fn]]
         return functional[fn], float(per * out), saves, [], []
@@ -327,7 +329,7 @@ def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_co
     if fn in ("max_pool1d", "max_pool2d", "max_pool3d"):
         k = n.args[1] if len(n.args) > 1 else n.kwargs.get("kernel_size")
         return "maxpool", float(out * _window(k, value.dim() - 2)), "in", [], []
-    if fn in ("avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "mean"):
+    if fn in ("avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "mean", "sum"):
         return "avgpool", float(values[act_inputs[0]].numel()), "", [], []
     if fn in ("adaptive_max_pool2d", "amax", "max"):
         return "maxpool", float(values[act_inputs[0]].numel()), "in", [], []

@@ -16,6 +16,7 @@ from poet_opt.errors import PoetError  # noqa: E402
 from poet_opt.examples import torch_models  # noqa: E402
 from poet_opt.onnx_import import import_onnx  # noqa: E402
 from poet_opt.torch_import import import_torch  # noqa: E402
+from poet_opt.zoo import build_model  # noqa: E402
 
 
 def export_for_training(module, shape, path, **kwargs):
@@ -45,6 +46,8 @@ def test_resnet18_same_graph_from_torch_and_onnx(resnet18, tmp_path):
     assert sum(n.bytes for n in from_onnx.nodes) == sum(n.bytes for n in from_torch.nodes)
     assert signature(from_onnx) == signature(from_torch)
     assert [n.flops for n in from_onnx.nodes] == pytest.approx([n.flops for n in from_torch.nodes])
+    # and the zoo's, batch of two included
+    assert signature(from_onnx) == signature(build_model("resnet18-cifar", batch_size=2, trainable="last:3"))
 
 
 def test_inverted_residual_same_graph_from_torch_and_onnx(tmp_path):
