@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     print(f"{args.model} on {', '.join(args.device)}, {args.points} budgets {args.ram_from}..{args.ram_to}, "
           f"time limit {args.time_limit:g} s/point, gap {args.gap:g}, jobs {args.jobs}")
     print(f"{'device':<10} {'mode':<7} {'RAM':>9} {'status cold/warm':<22} {'cold s':>8} {'warm s':>8} "
-          f"{'warm/cold':>9}  energy warm/cold")
+          f"{'warm/cold':>9}  {'gap cold/warm':<17} energy warm/cold")
     mismatches = 0
     for c, w in zip(cold, warm):
         assert (c["device"], c["mode"], c["ram_bytes"]) == (w["device"], w["mode"], w["ram_bytes"])
@@ -65,8 +65,10 @@ def main(argv=None) -> int:
                 mismatches += 1
             elif not proven:
                 energy += "  (time limit)"
+        gaps = "/".join("-" if r["gap"] is None else f"{r['gap']:.2g}" for r in (c, w))
         print(f"{c['device']:<10} {c['mode']:<7} {format_bytes(c['ram_bytes']):>9} "
-              f"{c['status'] + '/' + w['status']:<22} {c['solve_s']:>8.2f} {w['solve_s']:>8.2f} {ratio:>9}  {energy}")
+              f"{c['status'] + '/' + w['status']:<22} {c['solve_s']:>8.2f} {w['solve_s']:>8.2f} {ratio:>9}  "
+              f"{gaps:<17} {energy}")
     cold_s = sum(r["solve_s"] for r in cold)
     warm_s = sum(r["solve_s"] for r in warm)
     print(f"solve seconds: cold {cold_s:.1f}, warm {warm_s:.1f}, warm/cold {warm_s / cold_s:.2f}")

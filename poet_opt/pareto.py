@@ -229,11 +229,11 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
         name = model_name or model_or_graph.name
 
     series = []  # (device, mode) in the order given; each runs from its smallest budget up
-    for device, profile in zip(devices, profiles):
+    for profile in profiles:
         for mode in modes:
             series.append([{
                 "model": model_or_graph, "model_kwargs": model_kwargs, "model_name": name,
-                "device": device if isinstance(device, (str, os.PathLike)) else profile,
+                "device": profile,  # loaded here: a Dask worker need not see the user's YAML file
                 "device_name": profile.name, "mode": mode, "ram": ram, "runtime": runtime,
                 "time_limit": time_limit, "gap": gap, "series": len(series), "warm": warm,
             } for ram in budgets])

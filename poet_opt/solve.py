@@ -164,6 +164,8 @@ def _cheapest_start(form: Formulation, warm, candidates):
     """The MIP start: the caller's plan if it fits this problem, unless the first heuristic plan that
     fits costs less energy (a solver gets one start, and the better incumbent prunes more)."""
     heuristic = next((x for x in map(form.encode, candidates) if x is not None), None)
+    if heuristic is not None and form.milp.c @ heuristic <= 0:
+        return heuristic  # plain training fits: nothing can beat it, so skip encoding the other plan
     try:
         given = None if warm is None else form.encode(warm)
     except (IndexError, TypeError, ValueError):  # a plan for some other graph: no start at all
