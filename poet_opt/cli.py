@@ -348,11 +348,13 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
         report = None
     elif sys.stderr.isatty():
         total = len(rams) * len(profiles) * len(mode_list)
-        bar = click.progressbar(length=total, label="solving", show_eta=True, show_pos=True, file=sys.stderr)
+        bar = click.progressbar(length=total, label="solving", show_eta=True, show_pos=True, file=sys.stderr,
+                                item_show_func=lambda row: row and f"{row['device']} {row['mode']} "
+                                f"{format_bytes(row['ram_bytes'])}: {row['status']}")
         bar.__enter__()
 
         def report(done, total, row):
-            bar.update(1)
+            bar.update(1, current_item=row)
     else:
         def report(done, total, row):
             energy = "" if row["energy_j"] is None else f" {format_joules(row['energy_j'])}"
