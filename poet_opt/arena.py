@@ -170,7 +170,8 @@ def plan_arena(doc: dict) -> ArenaPlan:
     intervals, step_interval = resident_intervals(doc)
     near = _neighbours(intervals)
     bound = padded_lower_bound(intervals, alignment)
-    arena_bytes, strategy, offsets, order = _best_placement(intervals, near, alignment, bound)
+    arena_bytes, name, offsets, order = _best_placement(intervals, near, alignment, bound)
+    strategy = f"{name} order"
     if arena_bytes > bound:
         budget = (doc.get("budgets") or {}).get("ram_bytes")
         arena_bytes, offsets, moves = _local_search(intervals, near, alignment, bound, order, offsets, SEARCH_WORK)
@@ -179,7 +180,7 @@ def plan_arena(doc: dict) -> ArenaPlan:
                                                        STRONG_SEARCH_WORK, seed=1)
             moves += more
         if moves:
-            strategy = f"{strategy} + {moves} local-search moves"
+            strategy += f", then {moves} local-search moves"
     peak = live_peak(intervals)
 
     nodes = doc["graph"]["nodes"]

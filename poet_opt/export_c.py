@@ -94,7 +94,7 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
         f"storage {budgets['storage_bytes']} B",
         f"energy {totals['energy_j']:.6g} J per training step (compute {totals['compute_j']:.6g} J, "
         f"page in {totals['page_in_j']:.6g} J, page out {totals['page_out_j']:.6g} J), runtime {totals['runtime_s']:.6g} s",
-        f"arena {plan.arena_bytes} B for a live peak of {plan.live_peak_bytes} B ({plan.ratio:.4f}x, {plan.strategy} order)",
+        f"arena {plan.arena_bytes} B for a live peak of {plan.live_peak_bytes} B ({plan.ratio:.4f}x, {plan.strategy})",
         f"flash {flash.flash_bytes} B, {flash.bytes_written_per_step} B written per training step, "
         f"flash lifetime {lifetime}",
         f"solver {solver.get('backend')} {solver.get('status')}, gap "
