@@ -468,6 +468,25 @@ def test_runtime_builds_for_cortex_m4(tmp_path, case, defines):
         assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
+def test_two_plans_with_their_own_prefixes_share_one_runtime(tmp_path):
+    from poet_opt.arena import plan_arena, plan_flash
+    from poet_opt.export_c import render_header
+
+    docs = {}
+    for prefix, name in (("MLP_", "mlp"), ("RES_", "mlp-residual")):
+        graph = build_model(name, input_shape=(FEATURES,), batch_size=BATCH)
+        docs[prefix] = solve(graph, exec_profile(1.0), ram=graph.plain_peak_bytes(), time_limit=20).to_dict()
+        (tmp_path / f"{name}.h").write_text(render_header(docs[prefix], plan_arena(docs[prefix]),
+                                                          plan_flash(docs[prefix]), prefix=prefix))
+    (tmp_path / "two.c").write_text(
+        '#include "mlp.h"\n#include "mlp-residual.h"\n#include "poet_runtime.h"\n'
+        "POET_RT_DEFINE_PLAN(mlp_plan, MLP_);\nPOET_RT_DEFINE_PLAN(res_plan, RES_);\n"
+        "unsigned total_steps(void) { return mlp_plan.num_steps + res_plan.num_steps; }\n")
+    done = subprocess.run([GCC, *STRICT, "-I", str(tmp_path), "-I", str(RUNTIME), "-c", str(tmp_path / "two.c"),
+                           "-o", str(tmp_path / "two.o")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
 # ---------------------------------------------------------------- the checked-in examples
 
 EXAMPLES = ROOT / "schedules" / "examples"
