@@ -171,15 +171,27 @@ def _run(torch, module, graph, shape):
 
     was_training = module.training
     module.eval()
+    dtype = torch.long if _reads_token_ids(torch, graph, module) else torch.float32
     try:
         with torch.no_grad():
-            Recorder(gm).run(torch.zeros(shape))
+            Recorder(gm).run(torch.zeros(shape, dtype=dtype))
     except Exception as exc:
         raise PoetError(f"running {type(module).__name__} on an input of shape {tuple(shape)} failed: "
                         f"{_one_line(exc)}", field="--input-shape") from None
     finally:
         module.train(was_training)
     return values
+
+
+def _reads_token_ids(torch, graph, module) -> bool:
+    """A network whose input goes straight into an embedding takes integer token ids."""
+    modules = dict(module.named_modules())
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            return any((u.op == "call_module" and isinstance(modules.get(u.target), torch.nn.Embedding))
+                       or (u.op == "call_function" and getattr(u.target, "__name__", "") == "embedding")
+                       for u in n.users)
+    return False
 
 
 def _lower(torch, module, shape, known_costs) -> tuple[OpList, int]:
@@ -212,12 +224,12 @@ def _lower(torch, module, shape, known_costs) -> tuple[OpList, int]:
         if lowered == "alias":
             producer[n] = producer[act_inputs[0]]
             continue
-        op, flops, saves, module_params, extra_inputs = lowered
+        op, flops, saves, module_params = lowered
         params = _count_params(torch, module_params + _attr_params(module, n), seen_params)
         if not isinstance(value, torch.Tensor):
             raise PoetError(f"node {_name(n)!r} ({op}) returns a {type(value).__name__}, not a tensor; poet-opt "
                             "follows single-tensor operators", field=FIELD)
-        inputs = [producer[a] for a in act_inputs] + extra_inputs
+        inputs = [producer[a] for a in act_inputs]
         producer[n] = ops.add(_name(n), op, inputs, value.shape, flops, params, saves)
     if output is None:
         raise PoetError("the traced module has no output", field=FIELD)
@@ -277,7 +289,7 @@ def _callable_name(n) -> str:
 
 def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_costs):
     """-> None (not an activation), "alias" (a view of its first input), or
-    (op, flops, saves, parameters it owns, extra input op ids)."""
+    (op, flops, saves, parameters it owns)."""
     if n.op == "call_module":
         return _lower_module(torch, n, modules[n.target], value, act_inputs, values, known_costs)
     fn = _callable_name(n)
@@ -286,7 +298,7 @@ def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_co
                                            torch.nn.functional.dropout, operator.getitem):
         if fn in ("reshape", "contiguous", "flatten", "clone") and isinstance(value, torch.Tensor) \
                 and not _shares_storage(value, values.get(act_inputs[0])):
-            return "copy", 0.0, "", [], []  # PyTorch copied a non-contiguous tensor: a real tensor
+            return "copy", 0.0, "", []  # PyTorch copied a non-contiguous tensor: a real tensor
         return "alias"
     if fn == "dropout":
         return "alias"
@@ -298,17 +310,17 @@ def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_co
         both = len(act_inputs) == 2
         # d(a*b)/da reads b: a product of two activations keeps the other operand
         saves = "other" if both and kind in ("mul", "div") else ""
-        return kind, float(out), saves, [], []
+        return kind, float(out), saves, []
     if fn in ("cat", "concat", "concatenate", "stack"):
-        return "concat", float(out), "", [], []
+        return "concat", float(out), "", []
     if fn in ("matmul", "bmm", "mm"):
         a = values[n.args[0]]
-        return "matmul", 2.0 * out * a.shape[-1], "other", [], []
+        return "matmul", 2.0 * out * a.shape[-1], "other", []
     if fn == "scaled_dot_product_attention":
         q, k, v = (values[a] for a in n.args[:3])
         batch_heads = q.numel() // (q.shape[-2] * q.shape[-1])
         return "attention", attention_flops(batch_heads, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]), \
-            "in+out", [], []  # flash attention keeps q, k, v and its output
+            "in+out", []  # flash attention keeps q, k, v and its output
     functional = {"relu": "relu", "relu_": "relu", "relu6": "relu6", "gelu": "gelu", "tanh": "tanh",
                   "sigmoid": "sigmoid", "silu": "silu", "hardswish": "hardswish", "hardsigmoid": "hardsigmoid",
                   "leaky_relu": "leaky_relu", "elu": "elu", "softmax": "softmax", "log_softmax": "log_softmax",
@@ -316,27 +328,27 @@ def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_co
                   "neg": "neg", "abs": "abs", "reciprocal": "reciprocal"}
     if fn in functional:
         per, saves = ELEMENTWISE[functional[fn]]
-        return functional[fn], float(per * out), saves, [], []
+        return functional[fn], float(per * out), saves, []
     if fn in ("layer_norm", "batch_norm", "group_norm", "instance_norm"):
-        return fn.replace("_", ""), norm_flops(out), "in", [], []
+        return fn.replace("_", ""), norm_flops(out), "in", []
     if fn == "linear":
-        return "linear", 2.0 * out * values[n.args[0]].shape[-1], "", [], []
+        return "linear", 2.0 * out * values[n.args[0]].shape[-1], "", []
     if fn in ("conv1d", "conv2d", "conv3d"):
         weight = values.get(n.args[1]) if len(n.args) > 1 else None
         if not isinstance(weight, torch.Tensor):
             raise PoetError(f"cannot read the weight of {_name(n)!r} ({fn})", field=FIELD)
-        return fn, 2.0 * out * weight[0].numel(), "", [], []
+        return fn, 2.0 * out * weight[0].numel(), "", []
     if fn in ("max_pool1d", "max_pool2d", "max_pool3d"):
         k = n.args[1] if len(n.args) > 1 else n.kwargs.get("kernel_size")
-        return "maxpool", float(out * _window(k, value.dim() - 2)), "in", [], []
+        return "maxpool", float(out * _window(k, value.dim() - 2)), "in", []
     if fn in ("avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "mean", "sum"):
-        return "avgpool", float(values[act_inputs[0]].numel()), "", [], []
+        return "avgpool", float(values[act_inputs[0]].numel()), "", []
     if fn in ("adaptive_max_pool2d", "amax", "max"):
-        return "maxpool", float(values[act_inputs[0]].numel()), "in", [], []
+        return "maxpool", float(values[act_inputs[0]].numel()), "in", []
     if fn == "embedding":
-        return "embedding", float(out), "", [], []
+        return "embedding", float(out), "", []
     unsupported(fn, _name(n), known_costs, FIELD)
-    return fn, 0.0, "in", [], []
+    return fn, 0.0, "in", []
 
 
 def _shares_storage(a, b) -> bool:
@@ -367,35 +379,35 @@ def _lower_module(torch, n, m, value, act_inputs, values, known_costs):
     x = values[act_inputs[0]]
     if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         per_output = (m.in_channels // m.groups) * elements(m.kernel_size)
-        return f"conv{len(m.kernel_size)}d", 2.0 * out * per_output, "", params, []
+        return f"conv{len(m.kernel_size)}d", 2.0 * out * per_output, "", params
     if isinstance(m, nn.Linear):
-        return "linear", 2.0 * out * m.in_features, "", params, []
+        return "linear", 2.0 * out * m.in_features, "", params
     if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
-        return "batchnorm", norm_flops(out), "in", params, []
+        return "batchnorm", norm_flops(out), "in", params
     if isinstance(m, nn.LayerNorm):
-        return "layernorm", norm_flops(out), "in", params, []
+        return "layernorm", norm_flops(out), "in", params
     if isinstance(m, nn.GroupNorm):
-        return "groupnorm", norm_flops(out), "in", params, []
+        return "groupnorm", norm_flops(out), "in", params
     if isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
-        return "instancenorm", norm_flops(out), "in", params, []
+        return "instancenorm", norm_flops(out), "in", params
     activations = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.GELU: "gelu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
                    nn.SiLU: "silu", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid",
                    nn.LeakyReLU: "leaky_relu", nn.ELU: "elu", nn.Softmax: "softmax", nn.LogSoftmax: "log_softmax"}
     for cls, op in activations.items():
         if isinstance(m, cls):
             per, saves = ELEMENTWISE[op]
-            return op, float(per * out), saves, params, []
+            return op, float(per * out), saves, params
     if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
-        return "maxpool", float(out * _window(m.kernel_size, value.dim() - 2)), "in", params, []
+        return "maxpool", float(out * _window(m.kernel_size, value.dim() - 2)), "in", params
     if isinstance(m, (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)):
-        return "maxpool", float(x.numel()), "in", params, []
+        return "maxpool", float(x.numel()), "in", params
     if isinstance(m, (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
-        return "avgpool", float(out * _window(m.kernel_size, value.dim() - 2)), "", params, []
+        return "avgpool", float(out * _window(m.kernel_size, value.dim() - 2)), "", params
     if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
-        return "avgpool", float(x.numel()), "", params, []
+        return "avgpool", float(x.numel()), "", params
     if isinstance(m, nn.Embedding):
-        return "embedding", float(out), "", params, []
+        return "embedding", float(out), "", params
     op = type(m).__name__
     unsupported(op, str(n.target), known_costs, FIELD)
-    return op, 0.0, "in", params, []
+    return op, 0.0, "in", params
 
