@@ -43,7 +43,7 @@ import scipy.sparse as sp
 from .costs import NodeCosts
 from .formulation import MODES, Budgets, Decisions, Milp, horizons
 from .graph import TrainingGraph
-from .schedule import Schedule, build_steps, plain_decisions, totals_of
+from .schedule import Schedule, build_steps, totals_of
 from .solvers import SolveResult, solve_milp
 from . import validator
 
@@ -281,24 +281,30 @@ class DenseFormulation:
         x[self.oD:self.oD + T * T] = D.ravel()
         x[self.oIn:self.oIn + T * T] = In.ravel()
         x[self.oOut:self.oOut + T * T] = Out.ravel()
+        # FREE exactly where no hazard is left, and U from the memory equalities, all at once
+        edges = np.array(g.edges, dtype=np.int64).reshape(-1, 2)
+        src, dst = edges[:, 0], edges[:, 1]
+        E = len(edges)
         users = g.users()
-        for e, (i, k) in enumerate(g.edges):
-            for t in range(T):
-                hazard = (not R[t, k]) or (t + 1 < T and S[t + 1, i]) or any(R[t, j] for j in users[i] if j > k)
-                x[self.F_index[t, e]] = 0.0 if hazard else 1.0
-        # U follows from the equality rows, stage by stage
+        pair_e = [e for e, (i, k) in enumerate(edges.tolist()) for j in users[i] if j > k]
+        pair_j = [j for e, (i, k) in enumerate(edges.tolist()) for j in users[i] if j > k]
+        later = np.zeros((T, E))
+        if pair_e:
+            incidence = sp.csr_matrix((np.ones(len(pair_e)), (np.arange(len(pair_e)), pair_e)),
+                                      shape=(len(pair_e), E))
+            later = np.asarray(incidence.T @ R[:, pair_j].T.astype(float)).T  # later readers run, per (t, e)
+        kept_next = np.zeros((T, E), dtype=bool)
+        kept_next[:-1] = S[1:, src]
+        free = R[:, dst] & ~kept_next & (later == 0)
+        x[self.F_index] = free
         mem = np.array([n.bytes for n in g.nodes], dtype=float) / self.mem_unit
-        into: list[list[tuple[int, int]]] = [[] for _ in range(T)]
-        for e, (i, k) in enumerate(g.edges):
-            into[k].append((e, i))
         aligned = self.semantics == "aligned"
-        for t in range(T):
-            u = mem[0] * (R[t, 0] + (In[t, 0] if aligned else 0)) + float(mem @ S[t])
-            x[self.oU + t * T] = u
-            for k in range(T - 1):
-                u = u + mem[k + 1] * (R[t, k + 1] + (In[t, k + 1] if aligned else 0))
-                u -= sum(mem[i] * x[self.F_index[t, e]] for e, i in into[k])
-                x[self.oU + t * T + k + 1] = u
+        added = mem[None, :] * (R + (In if aligned else 0))
+        freed = np.zeros((T, T))
+        np.add.at(freed.T, dst, (free * mem[src][None, :]).T)
+        U = (S.astype(float) @ mem)[:, None] + np.cumsum(added, axis=1)
+        U[:, 1:] -= np.cumsum(freed, axis=1)[:, :-1]
+        x[self.oU:self.oU + T * T] = U.ravel()
         return x if check is False or not self.violations(x) else None
 
     def violations(self, x: np.ndarray) -> list[str]:
@@ -485,7 +491,3 @@ def solve_dense(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budget
                         replay_error=replay_error, decisions=decisions, mapped=mapped, mapped_note=mapped_note,
                         had_start=x0 is not None)
 
-
-def plain_start(graph: TrainingGraph) -> Decisions:
-    """Plain training as a dense MIP start (valid whenever it fits the RAM budget)."""
-    return plain_decisions(graph)

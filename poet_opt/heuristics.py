@@ -130,9 +130,28 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             found.append(greedy_paging(graph, costs, budgets))
         if mode in ("joint", "remat"):
             found.append(greedy_checkpointing(graph, costs, budgets))
+            found += _fitting_baselines(graph, costs, budgets)
         found = [d for d in found if d is not None]
 
     def energy(d):
         return totals_of(graph, costs, build_steps(graph, d))["energy_j"]
 
     return sorted(found, key=energy)
+
+
+def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> list[Decisions]:
+    """The DTR and sqrt(n) baselines' plans where they fit: the benchmark showed a time-limited
+    solve ending above DTR's energy when the greedy starts were worse than it, and the solver
+    must never lose to a baseline it could have started from."""
+    from .baselines import dtr_decisions, sqrt_n_decisions, without_idle_keeps
+
+    plans = [sqrt_n_decisions(graph), dtr_decisions(graph, costs, budgets.ram_bytes)]
+    fitting = []
+    for d in plans:
+        if d is None:
+            continue
+        d = without_idle_keeps(graph, d)
+        totals = totals_of(graph, costs, build_steps(graph, d))
+        if totals["peak_ram_bytes"] <= budgets.ram_bytes and totals["runtime_s"] <= budgets.runtime_s:
+            fitting.append(d)
+    return fitting
