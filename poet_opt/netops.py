@@ -134,8 +134,8 @@ def unsupported(op: str, node: str, known_costs: frozenset, field: str) -> None:
     if op in known_costs or node in known_costs:
         return
     raise PoetError(f"operator {op!r} (node {node!r}) has no FLOP rule in poet-opt; give its measured time in a "
-                    f"--costs file (a row named {node!r} or {op!r}, and one for its backward "
-                    f"'grad:{node}' or '{op}_grad'; docs/importers.md)", field=field)
+                    f"--costs file, a row named {node!r} or {op!r} (back-propagating through it is part of its "
+                    "input's gradient node, grad:INPUT, which can have a row too; docs/importers.md)", field=field)
 
 
 def elements(shape: Sequence[int]) -> int:

@@ -76,6 +76,13 @@ def test_transformer_block_with_the_onnx_attention_operator(tmp_path):
     attention = [n for n in from_onnx.nodes if n.op == "attention"]
     assert len(attention) == 1
     assert attention[0].flops == pytest.approx(next(n.flops for n in from_torch.nodes if n.op == "attention"))
+    # the TorchScript exporter spells attention out: two scalings, scores, softmax, context
+    legacy_path = tmp_path / "block_legacy.onnx"
+    export_for_training(module, (1, 16, 64), legacy_path)
+    legacy = import_onnx(legacy_path)
+    forward = [n for n in legacy.nodes if n.kind == "forward"]
+    assert [n.op for n in forward].count("matmul") == 2 and len(legacy) == len(from_torch) + 2 * 4
+    assert next(n for n in forward if n.op == "softmax").bytes == 1 * 4 * 16 * 16 * 4  # the scores exist here
 
 
 def test_symbolic_input_needs_a_shape_and_the_error_names_the_tensor(tmp_path):

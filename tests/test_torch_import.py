@@ -196,7 +196,7 @@ def test_users_own_file_with_an_unsupported_operator_solves_with_measured_costs(
         "def build():\n"
         "    return Net()\n")
     costs = tmp_path / "costs.csv"
-    costs.write_text("name,time_s,energy_j\ncumsum,0.001,0.004\ncumsum_grad,0.002,\n")
+    costs.write_text("name,time_s,energy_j\ncumsum,0.001,0.004\ngrad:fc1,0.002,\n")
     args = ["solve", "--torch", f"{tmp_path / 'mynet.py'}:build", "--input-shape", "8,16", "--device", "rpi4",
             "--ram", "64KB", "--json", "-q"]
     result = CliRunner().invoke(main, args)
