@@ -73,7 +73,9 @@ def import_onnx(path, *, input_shape=None, bytes_per_element: int = 4, trainable
             dim.ClearField("dim_param")
             dim.dim_value = size
     try:
-        model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        # not strict: an operator inference cannot follow leaves its outputs without a shape, and the
+        # error below names the first such tensor poet-opt needs
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception as exc:
         raise PoetError(f"ONNX shape inference failed: {' '.join(str(exc).split())[:300]}", source=source,
                         field=FIELD) from None
@@ -83,11 +85,14 @@ def import_onnx(path, *, input_shape=None, bytes_per_element: int = 4, trainable
         tensor_type = info.type.tensor_type
         if tensor_type.HasField("shape"):
             shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim)
-    shapes.update(weights)
     constants = set(weights)
     for node in graph.node:
         if node.op_type == "Constant":
             constants.update(node.output)
+            for attr in node.attribute:  # some exporters store weights as Constant nodes
+                if attr.name == "value":
+                    weights[node.output[0]] = tuple(attr.t.dims)
+    shapes.update(weights)
 
     def shape_of(tensor: str, producer: str) -> tuple[int, ...]:
         dims = shapes.get(tensor)
@@ -137,7 +142,7 @@ def import_onnx(path, *, input_shape=None, bytes_per_element: int = 4, trainable
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         saves, flops = "", 0.0
         if op_type == "Conv":
-            w = weights.get(node.input[1]) or shapes.get(node.input[1])
+            w = weights.get(node.input[1]) or shape_of(node.input[1], label)
             kind, flops = f"conv{len(w) - 2}d", 2.0 * out_elems * math.prod(w[1:])
         elif op_type == "Gemm":
             a = shape_of(node.input[0], label)

@@ -114,3 +114,20 @@ def test_unsupported_onnx_operator_and_cli_errors(tmp_path):
     (tmp_path / "junk.onnx").write_bytes(b"\x00not a model")
     result = runner.invoke(main, base + ["--onnx", str(tmp_path / "junk.onnx")])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_tensor_shape_inference_cannot_follow_is_named(tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+         helper.make_node("Mystery", ["a"], ["b"], name="mystery", domain="vendor.ops"),
+         helper.make_node("Relu", ["b"], ["y"], name="relu2")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("vendor.ops", 1)])
+    path = tmp_path / "mystery.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(PoetError) as err:
+        import_onnx(path)
+    assert "tensor 'b'" in str(err.value) and "Mystery" in str(err.value)
