@@ -299,12 +299,20 @@ def _table(rows) -> str:
 @click.option("--warm/--no-warm", default=True, show_default=True,
               help="start each point from the schedule of the next smaller budget")
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--input-shape", default=None, help="zoo models: input shape without the batch, e.g. 3x64x64")
+@click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
+@click.option("--onnx", "onnx_file", type=click.Path(dir_okay=False), default=None, help="an ONNX model file")
+@click.option("--input-shape", default=None, help="zoo models: input shape without the batch, e.g. 3x64x64; "
+              "--torch/--onnx: the whole input, batch first, e.g. 1,3,32,32")
+@click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
+@click.option("--optimizer", type=click.Choice(["none", "sgd", "adam"]), default="none", show_default=True)
+@click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
+              help="measured per-layer time/energy, CSV or YAML")
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="directory for the CSVs and plots")
 @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
 @_one_line_errors
 def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runtime, modes, time_limit, gap, jobs,
-           scheduler, warm, batch_size, input_shape, out_dir, quiet):
+           scheduler, warm, batch_size, torch_spec, onnx_file, input_shape, trainable, optimizer, costs_file, out_dir,
+           quiet):
     """Sweep RAM budgets and plot the energy-memory Pareto front (docs/pareto.md)."""
     from . import pareto as pf
     from .profiles import load_profile
@@ -329,8 +337,13 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
     if jobs is not None and jobs < 1:
         raise PoetError(f"must be at least 1, got {jobs}", field="--jobs")
     profiles = [load_profile(d) for d in devices]
-    if graph_file:
-        subject, _name = load_graph(None, graph_file, batch_size=batch_size, bytes_per_element=4)
+    built_once = graph_file or torch_spec or onnx_file or costs_file or optimizer != "none" or trainable != "all"
+    if built_once:
+        # one graph for every device, sized with the first device's bytes per element
+        subject, _name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
+                                    bytes_per_element=4 if graph_file else profiles[0].memory.bytes_per_element,
+                                    torch=torch_spec, onnx=onnx_file, trainable=trainable, costs=costs_file,
+                                    optimizer=optimizer)
         kwargs = {}
     else:
         load_graph(model, None, batch_size=batch_size, input_shape=input_shape,
@@ -362,7 +375,7 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
                        f"{row['status']}{energy} ({row['solve_s']:.1f} s)", err=True)
     try:
         rows = pf.sweep(subject, devices, rams, runtime=runtime, modes=mode_list, time_limit=time_limit, gap=gap,
-                        jobs=jobs, progress=report, model_kwargs=kwargs, model_name=None if graph_file else model,
+                        jobs=jobs, progress=report, model_kwargs=kwargs, model_name=None if built_once else model,
                         warm=warm, scheduler=client)
     finally:
         if bar is not None:

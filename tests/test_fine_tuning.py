@@ -158,3 +158,12 @@ def test_optimizer_through_the_sources_and_cli():
     assert result.exit_code == 0, result.output
     assert "optimizer state" in result.output
     assert math.isfinite(graph.nodes[-1].flops)
+
+
+def test_pareto_sweeps_a_partially_fine_tuned_graph(tmp_path):
+    result = CliRunner().invoke(main, ["pareto", "--model", "mlp", "--trainable", "last:1", "--optimizer", "sgd",
+                                       "--device", "rpi4", "--ram", "64KB,1MB", "--jobs", "1", "--time-limit", "10",
+                                       "-o", str(tmp_path / "front"), "-q"])
+    assert result.exit_code == 0, result.output
+    rows = (tmp_path / "front" / "pareto.csv").read_text().splitlines()
+    assert len(rows) == 3 and "mlp" in rows[1]
