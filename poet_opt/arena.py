@@ -353,5 +353,6 @@ def check_fits(doc: dict, plan: ArenaPlan, *, source: str | None = None) -> None
     budget = doc["budgets"]["ram_bytes"]
     if budget is not None and plan.arena_bytes > budget:
         raise PoetError(f"the static arena needs {plan.arena_bytes:,} B, more than the RAM budget {int(budget):,} B "
-                        f"(live peak {plan.live_peak_bytes:,} B; fragmentation {plan.ratio:.3f}x); solve with a "
-                        f"smaller --ram to leave room for the arena's fragmentation", source=source)
+                        f"(live peak {plan.live_peak_bytes:,} B; fragmentation {plan.ratio:.3f}x); solve again with "
+                        f"--export, which tightens the budget until the arena fits, or with a smaller --ram",
+                        source=source)
