@@ -96,12 +96,15 @@ def test_padding_lower_bound():
     assert plan.lower_bound_bytes == max(by_step)
 
 
-def test_fragmented_plan_at_its_budget_exports_without_a_resolve(test_device, fragmented_graph):
+def test_fragmented_plan_at_its_budget_exports_within_it(test_device, fragmented_graph):
     budget = fragmented_graph.plain_peak_bytes()
     result = solve_for_export(fragmented_graph, test_device, ram=budget, time_limit=20, threads=1)
     doc = result.schedule.to_dict()
     validate(doc)
     assert result.rounds[0]["live_peak_bytes"] == budget  # right at the budget: no room to fragment
+    if len(result.rounds) == 1 and doc["steps"] == build_steps(fragmented_graph, plain_decisions(fragmented_graph)):
+        # the optimum here is plain training, whose classic layout overshoots: the search fitted it
+        assert classic_arena(doc) > budget
     assert result.arena.arena_bytes <= budget == doc["budgets"]["ram_bytes"]
     check_no_overlap(result.arena)
 
