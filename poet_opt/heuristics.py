@@ -119,6 +119,9 @@ def greedy_checkpointing(graph: TrainingGraph, costs: NodeCosts, budgets: Budget
                          candidate=lambda i: not graph.nodes[i].is_backward, cost=lambda i: costs.compute_j[i])
 
 
+REPLAYING_GREEDY_MAX_NODES = 600
+
+
 def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str) -> list[Decisions]:
     """Heuristic schedules valid for this mode and these budgets, cheapest first."""
     found = []
@@ -126,10 +129,15 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     if graph.plain_peak_bytes() <= budgets.ram_bytes:
         found.append(plain)
     else:
-        if mode in ("joint", "paging"):
+        found.append(gap_plan(graph, costs, budgets, allow_paging=mode != "remat", allow_remat=mode != "paging"))
+        # The replaying greedy loops re-run the whole plan per step (their keep sets grow with the
+        # square of the graph): minutes at 1000 nodes, where gap_plan alone takes seconds.
+        small = len(graph) <= REPLAYING_GREEDY_MAX_NODES
+        if mode in ("joint", "paging") and small:
             found.append(greedy_paging(graph, costs, budgets))
         if mode in ("joint", "remat"):
-            found.append(greedy_checkpointing(graph, costs, budgets))
+            if small:
+                found.append(greedy_checkpointing(graph, costs, budgets))
             found += _fitting_baselines(graph, costs, budgets)
         found = [d for d in found if d is not None]
 
@@ -155,3 +163,109 @@ def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets)
         if totals["peak_ram_bytes"] <= budgets.ram_bytes and totals["runtime_s"] <= budgets.runtime_s:
             fitting.append(d)
     return fitting
+
+
+def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_paging: bool = True,
+             allow_remat: bool = True) -> Decisions | None:
+    """Plain training, except that a tensor may leave RAM in a *gap* between two stages that touch
+    it (make or read it), and come back for the stage after the gap: paged in (it is paged out once,
+    right after it is made), or recomputed there when it is a forward node whose inputs are all in
+    RAM in that stage anyway (they are then pinned there). While RAM peaks over budget, drop the gap
+    over the peak stage that frees the most bytes per joule, by its cheaper way back; then put back,
+    dearest first, every dropped gap that still fits.
+
+    Finer than greedy_paging (which pages a tensor in for every reader, even the forward reader right
+    after it) and fast at any size: recomputed nodes only read resident inputs, so RAM in use within
+    a stage peaks when its own node runs, and the plan's peak is the largest per-stage sum of resident
+    tensors, kept in one array and updated per dropped gap. The plan is replayed once at the end, so a
+    mismatch fails safely (None)."""
+    import numpy as np
+
+    nodes, T = graph.nodes, len(graph)
+    size = np.array([n.bytes for n in nodes], dtype=np.int64)
+    users, last = graph.users(), graph.last_use()
+    live = np.zeros(T + 1, dtype=np.int64)
+    owner, gap_a, gap_b = [], [], []
+    for i in range(T):
+        live[i] += size[i]
+        live[last[i] + 1] -= size[i]
+        touches = sorted({i, *users[i]})
+        for a, b in zip(touches, touches[1:]):
+            if b - a >= 2 and size[i] > 0:  # a gap with stages inside it
+                owner.append(i), gap_a.append(a), gap_b.append(b)
+    live = np.cumsum(live)[:T]
+    if live.max(initial=0) <= budgets.ram_bytes:
+        return plain_decisions(graph)
+    owner, gap_a, gap_b = np.array(owner, dtype=np.int64), np.array(gap_a), np.array(gap_b)
+    n_gaps = len(owner)
+    how = np.zeros(n_gaps, dtype=np.int8)  # 0 kept, 1 paged in after the gap, 2 recomputed after it
+    paged_out = np.zeros(T, dtype=bool)
+    gap_bytes = size[owner].astype(float)
+    page_in_j, page_out_j = costs.page_in_j[owner], costs.page_out_j[owner]
+    away: dict[int, list[tuple[int, int]]] = {}  # tensor -> dropped gaps (a, b)
+    pins: dict[int, list[int]] = {}  # tensor -> stages in which a recomputation reads it
+
+    def resident(d, t):
+        return d <= t <= last[d] and not any(a < t < b for a, b in away.get(d, ()))
+
+    def recomputable(i, b):
+        return (allow_remat and not nodes[i].is_backward
+                and all(resident(d, b) for d in nodes[i].deps))
+
+    while True:
+        t = int(np.argmax(live))
+        if live[t] <= budgets.ram_bytes:
+            break
+        cand = np.flatnonzero((how == 0) & (gap_a < t) & (t < gap_b))
+        best = None
+        for g in cand.tolist():
+            i, a, b = int(owner[g]), int(gap_a[g]), int(gap_b[g])
+            if any(a < p < b for p in pins.get(i, ())):
+                continue
+            options = []
+            if allow_paging:
+                options.append((page_in_j[g] + (0.0 if paged_out[i] else page_out_j[g]), 1))
+            if recomputable(i, b):
+                options.append((float(costs.compute_j[i]), 2))
+            for joules, way in options:
+                score = (gap_bytes[g] / joules if joules > 0 else np.inf, gap_bytes[g])
+                if best is None or score > best[0]:
+                    best = (score, g, way)
+        if best is None:
+            return None
+        _, g, way = best
+        i, a, b = int(owner[g]), int(gap_a[g]), int(gap_b[g])
+        how[g] = way
+        away.setdefault(i, []).append((a, b))
+        if way == 1:
+            paged_out[i] = True
+        else:
+            for d in nodes[i].deps:
+                pins.setdefault(d, []).append(b)
+        live[a + 1:b] -= size[i]
+    # Undo drops the budget no longer needs, dearest first.
+    dropped = np.flatnonzero(how > 0).tolist()
+    dearest = sorted(dropped, key=lambda g: -(page_in_j[g] if how[g] == 1 else costs.compute_j[owner[g]]))
+    for g in dearest:
+        a, b, i = int(gap_a[g]), int(gap_b[g]), int(owner[g])
+        if live[a + 1:b].max(initial=0) + size[i] <= budgets.ram_bytes:
+            how[g] = 0
+            away[i].remove((a, b))
+            live[a + 1:b] += size[i]
+    keep, page_in, recompute, page_out = set(), set(), set(), set()
+    for g in np.flatnonzero(how > 0).tolist():
+        i, b = int(owner[g]), int(gap_b[g])
+        if how[g] == 1:
+            page_in.add((b, i))
+            page_out.add(i)
+        else:
+            recompute.add((b, i))
+    for i in range(T):
+        gone = {t for a, b in away.get(i, ()) for t in range(a + 1, b + 1)}
+        keep.update((t, i) for t in range(i + 1, last[i] + 1) if t not in gone)
+    decisions = Decisions(frozenset(recompute), frozenset(page_in), frozenset(page_out), frozenset(keep))
+    totals = totals_of(graph, costs, build_steps(graph, decisions))
+    if (totals["peak_ram_bytes"] > budgets.ram_bytes or totals["runtime_s"] > budgets.runtime_s
+            or totals["storage_bytes"] > budgets.storage_bytes):
+        return None
+    return decisions
