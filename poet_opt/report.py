@@ -25,7 +25,18 @@ def summary_dict(s: Schedule) -> dict:
         "recomputed": [names[i] for i in s.recomputed_nodes()],
         "paged": [names[i] for i in s.paged_nodes()],
         "solver": s.solver,
+        "lower_bound": _lower_bound(s),
     }
+
+
+def _lower_bound(s: Schedule) -> dict:
+    """How far the schedule can be from the best one: the solver's proven bound (its dual bound, at
+    least the LP relaxation once the root is solved, and never below plain training) and the
+    plain-training floor itself."""
+    energy, bound = s.totals["energy_j"], s.solver.get("bound")
+    floor = s.solver.get("plain_floor_j", s.plain["energy_j"])
+    return {"energy_j": energy, "bound_j": bound, "gap": s.solver.get("gap"), "plain_floor_j": floor,
+            "above_floor": _ratio(energy - floor, energy, None)}
 
 
 def summary_text(s: Schedule) -> str:
@@ -57,11 +68,12 @@ def summary_text(s: Schedule) -> str:
                  f"{_names(names, rec)}")
     lines.append(f"  paging   {_count(t['page_outs'], 'page-out')}, {_count(t['page_ins'], 'page-in')} "
                  f"({format_bytes(t['storage_bytes'])} on {s.profile.storage.kind}){_names(names, paged)}")
-    gap = solver.get("gap")
-    gap_text = "-" if gap is None else f"{100 * gap:.3g}%"
-    bound = solver.get("bound")
-    bound_text = "-" if bound is None else format_joules(bound)
-    lines.append(f"  solver   {solver['backend']} {solver['status']}, bound {bound_text}, gap {gap_text}, "
+    low = _lower_bound(s)
+    gap_text = "-" if low["gap"] is None else f"{100 * low['gap']:.3g}%"
+    bound_text = "-" if low["bound_j"] is None else format_joules(low["bound_j"])
+    lines.append(f"  bound    energy {format_joules(low['energy_j'])}, bound {bound_text} (gap {gap_text}), "
+                 f"plain-training floor {format_joules(low['plain_floor_j'])}")
+    lines.append(f"  solver   {solver['backend']} {solver['status']}, "
                  f"build {solver['build_s']:.2f} s, solve {solver['solve_s']:.2f} s "
                  f"({solver['variables']} variables, {solver['constraints']} constraints)")
     return "\n".join(lines)

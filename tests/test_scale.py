@@ -47,3 +47,35 @@ def test_gap_plan_pages_less_than_paging_for_every_reader():
     energy = {h.__name__: totals_of(graph, costs, build_steps(graph, h(graph, costs, budgets)))["energy_j"]
               for h in (gap_plan, greedy_paging)}
     assert energy["gap_plan"] < energy["greedy_paging"]
+
+
+def test_every_result_carries_a_lower_bound_between_the_plain_floor_and_its_energy():
+    from poet_opt.report import summary_dict, summary_text
+    from poet_opt.solve import solve
+
+    graph = random_training_graph(8, 1)
+    device = make_test_device()
+    for backend in ("highs", "cbc"):  # CBC through PuLP reports no bound of its own: the floor remains
+        schedule = solve(graph, device, ram=21504, gap=0, backend=backend, time_limit=20)
+        solver, energy = schedule.solver, schedule.totals["energy_j"]
+        floor = node_costs(graph, device).plain_energy_j
+        assert solver["plain_floor_j"] == pytest.approx(floor, rel=1e-12)
+        assert solver["bound"] is not None and floor <= solver["bound"] <= energy
+        assert energy > floor * (1 + 1e-6), "the case should need remat or paging, or the test shows nothing"
+        low = summary_dict(schedule)["lower_bound"]
+        assert low["bound_j"] == solver["bound"] and low["gap"] == solver["gap"]
+        assert low["above_floor"] == pytest.approx((energy - floor) / energy)
+        line = next(x for x in summary_text(schedule).splitlines() if x.strip().startswith("bound"))
+        assert "plain-training floor" in line and "gap" in line
+
+
+def test_a_time_limited_solve_is_bounded_by_the_floor_at_least():
+    """HiGHS stopped before its root relaxation still yields a proven gap, from plain training."""
+    from poet_opt.solve import solve
+
+    graph = build_model("resnet18-cifar")
+    schedule = solve(graph, "rpi4", ram="1.5MB", runtime="1.2x", time_limit=0.01)
+    solver = schedule.solver
+    assert solver["bound"] >= solver["plain_floor_j"]
+    assert solver["gap"] == pytest.approx((schedule.totals["energy_j"] - solver["bound"]) / schedule.totals["energy_j"])
+    assert solver["gap"] < 0.01
