@@ -7,6 +7,8 @@ heuristic starts) and warm (every point from the schedule of the budget below it
 
 Prints, per point, the solve seconds of both runs and their ratio, then the totals. Both runs use
 the same --jobs (default 1: on a shared machine a pool's timings depend on the neighbours more).
+With --repeat N the cold and warm sweeps alternate N times each and every point reports its
+median, so a burst of load from elsewhere does not land on one side only.
 Energies must agree within the gap for proven points; a point that hit the time limit in either
 run is flagged, since a time-limited point's energy depends on how far the search got.
 """
@@ -14,6 +16,7 @@ run is flagged, since a time-limited point's energy depends on how far the searc
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -29,6 +32,14 @@ def run(args, warm: bool):
     return rows, time.perf_counter() - started
 
 
+def median_rows(runs):
+    """The first run's rows with each point's solve_s replaced by its median over the runs."""
+    rows = [dict(r) for r in runs[0]]
+    for k, row in enumerate(rows):
+        row["solve_s"] = statistics.median(run[k]["solve_s"] for run in runs)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="mcu-vww")
@@ -41,14 +52,21 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=20.0)
     ap.add_argument("--gap", type=float, default=1e-3)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="alternate cold and warm sweeps this many times")
     args = ap.parse_args(argv)
     args.device = args.device or ["nrf52840"]
 
-    cold, cold_wall = run(args, warm=False)
-    warm, warm_wall = run(args, warm=True)
+    colds, warms = [], []
+    for _ in range(max(1, args.repeat)):
+        colds.append(run(args, warm=False))
+        warms.append(run(args, warm=True))
+    cold, warm = median_rows([r for r, _ in colds]), median_rows([r for r, _ in warms])
+    cold_wall = statistics.median(w for _, w in colds)
+    warm_wall = statistics.median(w for _, w in warms)
 
     print(f"{args.model} on {', '.join(args.device)}, {args.points} budgets {args.ram_from}..{args.ram_to}, "
-          f"time limit {args.time_limit:g} s/point, gap {args.gap:g}, jobs {args.jobs}")
+          f"time limit {args.time_limit:g} s/point, gap {args.gap:g}, jobs {args.jobs}, "
+          f"median of {max(1, args.repeat)} run(s) each")
     print(f"{'device':<10} {'mode':<7} {'RAM':>9} {'status cold/warm':<22} {'cold s':>8} {'warm s':>8} "
           f"{'warm/cold':>9}  {'gap cold/warm':<17} energy warm/cold")
     mismatches = 0
@@ -73,7 +91,7 @@ def main(argv=None) -> int:
     warm_s = sum(r["solve_s"] for r in warm)
     print(f"solve seconds: cold {cold_s:.1f}, warm {warm_s:.1f}, warm/cold {warm_s / cold_s:.2f}")
     print(f"wall seconds:  cold {cold_wall:.1f}, warm {warm_wall:.1f}, warm/cold {warm_wall / cold_wall:.2f}")
-    print("(a shared machine: timings are noisy; run twice before trusting a ratio near 1)")
+    print("(on a shared machine timings are noisy: use --repeat 3 or more before trusting a ratio near 1)")
     return 1 if mismatches else 0
 
 

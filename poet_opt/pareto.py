@@ -122,7 +122,7 @@ def _solve_point(task: dict, row: dict) -> dict:
 
     from .costs import node_costs
     from .profiles import load_profile
-    from .solve import plain_summary, solve
+    from .solve import plain_summary, resolve_budgets, solve
     from .units import parse_runtime
 
     try:
@@ -134,9 +134,13 @@ def _solve_point(task: dict, row: dict) -> dict:
         row.update(plain_energy_j=plain["energy_j"], plain_peak_bytes=plain["peak_ram_bytes"])
         if task["runtime"] is not None:
             row["runtime_budget_s"] = parse_runtime(task["runtime"], costs.plain_runtime_s, field="--runtime")
+        start = task.get("start")
+        if start is not None:  # the budget below's plan fits; with the extra RAM it can do less work
+            budgets = resolve_budgets(graph, profile, costs, task["ram"], task["runtime"])
+            start = loosen(graph, costs, start, budgets.ram_bytes, budgets.runtime_s)
         schedule = solve(graph, profile, ram=task["ram"], runtime=task["runtime"], mode=task["mode"],
                          time_limit=task["time_limit"], gap=task["gap"], model_name=task["model_name"],
-                         start=task.get("start"))
+                         start=start)
     except InfeasibleError as exc:
         # no message: a point skipped below it would say something else, and rows must not depend
         # on which points a pool happened to solve
@@ -164,6 +168,38 @@ def _solve_point(task: dict, row: dict) -> dict:
     if task.get("warm"):  # the start of the next budget up; the sweep takes it out of the row
         row["_decisions"] = schedule.decisions
     return row
+
+
+def loosen(graph, costs, decisions, ram_bytes: float, runtime_s: float = math.inf):
+    """A plan made for a smaller RAM budget, improved for a larger one: tensor by tensor, most
+    energy first, keep a recomputed or paged tensor in RAM from its computation to its last reader
+    (as plain training does) wherever the replayed plan still fits the budgets. The result is never
+    worse than the plan given, and is the MIP start a sweep hands to the next budget up."""
+    from .formulation import Decisions
+    from .schedule import build_steps, totals_of
+
+    last = graph.last_use()
+    saving: dict[int, float] = {}
+    for _t, i in decisions.recompute:
+        saving[i] = saving.get(i, 0.0) + float(costs.compute_j[i])
+    for _t, i in decisions.page_in:
+        saving[i] = saving.get(i, 0.0) + float(costs.page_in_j[i])
+    for i in decisions.page_out:
+        saving[i] = saving.get(i, 0.0) + float(costs.page_out_j[i])
+    for i in sorted(saving, key=lambda i: (-saving[i], i)):
+        trial = Decisions(
+            recompute=frozenset(p for p in decisions.recompute if p[1] != i),
+            page_in=frozenset(p for p in decisions.page_in if p[1] != i),
+            page_out=decisions.page_out - {i},
+            keep=decisions.keep | {(t, i) for t in range(i + 1, last[i] + 1)},
+        )
+        try:
+            totals = totals_of(graph, costs, build_steps(graph, trial))
+        except RuntimeError:  # not a consistent plan: leave this tensor as it was
+            continue
+        if totals["peak_ram_bytes"] <= ram_bytes and totals["runtime_s"] <= runtime_s * (1 + 1e-9):
+            decisions = trial
+    return decisions
 
 
 def _worker_init() -> None:

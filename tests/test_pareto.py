@@ -16,7 +16,9 @@ from conftest import make_test_device
 from poet_opt import pareto
 from poet_opt.cli import main
 from poet_opt.errors import PoetError
+from poet_opt.costs import node_costs
 from poet_opt.randgraph import random_training_graph
+from poet_opt.schedule import build_steps, totals_of
 from poet_opt.solve import solve
 from poet_opt.zoo import build_model
 
@@ -362,6 +364,7 @@ def test_cli_pareto_on_a_graph_file(tmp_path):
 # ---------------------------------------------------------------- warm starts
 
 
+COSTS = node_costs(RANDOM, make_test_device())
 WARM_RAMS = [18000, 22000, 23000, 24000, 28000, 33000, 36000]  # 18 KB: infeasible
 
 
@@ -399,11 +402,35 @@ def test_each_point_starts_from_the_schedule_of_the_budget_below(monkeypatch):
         assert [c[1] for c in mine] == sorted(c[1] for c in mine)  # bottom up
         assert mine[0][2] is None  # the first solved point has no neighbour below
         for below, here in zip(mine, mine[1:]):
-            assert here[2] is below[3].decisions  # the plan of the budget below...
-            assert below[3].totals["peak_ram_bytes"] <= here[1]  # ...which fits this budget
+            # the plan of the budget below, loosened for this one's extra RAM
+            assert here[2] == pareto.loosen(RANDOM, COSTS, below[3].decisions, here[1])
+            replayed = totals_of(RANDOM, COSTS, build_steps(RANDOM, here[2]))
+            assert replayed["peak_ram_bytes"] <= here[1]
+            assert replayed["energy_j"] <= below[3].totals["energy_j"] * (1 + 1e-12)
     calls.clear()
     pareto.sweep(RANDOM, make_test_device(), WARM_RAMS[:3], modes=("joint",), jobs=1, warm=False, **FAST)
     assert calls and all(c[2] is None for c in calls)
+
+
+def test_loosen_keeps_what_the_extra_ram_allows():
+    tight = solve(RANDOM, make_test_device(), ram=22000, mode="joint", **FAST)
+    assert tight.totals["recomputes"] + tight.totals["page_ins"] > 0
+    # the same budget: nothing can move, and the plan stays as good and as small
+    same = pareto.loosen(RANDOM, COSTS, tight.decisions, 22000)
+    replayed = totals_of(RANDOM, COSTS, build_steps(RANDOM, same))
+    assert replayed["peak_ram_bytes"] <= 22000
+    assert replayed["energy_j"] <= tight.totals["energy_j"] * (1 + 1e-12)
+    # room for plain training: every recomputation and page transfer goes
+    plain = pareto.loosen(RANDOM, COSTS, tight.decisions, RANDOM.plain_peak_bytes())
+    replayed = totals_of(RANDOM, COSTS, build_steps(RANDOM, plain))
+    assert replayed["recomputes"] == replayed["page_ins"] == replayed["page_outs"] == 0
+    assert replayed["energy_j"] == pytest.approx(tight.plain["energy_j"])
+    # in between: some work goes, the plan fits, and the solver accepts it as a start
+    middle = pareto.loosen(RANDOM, COSTS, tight.decisions, 28000)
+    replayed = totals_of(RANDOM, COSTS, build_steps(RANDOM, middle))
+    assert replayed["peak_ram_bytes"] <= 28000 and replayed["energy_j"] < tight.totals["energy_j"]
+    assert solve(RANDOM, make_test_device(), ram=28000, mode="joint", start=middle, **FAST).totals["energy_j"] \
+        <= replayed["energy_j"] * (1 + 1e-9)
 
 
 def test_solve_ignores_a_start_that_does_not_fit():
