@@ -1,7 +1,7 @@
 """What warm starts save in a Pareto sweep: the same sweep solved cold (every point from the
 heuristic starts) and warm (every point from the schedule of the budget below it), side by side.
 
-    .venv/bin/python benchmarks/pareto_warm.py                       # a small default case
+    .venv/bin/python benchmarks/pareto_warm.py --repeat 3            # VGG-16 (CIFAR), two devices
     .venv/bin/python benchmarks/pareto_warm.py --model resnet18-cifar --device rpi4 \
         --device nrf52840 --ram-from 1MB --ram-to 5MB --points 12 --time-limit 25
 
@@ -42,19 +42,19 @@ def median_rows(runs):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="mcu-vww")
+    ap.add_argument("--model", default="vgg16-cifar")
     ap.add_argument("--device", action="append", default=None)
-    ap.add_argument("--ram-from", default="140KB")
-    ap.add_argument("--ram-to", default="250KB")
-    ap.add_argument("--points", type=int, default=8)
+    ap.add_argument("--ram-from", default="1.1MB")
+    ap.add_argument("--ram-to", default="2.4MB")
+    ap.add_argument("--points", type=int, default=6)
     ap.add_argument("--runtime", default=None)
     ap.add_argument("--modes", default="joint")
-    ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--gap", type=float, default=1e-3)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=1, help="alternate cold and warm sweeps this many times")
     args = ap.parse_args(argv)
-    args.device = args.device or ["nrf52840"]
+    args.device = args.device or ["nrf52840", "rpi4"]
 
     colds, warms = [], []
     for _ in range(max(1, args.repeat)):
