@@ -141,6 +141,19 @@ def horizons(graph: TrainingGraph, allow_remat: bool) -> tuple[np.ndarray, np.nd
     return need, compute
 
 
+def decision_count(graph: TrainingGraph, mode: str) -> int:
+    """How many binaries Formulation would have (recompute, page-in, keep, page-out), without
+    building it: what decides whether the full MILP is worth building at all."""
+    allow_remat, allow_paging = mode in ("joint", "remat"), mode in ("joint", "paging")
+    need, comp = horizons(graph, allow_remat)
+    ids = np.arange(len(graph))
+    keep = int((need - ids).sum())
+    recompute = int((comp - ids).sum()) if allow_remat else 0
+    paged = need > ids
+    page = int((need - ids)[paged].sum() + paged.sum()) if allow_paging else 0
+    return keep + recompute + page
+
+
 class Formulation:
     """Builds the MILP for one (graph, costs, budgets, mode) and maps solutions back to decisions."""
 

@@ -75,7 +75,8 @@ def summary_text(s: Schedule) -> str:
                  f"plain-training floor {format_joules(low['plain_floor_j'])}")
     lines.append(f"  solver   {solver['backend']} {solver['status']}, "
                  f"build {solver['build_s']:.2f} s, solve {solver['solve_s']:.2f} s "
-                 f"({solver['variables']} variables, {solver['constraints']} constraints)")
+                 + (f"({solver['variables']} variables, {solver['constraints']} constraints)"
+                    if solver.get("variables") is not None else f"(full MILP {solver.get('full_milp')})"))
     return "\n".join(lines)
 
 

@@ -79,3 +79,42 @@ def test_a_time_limited_solve_is_bounded_by_the_floor_at_least():
     assert solver["bound"] >= solver["plain_floor_j"]
     assert solver["gap"] == pytest.approx((schedule.totals["energy_j"] - solver["bound"]) / schedule.totals["energy_j"])
     assert solver["gap"] < 0.01
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gap_milp_is_exact_on_its_space_and_a_restriction_of_the_full_one(seed):
+    """Its optimum is no dearer than the greedy on the same space, no cheaper than the full MILP's
+    optimum, and a plan the full MILP accepts as a start."""
+    from poet_opt.gap_milp import gap_milp_plan
+    from poet_opt.solve import solve
+
+    graph = random_training_graph(5 + seed, seed, skip_prob=0.4)
+    device = load_profile("jetson-tx2") if seed % 2 else make_test_device()
+    costs = node_costs(graph, device)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    ram = lo + (hi - lo) // 2
+    budgets = resolve_budgets(graph, device, costs, ram)
+    plan = gap_milp_plan(graph, costs, budgets, "joint", time_limit=20, gap=0)
+    greedy = gap_plan(graph, costs, budgets)
+    if greedy is None:
+        pytest.skip("nothing in the gap space fits")
+    assert plan is not None
+    energy = totals_of(graph, costs, build_steps(graph, plan))["energy_j"]
+    assert energy <= totals_of(graph, costs, build_steps(graph, greedy))["energy_j"] * (1 + 1e-9)
+    assert Formulation(graph, costs, budgets, "joint").encode(plan) is not None
+    assert solve(graph, device, ram=ram, gap=0).totals["energy_j"] <= energy * (1 + 1e-9)
+
+
+def test_past_the_size_limit_the_best_start_stands_with_the_floor_as_bound(monkeypatch):
+    import poet_opt.solve as solve_module
+
+    graph = random_training_graph(12, 3)
+    ram = (graph.min_working_set_bytes() + graph.plain_peak_bytes()) // 2
+    monkeypatch.setattr(solve_module, "FULL_MILP_MAX_DECISIONS", 0)
+    schedule = solve_module.solve(graph, make_test_device(), ram=ram, time_limit=10)
+    solver = schedule.solver
+    assert solver["full_milp"].startswith("skipped")
+    assert solver["variables"] is None
+    assert schedule.totals["peak_ram_bytes"] <= ram  # and solve() ran the validator on it
+    assert solver["bound"] == pytest.approx(solver["plain_floor_j"])
+    assert solver["status"] in ("gap_limit", "time_limit")

@@ -1,0 +1,188 @@
+"""A compact MILP over a restricted plan space, for good incumbents on large graphs fast.
+
+The space is the gap heuristic's (heuristics.gap_plan), solved exactly instead of greedily: from plain
+training, each tensor may leave RAM in a *gap* between two consecutive stages that touch it (the
+stage that makes it, and those that read it) and come back for the stage after the gap, by a page-in
+(the tensor is paged out once, right after it is made) or by recomputing it there when it is a
+forward node whose inputs are all in RAM in that stage anyway. Binaries: two per gap and one page-out
+per tensor, O(|E|) in all, against O(T^2) in the full formulation; rows: one per stage for RAM, one
+per (gap, input) for recomputation, and the runtime and storage budgets.
+
+Why the RAM row per stage is exact for these plans: a recomputed node only reads tensors that are
+resident in its stage, and whatever is paged in or recomputed in stage t is read by node t, so
+nothing is freed within a stage before node t runs: the stage's RAM in use peaks when node t runs,
+at the sum of the tensors resident in that stage.
+
+Every plan of this space is a plan of the full formulation, so its optimum is a valid schedule and a
+MIP start for the full MILP; but the full space is larger (recomputation chains, page-ins for later
+stages), so this model's own bound is NOT a bound for the problem and is never reported as one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import scipy.sparse as sp
+
+from .costs import NodeCosts
+from .formulation import Budgets, Decisions, Milp
+from .graph import TrainingGraph
+from .schedule import build_steps, totals_of
+from .solvers import solve_milp
+
+
+class GapMilp:
+    def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint"):
+        self.graph, self.costs, self.budgets = graph, costs, budgets
+        allow_paging, allow_remat = mode in ("joint", "paging"), mode in ("joint", "remat")
+        nodes, T = graph.nodes, len(graph)
+        size = np.array([n.bytes for n in nodes], dtype=float)
+        users, self.last = graph.users(), graph.last_use()
+        live = np.zeros(T + 1)
+        owner, gap_a, gap_b = [], [], []
+        gap_at: dict[tuple[int, int], int] = {}  # (tensor, interior stage) -> gap, filled lazily below
+        touches = []
+        for i in range(T):
+            live[i] += size[i]
+            live[self.last[i] + 1] -= size[i]
+            tch = sorted({i, *users[i]})
+            touches.append(tch)
+            for a, b in zip(tch, tch[1:]):
+                if b - a >= 2 and size[i] > 0:
+                    owner.append(i), gap_a.append(a), gap_b.append(b)
+        self.plain_live = np.cumsum(live)[:T]
+        self.owner, self.gap_a, self.gap_b = np.array(owner, dtype=np.int64), np.array(gap_a), np.array(gap_b)
+        G = len(owner)
+        # columns: P[g] page in after gap g, C[g] recompute after gap g, O[i] page i out
+        can_page = np.full(G, allow_paging)
+        can_recompute = np.array([allow_remat and not nodes[i].is_backward for i in owner], dtype=bool)
+        gaps_of: dict[int, list[int]] = {}
+        for g, i in enumerate(owner):
+            gaps_of.setdefault(i, []).append(g)
+
+        def gap_holding(d, t):
+            """The gap of d with t strictly inside, -1 when d is touched at t, None when d is gone."""
+            if not (d <= t <= self.last[d]):
+                return None
+            for g in gaps_of.get(d, ()):
+                if gap_a[g] < t < gap_b[g]:
+                    return g
+            return -1
+
+        rec_rows = []  # (g, g') : recomputing after g needs d kept across its gap g'
+        for g in np.flatnonzero(can_recompute):
+            i, b = owner[g], gap_b[g]
+            holds = [gap_holding(d, b) for d in nodes[i].deps]
+            if any(h is None for h in holds):
+                can_recompute[g] = False
+                continue
+            rec_rows.extend((g, h) for h in holds if h >= 0)
+        ncol = 0
+        self.P = np.where(can_page, np.arange(G), -1); ncol = G
+        self.C = np.full(G, -1, dtype=np.int64)
+        self.C[can_recompute] = ncol + np.arange(int(can_recompute.sum())); ncol += int(can_recompute.sum())
+        paged_tensors = sorted({int(owner[g]) for g in range(G)}) if allow_paging else []
+        self.O = np.full(T, -1, dtype=np.int64)
+        self.O[paged_tensors] = ncol + np.arange(len(paged_tensors)); ncol += len(paged_tensors)
+        n = ncol
+
+        c = np.zeros(n)
+        pg = np.flatnonzero(self.P >= 0)
+        c[self.P[pg]] = costs.page_in_j[self.owner[pg]]
+        cg = np.flatnonzero(self.C >= 0)
+        c[self.C[cg]] = costs.compute_j[self.owner[cg]]
+        c[self.O[paged_tensors]] = costs.page_out_j[paged_tensors]
+
+        rows, cols, vals, lo, hi = [], [], [], [], []
+        r = 0
+
+        def add(rc, lo_, hi_):
+            nonlocal r
+            for col, v in rc:
+                if col >= 0:
+                    rows.append(r), cols.append(col), vals.append(v)
+            lo.append(lo_), hi.append(hi_)
+            r += 1
+
+        for g in range(G):  # one way back per gap; a page-in needs the page-out
+            add([(self.P[g], 1.0), (self.C[g], 1.0)], -np.inf, 1.0)
+            if self.P[g] >= 0:
+                add([(self.P[g], 1.0), (self.O[owner[g]], -1.0)], -np.inf, 0.0)
+        for g, h in rec_rows:  # recompute after g only if the input is kept across h
+            add([(self.C[g], 1.0), (self.P[h], 1.0), (self.C[h], 1.0)], -np.inf, 1.0)
+        # RAM per stage, in units of the budget: plain use minus what the dropped gaps free
+        unit = float(budgets.ram_bytes)
+        mem_row0 = r
+        lengths = self.gap_b - self.gap_a - 1
+        g_rep = np.repeat(np.arange(G), lengths)
+        t_rep = np.concatenate([np.arange(a + 1, b) for a, b in zip(gap_a, gap_b)]) if G else np.zeros(0, int)
+        A_rows = [np.array(rows, dtype=np.int64)]
+        A_cols = [np.array(cols, dtype=np.int64)]
+        A_vals = [np.array(vals, dtype=float)]
+        for colmap in (self.P, self.C):
+            present = colmap[g_rep] >= 0
+            A_rows.append(mem_row0 + t_rep[present])
+            A_cols.append(colmap[g_rep[present]])
+            A_vals.append(-size[owner_arr := self.owner][g_rep[present]] / unit)
+        lo.extend([-np.inf] * T)
+        hi.extend(((unit - self.plain_live) / unit).tolist())
+        r += T
+        extra_r, extra_c, extra_v = [], [], []
+        plain_s = float(costs.compute_s.sum())
+        if np.isfinite(budgets.runtime_s):
+            run = [(self.P[pg], costs.page_in_s[owner_arr[pg]]), (self.C[cg], costs.compute_s[owner_arr[cg]]),
+                   (self.O[paged_tensors], costs.page_out_s[paged_tensors])]
+            scale = plain_s if plain_s > 0 else 1.0
+            for cl, v in run:
+                extra_r.append(np.full(len(cl), r)), extra_c.append(cl), extra_v.append(np.asarray(v) / scale)
+            lo.append(-np.inf), hi.append((budgets.runtime_s - plain_s) / scale)
+            r += 1
+        if paged_tensors:
+            cap = float(budgets.storage_bytes)
+            extra_r.append(np.full(len(paged_tensors), r)), extra_c.append(self.O[paged_tensors])
+            extra_v.append(costs.storage_bytes[paged_tensors] / cap)
+            lo.append(-np.inf), hi.append(1.0)
+            r += 1
+        A = sp.csr_matrix((np.concatenate(A_vals + extra_v), (np.concatenate(A_rows + extra_r),
+                                                              np.concatenate(A_cols + extra_c))), shape=(r, n))
+        self.milp = Milp(c=c, offset=float(costs.compute_j.sum()), A=A, row_lb=np.array(lo), row_ub=np.array(hi),
+                         lb=np.zeros(n), ub=np.ones(n), integrality=np.ones(n, dtype=np.int8))
+
+    def decode(self, x: np.ndarray) -> Decisions:
+        on = np.asarray(x) > 0.5
+        T = len(self.graph)
+        recompute, page_in, page_out = set(), set(), set()
+        gone: dict[int, list[tuple[int, int]]] = {}
+        for g in range(len(self.owner)):
+            i, a, b = int(self.owner[g]), int(self.gap_a[g]), int(self.gap_b[g])
+            if self.P[g] >= 0 and on[self.P[g]]:
+                page_in.add((b, i)), page_out.add(i)
+            elif self.C[g] >= 0 and on[self.C[g]]:
+                recompute.add((b, i))
+            else:
+                continue
+            gone.setdefault(i, []).append((a, b))
+        keep = set()
+        for i in range(T):
+            away = {t for a, b in gone.get(i, ()) for t in range(a + 1, b + 1)}
+            keep.update((t, i) for t in range(i + 1, self.last[i] + 1) if t not in away)
+        return Decisions(frozenset(recompute), frozenset(page_in), frozenset(page_out), frozenset(keep))
+
+
+def gap_milp_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *,
+                  time_limit: float, threads: Optional[int] = None, gap: float = 1e-4) -> Optional[Decisions]:
+    """The cheapest plan of the gap space the solver finds within the time limit (checked by replay),
+    or None."""
+    if mode == "none":
+        return None
+    model = GapMilp(graph, costs, budgets, mode)
+    result = solve_milp(model.milp, time_limit=time_limit, gap=gap, threads=threads)
+    if result.x is None:
+        return None
+    decisions = model.decode(result.x)
+    totals = totals_of(graph, costs, build_steps(graph, decisions))
+    if (totals["peak_ram_bytes"] > budgets.ram_bytes or totals["runtime_s"] > budgets.runtime_s
+            or totals["storage_bytes"] > budgets.storage_bytes):
+        return None
+    return decisions
