@@ -302,16 +302,20 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
 
 def _chains(series: list[list[dict]], capacity: int, warm: bool) -> list[list[dict]]:
     """Cut each series (ascending budgets) into chains solved one point after the other, each point
-    starting from its predecessor's schedule. Enough chains to keep ``capacity`` workers busy: a
-    series gets cut into contiguous pieces when there are fewer series than workers (a piece's
-    first point starts cold). Without warm starts every point is a chain of its own. The cut
-    depends only on the counts, never on timing, so a sweep gives the same rows on any executor."""
+    starting from its predecessor's schedule. With several workers, twice as many chains as workers
+    (a chain's first point starts cold): series are seldom equally hard (a microcontroller's points
+    hit the time limit while a Pi's finish early), and whole series as chains left workers idle
+    behind the slowest one. Without warm starts every point is a chain of its own. The cut depends
+    only on the counts, never on timing, so a sweep gives the same rows on any executor with the
+    same number of workers."""
     chains = []
     for points in series:
         if not warm:
             pieces = len(points)
+        elif capacity == 1:
+            pieces = 1
         else:
-            pieces = min(len(points), max(1, -(-capacity // len(series))))
+            pieces = min(len(points), max(1, -(-2 * capacity // len(series))))
         size, extra = divmod(len(points), pieces)
         at = 0
         for k in range(pieces):
