@@ -32,6 +32,9 @@ from .schedule import build_steps, totals_of
 from .solvers import solve_milp
 
 
+CHAIN_DEPTH = 4
+
+
 class GapMilp:
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint"):
         self.graph, self.costs, self.budgets = graph, costs, budgets
@@ -70,18 +73,45 @@ class GapMilp:
                     return g
             return -1
 
-        rec_rows = []  # (g, g') : recomputing after g needs d kept across its gap g'
+        # A recomputation in stage b needs each input in RAM there: touched in b, kept across its gap
+        # over b, or itself recomputed in b first (a chain, up to CHAIN_DEPTH deep; X[b,d]). Chain
+        # links are counted in stage b's RAM row as if they stayed until node b runs: the replay
+        # frees them earlier, never later, so the row over-estimates and plans stay within budget.
+        x_index: dict[tuple[int, int], int] = {}
+        x_keys: list[tuple[int, int]] = []
+        x_dead: set[int] = set()
+        needs = []  # (("C", g) or ("X", k), gap holding the input or -1 when it is gone, X id or -1)
+
+        def chain_var(b, d, depth):
+            if (b, d) not in x_index:
+                k = x_index[(b, d)] = len(x_keys)
+                x_keys.append((b, d))
+                if not inputs_present(("X", k), d, b, depth):
+                    x_dead.add(k)
+            return x_index[(b, d)]
+
+        def inputs_present(consumer, node, b, depth) -> bool:
+            for d in nodes[node].deps:
+                h = gap_holding(d, b)
+                if h == -1:
+                    continue
+                xk = -1
+                if allow_remat and not nodes[d].is_backward and depth < CHAIN_DEPTH:
+                    xk = chain_var(b, d, depth + 1)
+                if h is None and xk < 0:
+                    return False
+                needs.append((consumer, -1 if h is None else h, xk))
+            return True
+
         for g in np.flatnonzero(can_recompute):
-            i, b = owner[g], gap_b[g]
-            holds = [gap_holding(d, b) for d in nodes[i].deps]
-            if any(h is None for h in holds):
+            if not inputs_present(("C", g), owner[g], gap_b[g], 0):
                 can_recompute[g] = False
-                continue
-            rec_rows.extend((g, h) for h in holds if h >= 0)
         ncol = 0
         self.P = np.where(can_page, np.arange(G), -1); ncol = G
         self.C = np.full(G, -1, dtype=np.int64)
         self.C[can_recompute] = ncol + np.arange(int(can_recompute.sum())); ncol += int(can_recompute.sum())
+        self.X = ncol + np.arange(len(x_keys), dtype=np.int64); ncol += len(x_keys)
+        self.x_keys = x_keys
         paged_tensors = sorted({int(owner[g]) for g in range(G)}) if allow_paging else []
         self.O = np.full(T, -1, dtype=np.int64)
         self.O[paged_tensors] = ncol + np.arange(len(paged_tensors)); ncol += len(paged_tensors)
@@ -93,6 +123,9 @@ class GapMilp:
         cg = np.flatnonzero(self.C >= 0)
         c[self.C[cg]] = costs.compute_j[self.owner[cg]]
         c[self.O[paged_tensors]] = costs.page_out_j[paged_tensors]
+        x_b = np.array([b for b, _ in x_keys], dtype=np.int64)
+        x_d = np.array([d for _, d in x_keys], dtype=np.int64)
+        c[self.X] = costs.compute_j[x_d]
 
         rows, cols, vals, lo, hi = [], [], [], [], []
         r = 0
@@ -109,8 +142,17 @@ class GapMilp:
             add([(self.P[g], 1.0), (self.C[g], 1.0)], -np.inf, 1.0)
             if self.P[g] >= 0:
                 add([(self.P[g], 1.0), (self.O[owner[g]], -1.0)], -np.inf, 0.0)
-        for g, h in rec_rows:  # recompute after g only if the input is kept across h
-            add([(self.C[g], 1.0), (self.P[h], 1.0), (self.C[h], 1.0)], -np.inf, 1.0)
+        for (kind, j), h, xk in needs:  # each input of a recomputation present in its stage
+            v = self.C[j] if kind == "C" else self.X[j]
+            x = self.X[xk] if xk >= 0 else -1
+            if h >= 0:  # kept across h (neither paged in nor recomputed after it), or chained
+                add([(v, 1.0), (x, -1.0), (self.P[h], 1.0), (self.C[h], 1.0)], -np.inf, 1.0)
+            else:
+                add([(v, 1.0), (x, -1.0)], -np.inf, 0.0)
+        for k, (b, d) in enumerate(x_keys):  # never recompute what is kept in RAM anyway
+            h = gap_holding(d, b)
+            if h is not None and h >= 0:
+                add([(self.X[k], 1.0), (self.P[h], -1.0), (self.C[h], -1.0)], -np.inf, 0.0)
         # RAM per stage, in units of the budget: plain use minus what the dropped gaps free
         unit = float(budgets.ram_bytes)
         mem_row0 = r
@@ -125,6 +167,9 @@ class GapMilp:
             A_rows.append(mem_row0 + t_rep[present])
             A_cols.append(colmap[g_rep[present]])
             A_vals.append(-size[owner_arr := self.owner][g_rep[present]] / unit)
+        A_rows.append(mem_row0 + x_b)
+        A_cols.append(self.X)
+        A_vals.append(size[x_d] / unit)
         lo.extend([-np.inf] * T)
         hi.extend(((unit - self.plain_live) / unit).tolist())
         r += T
@@ -132,6 +177,7 @@ class GapMilp:
         plain_s = float(costs.compute_s.sum())
         if np.isfinite(budgets.runtime_s):
             run = [(self.P[pg], costs.page_in_s[owner_arr[pg]]), (self.C[cg], costs.compute_s[owner_arr[cg]]),
+                   (self.X, costs.compute_s[x_d]),
                    (self.O[paged_tensors], costs.page_out_s[paged_tensors])]
             scale = plain_s if plain_s > 0 else 1.0
             for cl, v in run:
@@ -146,8 +192,10 @@ class GapMilp:
             r += 1
         A = sp.csr_matrix((np.concatenate(A_vals + extra_v), (np.concatenate(A_rows + extra_r),
                                                               np.concatenate(A_cols + extra_c))), shape=(r, n))
+        ub = np.ones(n)
+        ub[self.X[sorted(x_dead)]] = 0.0
         self.milp = Milp(c=c, offset=float(costs.compute_j.sum()), A=A, row_lb=np.array(lo), row_ub=np.array(hi),
-                         lb=np.zeros(n), ub=np.ones(n), integrality=np.ones(n, dtype=np.int8))
+                         lb=np.zeros(n), ub=ub, integrality=np.ones(n, dtype=np.int8))
 
     def decode(self, x: np.ndarray) -> Decisions:
         on = np.asarray(x) > 0.5
@@ -163,6 +211,7 @@ class GapMilp:
             else:
                 continue
             gone.setdefault(i, []).append((a, b))
+        recompute.update(key for k, key in enumerate(self.x_keys) if on[self.X[k]])
         keep = set()
         for i in range(T):
             away = {t for a, b in gone.get(i, ()) for t in range(a + 1, b + 1)}
@@ -177,7 +226,13 @@ def gap_milp_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode
     if mode == "none":
         return None
     model = GapMilp(graph, costs, budgets, mode)
-    result = solve_milp(model.milp, time_limit=time_limit, gap=gap, threads=threads)
+    try:
+        result = solve_milp(model.milp, time_limit=time_limit, gap=gap, threads=threads)
+    except (ValueError, RuntimeError):
+        # HiGHS 1.15 aborts on a few tiny instances ("vector::reserve" in its MIP presolve, e.g.
+        # random_training_graph(7, 8192) on nrf52840 with a binding runtime budget). This model only
+        # proposes a start: without it the full MILP still runs.
+        return None
     if result.x is None:
         return None
     decisions = model.decode(result.x)

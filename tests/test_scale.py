@@ -118,3 +118,20 @@ def test_past_the_size_limit_the_best_start_stands_with_the_floor_as_bound(monke
     assert schedule.totals["peak_ram_bytes"] <= ram  # and solve() ran the validator on it
     assert solver["bound"] == pytest.approx(solver["plain_floor_j"])
     assert solver["status"] in ("gap_limit", "time_limit")
+
+
+def test_a_solver_abort_in_the_gap_milp_only_loses_the_start():
+    """HiGHS 1.15 aborts ("vector::reserve") on this instance of the gap MILP; solve() must not."""
+    from poet_opt.gap_milp import gap_milp_plan
+    from poet_opt.solve import solve
+
+    graph = random_training_graph(7, 8192, skip_prob=0.7, size_choices=(512, 4096, 32768))
+    device = load_profile("nrf52840")
+    costs = node_costs(graph, device)
+    ram = graph.min_working_set_bytes()
+    budgets = resolve_budgets(graph, device, costs, ram, 0.45737227318137785)
+    plan = gap_milp_plan(graph, costs, budgets, "joint", time_limit=10)
+    if plan is not None:
+        assert totals_of(graph, costs, build_steps(graph, plan))["peak_ram_bytes"] <= ram
+    schedule = solve(graph, device, ram=ram, runtime=0.45737227318137785, gap=0)
+    assert schedule.totals["runtime_s"] <= 0.45737227318137785 * (1 + 1e-9)
