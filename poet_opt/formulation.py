@@ -218,18 +218,22 @@ class Formulation:
         # FREE[t,i,k]: release i after position k of stage t. Candidates: k reads i, or k == i
         # (a tensor nobody reads later in the stage goes right after it is made).
         # A later reader of i that is node t itself (always computed) rules the release out.
-        f_t, f_i, f_k = [], [], []
-        for t in range(T):
-            ks = np.flatnonzero(computable[t, : t + 1])
-            for k in ks:
-                for i in np.concatenate([deps[k], [k]]):
-                    if any(u == t and u > k for u in users[i]):
-                        continue
-                    f_t.append(t), f_i.append(int(i)), f_k.append(int(k))
-        self.F_t = np.array(f_t, dtype=np.int64)
-        self.F_i = np.array(f_i, dtype=np.int64)
-        self.F_k = np.array(f_k, dtype=np.int64)
-        self.F = alloc(len(f_t))
+        # Built in bulk: each computable (t, k) repeated once per input of k and once for k itself.
+        n_deps = np.array([len(d) for d in deps], dtype=np.int64)
+        dep_start = np.concatenate([[0], np.cumsum(n_deps)[:-1]]).astype(np.int64)
+        dep_flat = np.concatenate(deps).astype(np.int64) if T else np.zeros(0, dtype=np.int64)
+        reads = np.zeros((T, T), dtype=bool)  # reads[t, i]: node t reads tensor i
+        reads[np.repeat(np.arange(T), n_deps), dep_flat] = True
+        ct, ck = np.nonzero(np.tril(computable))
+        per_pair = n_deps[ck] + 1
+        f_t, f_k = np.repeat(ct, per_pair), np.repeat(ck, per_pair)
+        within = np.arange(int(per_pair.sum())) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
+        is_self = within == n_deps[f_k]
+        f_i = np.where(is_self, f_k, dep_flat[np.minimum(dep_start[f_k] + within, max(len(dep_flat) - 1, 0))]
+                       if len(dep_flat) else f_k)
+        ok = ~(reads[f_t, f_i] & (f_t > f_k))
+        self.F_t, self.F_i, self.F_k = f_t[ok], f_i[ok], f_k[ok]
+        self.F = alloc(int(ok.sum()))
 
         # U at every materializable position of every stage (continuous, in units of mem_unit).
         u_t, u_k = np.nonzero(np.tril(materializable))
@@ -270,18 +274,16 @@ class Formulation:
         rows = _Rows()
 
         # (1) a node computed in stage t has each input kept, recomputed or paged in, in stage t
-        ct, ck = np.nonzero(np.tril(computable))
-        for t, k in zip(ct, ck):
-            d = deps[k]
-            if len(d) == 0:
-                continue
-            lhs = self.R[t, k] if k != t else -1
-            # R[t,d] + Min[t,d] + S[t,d] - R[t,k] >= 0   (R[t,t] = 1 as a constant)
-            rows.add(
-                [(self.R[t, d], 1.0), (self.Min[t, d], 1.0), (self.S[t, d], 1.0),
-                 (np.full(len(d), lhs), -1.0)],
-                0.0 if k != t else 1.0, np.inf,
-            )
+        #     R[t,d] + Min[t,d] + S[t,d] - R[t,k] >= 0   (R[t,t] = 1 as a constant), one row per (t, k, d),
+        #     built for all pairs at once: each computable (t, k) repeated once per input d of k.
+        per_pair = n_deps[ck]
+        rt, rk = np.repeat(ct, per_pair), np.repeat(ck, per_pair)
+        within = np.arange(int(per_pair.sum())) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
+        rd = dep_flat[np.repeat(dep_start[ck], per_pair) + within]
+        own = rk == rt
+        rows.add([(self.R[rt, rd], 1.0), (self.Min[rt, rd], 1.0), (self.S[rt, rd], 1.0),
+                  (np.where(own, -1, self.R[rt, rk]), -1.0)],
+                 np.where(own, 1.0, 0.0), np.inf)
 
         # (2) kept into stage t+1 only if resident during stage t:  S[t+1,i] <= S[t,i] + R[t,i] + Min[t,i]
         st, si = np.nonzero(self.S[1:] >= 0)
@@ -309,49 +311,49 @@ class Formulation:
         kept_next = self.S[np.minimum(Ft + 1, T), Fi]
         has_keep = kept_next >= 0
         rows.add([(F[has_keep], 1.0), (kept_next[has_keep], 1.0)], -np.inf, 1.0)
-        later_f, later_col = [], []
-        for f, t, i, k in zip(F, Ft, Fi, Fk):
-            for j in users[i]:
-                if k < j < t and self.R[t, j] >= 0:
-                    later_f.append(f), later_col.append(self.R[t, j])
-        if later_f:
-            rows.add([(np.array(later_f), 1.0), (np.array(later_col), 1.0)], -np.inf, 1.0)
+        n_users = np.array([len(u) for u in users], dtype=np.int64)
+        user_start = np.concatenate([[0], np.cumsum(n_users)[:-1]]).astype(np.int64)
+        user_flat = np.concatenate([np.array(u, dtype=np.int64) for u in users]) if T else np.zeros(0, np.int64)
+        per_f = n_users[Fi]
+        lf = np.repeat(np.arange(len(F)), per_f)
+        lwithin = np.arange(int(per_f.sum())) - np.repeat(np.cumsum(per_f) - per_f, per_f)
+        lj = user_flat[np.repeat(user_start[Fi], per_f) + lwithin] if len(lf) else np.zeros(0, np.int64)
+        lt, lk = Ft[lf], Fk[lf]
+        lcol = np.where((lk < lj) & (lj < lt), self.R[lt, lj], -1)
+        keep_l = lcol >= 0
+        if keep_l.any():
+            rows.add([(F[lf[keep_l]], 1.0), (lcol[keep_l], 1.0)], -np.inf, 1.0)
 
         # (6) memory: U at each materializable position, chained within a stage.
         #     U[t,p] = U[t,prev p] - released after positions in [prev p, p) + bytes(p) * materialized(p)
         #     the first position of a stage starts from the tensors kept into the stage.
-        u_index = {}
-        for idx, (t, k) in enumerate(zip(self.U_t, self.U_k)):
-            u_index[(int(t), int(k))] = idx
-        releases_at = {}
-        for f, t, i, k in zip(F, Ft, Fi, Fk):
-            releases_at.setdefault((int(t), int(k)), []).append((f, i))
+        # Positions come sorted by stage, then position, so a position's predecessor in its stage is
+        # the previous index when that has the same stage; node t's own bytes(t) go to the bounds.
         row_start = rows.count
         n_u = len(self.U)
         self._u_rows = (row_start, n_u)
         rows.add([(self.U, 1.0)], 0.0, 0.0)  # terms added below, row r <-> U[r]
-        extra_r, extra_c, extra_v = [], [], []
-        prev_pos = {}
-        for idx, (t, k) in enumerate(zip(self.U_t, self.U_k)):
-            t, k, r = int(t), int(k), row_start + idx
-            # materialized at k: node t always; otherwise recompute or page in
-            if k == t:
-                # constant bytes(t): move it to the bounds below
-                pass
-            else:
-                for col in (self.R[t, k], self.Min[t, k]):
-                    if col >= 0:
-                        extra_r.append(r), extra_c.append(col), extra_v.append(-nbytes[k])
-            if t in prev_pos:
-                p = prev_pos[t]
-                extra_r.append(r), extra_c.append(self.U[u_index[(t, p)]]), extra_v.append(-1.0)
-                for f, i in releases_at.get((t, p), ()):
-                    extra_r.append(r), extra_c.append(f), extra_v.append(nbytes[i])
-            else:
-                kept = np.flatnonzero(self.S[t] >= 0)
-                extra_r.extend([r] * len(kept)), extra_c.extend(self.S[t, kept]), extra_v.extend(-nbytes[kept])
-            prev_pos[t] = k
-        rows.add_sparse(extra_r, extra_c, extra_v)
+        U_t, U_k = self.U_t, self.U_k
+        u_rows = row_start + np.arange(n_u)
+        other = U_k != U_t  # materialized at k by a recompute or a page-in
+        for index in (self.R, self.Min):
+            rows.add_sparse(u_rows[other], index[U_t[other], U_k[other]], -nbytes[U_k[other]])
+        has_prev = np.zeros(n_u, dtype=bool)
+        has_prev[1:] = U_t[1:] == U_t[:-1]
+        rows.add_sparse(u_rows[has_prev], self.U[np.flatnonzero(has_prev) - 1], -1.0)
+        # a release after position k of stage t lowers U at the next position of that stage
+        u_at = np.full((T, T), -1, dtype=np.int64)
+        u_at[U_t, U_k] = np.arange(n_u)
+        f_pos = u_at[Ft, Fk]
+        nxt = f_pos + 1
+        counted = nxt < n_u
+        counted[counted] &= U_t[np.minimum(nxt[counted], n_u - 1)] == Ft[counted]
+        rows.add_sparse(row_start + nxt[counted], F[counted], nbytes[Fi[counted]])
+        # the first position of a stage starts from the tensors kept into it
+        first_row = np.full(T, -1, dtype=np.int64)
+        first_row[U_t[~has_prev]] = u_rows[~has_prev]
+        kt, ki = np.nonzero(self.S[:T] >= 0)
+        rows.add_sparse(first_row[kt], self.S[kt, ki], -nbytes[ki])
         A, row_lb, row_ub = rows.matrix(n_vars)
         # constants: U[t,t] includes bytes(t) for the node computed in its own stage
         own = self.U_t == self.U_k
