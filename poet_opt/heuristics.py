@@ -129,7 +129,9 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     if graph.plain_peak_bytes() <= budgets.ram_bytes:
         found.append(plain)
     else:
-        found.append(gap_plan(graph, costs, budgets, allow_paging=mode != "remat", allow_remat=mode != "paging"))
+        if mode != "none":
+            found.append(gap_plan(graph, costs, budgets, allow_paging=mode in ("joint", "paging"),
+                                  allow_remat=mode in ("joint", "remat")))
         # The replaying greedy loops re-run the whole plan per step (their keep sets grow with the
         # square of the graph): minutes at 1000 nodes, where gap_plan alone takes seconds.
         small = len(graph) <= REPLAYING_GREEDY_MAX_NODES

@@ -74,7 +74,7 @@ def test_a_time_limited_solve_is_bounded_by_the_floor_at_least():
     from poet_opt.solve import solve
 
     graph = build_model("resnet18-cifar")
-    schedule = solve(graph, "rpi4", ram="1.5MB", runtime="1.2x", time_limit=0.01)
+    schedule = solve(graph, "rpi4", ram="1.5MB", runtime="1.2x", time_limit=0.01, gap=1e-9)
     solver = schedule.solver
     assert solver["bound"] >= solver["plain_floor_j"]
     assert solver["gap"] == pytest.approx((schedule.totals["energy_j"] - solver["bound"]) / schedule.totals["energy_j"])
@@ -138,3 +138,18 @@ def test_a_solver_abort_in_the_gap_milp_only_loses_the_start():
     with pytest.raises(InfeasibleError) as info:  # a hair below the optimum's runtime, at the working set
         solve(graph, device, ram=ram, runtime=0.45737227318137785, gap=0)
     assert info.value.min_ram_bytes > ram
+
+
+@pytest.mark.parametrize("mode", ["none", "remat", "paging"])
+def test_starting_points_only_use_what_the_mode_allows(mode):
+    from poet_opt.heuristics import starting_points
+
+    graph = random_training_graph(6, 301460, size_choices=(4096,), skip_prob=0.0)
+    device = load_profile("rpi4")
+    costs = node_costs(graph, device)
+    budgets = resolve_budgets(graph, device, costs, graph.plain_peak_bytes() - 1)
+    plans = starting_points(graph, costs, budgets, mode)
+    assert mode != "none" or plans == []
+    for plan in plans:
+        assert mode != "paging" or not plan.recompute
+        assert mode != "remat" or not (plan.page_in or plan.page_out)
