@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import csv
+from collections import Counter
 import math
 import os
 from pathlib import Path
@@ -320,7 +321,7 @@ def _chains(series: list[list[dict]], capacity: int, warm: bool) -> list[list[di
         at = 0
         for k in range(pieces):
             n = size + (1 if k < extra else 0)
-            chains.append([dict(t, chain=len(chains)) for t in points[at:at + n]])
+            chains.append([dict(t, chain=len(chains), piece=k) for t in points[at:at + n]])
             at += n
     return chains
 
@@ -335,6 +336,7 @@ class _Driver:
 
     def __init__(self, chains: list[list[dict]], total: int, progress):
         self.chains = chains
+        self.chains_series = [points[0]["series"] for points in chains]
         self.total = total
         self.progress = progress
         self.busy: set[int] = set()
@@ -343,12 +345,16 @@ class _Driver:
         self.rows = SweepResult()
 
     def take(self) -> Optional[dict]:
-        """The next point to solve (from the idle chain with the most points left), or None."""
+        """The next point to solve, or None. Of the idle chains, one of the series with the fewest
+        points in flight, and of those the one with the smallest budgets: small budgets are the
+        slow points (time limits, minimum-peak searches), so they start first and no worker is
+        left alone with them at the end."""
         while True:
             idle = [c for c, points in enumerate(self.chains) if points and c not in self.busy]
             if not idle:
                 return None
-            c = max(idle, key=lambda c: len(self.chains[c]))
+            in_flight = Counter(self.chains_series[c] for c in self.busy)
+            c = min(idle, key=lambda c: (in_flight[self.chains_series[c]], self.chains[c][0]["piece"], c))
             task = self.chains[c].pop(0)
             floor, cause = self.floor.get(task["series"], (0, None))
             if task["ram"] < floor:
