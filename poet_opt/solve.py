@@ -98,8 +98,8 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     warm = getattr(start, "decisions", start)
     candidates = starting_points(graph, costs, budgets, mode)
     solve_s = 0.0
-    # Past this size the full MILP takes longer to build than a time limit allows and its root LP
-    # does not finish (1000 nodes: 1.6M columns, 26 s to build): the best start stands, with the
+    # Past this size the full MILP's root LP is out of reach of any interactive time limit (ResNet-50's
+    # 190k columns do not finish it in 90 s; 1000 nodes make 1.6M): the best start stands, with the
     # plain-training floor as its bound. Without a time limit the user asked to wait for the optimum.
     full_decisions = decision_count(graph, mode)
     skip_full = time_limit is not None and full_decisions > FULL_MILP_MAX_DECISIONS
