@@ -4,18 +4,21 @@ The space is the gap heuristic's (heuristics.gap_plan), solved exactly instead o
 training, each tensor may leave RAM in a *gap* between two consecutive stages that touch it (the
 stage that makes it, and those that read it) and come back for the stage after the gap, by a page-in
 (the tensor is paged out once, right after it is made) or by recomputing it there when it is a
-forward node whose inputs are all in RAM in that stage anyway. Binaries: two per gap and one page-out
-per tensor, O(|E|) in all, against O(T^2) in the full formulation; rows: one per stage for RAM, one
-per (gap, input) for recomputation, and the runtime and storage budgets.
+forward node whose inputs are in RAM in that stage, or are themselves recomputed there first (chains
+up to CHAIN_DEPTH links). Binaries: two per gap, one page-out per tensor and one per chain link, a
+small multiple of |E|, against O(T^2) in the full formulation; rows: one per stage for RAM, one per
+(recomputation, input), and the runtime and storage budgets.
 
-Why the RAM row per stage is exact for these plans: a recomputed node only reads tensors that are
-resident in its stage, and whatever is paged in or recomputed in stage t is read by node t, so
-nothing is freed within a stage before node t runs: the stage's RAM in use peaks when node t runs,
-at the sum of the tensors resident in that stage.
+Why a RAM row per stage suffices: whatever is paged in or recomputed at a gap's end is read by that
+stage's node, and everything else resident is read by it or kept, so nothing of that is freed before
+the node runs, where the stage's sum is reached. Chain links may be freed earlier than that (after
+their last reader in the stage); the row counts them until the node runs, an over-estimate, so the
+replayed peak never exceeds the row.
 
 Every plan of this space is a plan of the full formulation, so its optimum is a valid schedule and a
-MIP start for the full MILP; but the full space is larger (recomputation chains, page-ins for later
-stages), so this model's own bound is NOT a bound for the problem and is never reported as one.
+MIP start for the full MILP; but the full space is larger (longer chains, page-ins for later stages,
+no over-counted chain links), so this model's own bound is NOT a bound for the problem and is never
+reported as one.
 """
 
 from __future__ import annotations
