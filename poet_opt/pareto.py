@@ -691,7 +691,8 @@ def plot_front(rows: Sequence[dict], path) -> list[Path]:
             ys = [r["energy_j"] / scale for r in solved]
             ax.plot(xs, ys, "-", color=color, label=label)
             for r, x, y in zip(solved, xs, ys):
-                ax.plot([x], [y], "o", color=color, markerfacecolor=color if r["status"] == "optimal" else "white")
+                proven = r["status"] in ("optimal", "gap_limit")  # hollow: stopped by the time limit
+                ax.plot([x], [y], "o", color=color, markerfacecolor=color if proven else "white")
         else:
             ax.plot([], [], "-", color=color, label=label)
         infeasible = [r for r in members if r["status"] == "infeasible"]
