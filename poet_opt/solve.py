@@ -95,7 +95,6 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         _raise_infeasible(graph, costs, budgets, mode, backend, reason="some node and its inputs alone need more",
                           time_limit=time_limit)
 
-    warm = getattr(start, "decisions", start)
     candidates = starting_points(graph, costs, budgets, mode)
     solve_s = 0.0
     # Past this size the full MILP's root LP is out of reach of any interactive time limit (ResNet-50's
@@ -118,6 +117,11 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
             energy = [totals_of(graph, costs, build_steps(graph, d))["energy_j"] for d in (best, candidates[0])]
             candidates = [best, *candidates] if energy[0] <= energy[1] else [candidates[0], best, *candidates[1:]]
         solve_s += time.perf_counter() - started
+    # The caller's plan (a Pareto sweep passes the budget below's) is one more candidate, so every
+    # path below can take it: the full MILP's start, the floor check, and the plan kept on a skip.
+    warm = _fitting_plan(graph, costs, budgets, mode, profile, getattr(start, "decisions", start))
+    if warm is not None:
+        candidates = sorted([warm, *candidates], key=lambda d: _energy(graph, costs, d))
     first = decisions = form = None
     build_s = 0.0
     skip_full = skip_full and bool(candidates)
@@ -136,7 +140,7 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         started = time.perf_counter()
         form = Formulation(graph, costs, budgets, mode, runtime_margin=margin)
         build_s = time.perf_counter() - started
-        start = _cheapest_start(form, warm, candidates)
+        start = next((x for x in map(form.encode, candidates) if x is not None), None)
         # the re-solve shares the one time limit the user gave
         remaining = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - began))
         result = solve_milp(form.milp, backend=backend, time_limit=remaining, gap=gap, threads=threads,
@@ -202,19 +206,30 @@ GAP_MILP_TIME_S = 10.0
 FULL_MILP_MAX_DECISIONS = 300_000
 
 
-def _cheapest_start(form: Formulation, warm, candidates):
-    """The MIP start: the caller's plan if it fits this problem, unless the first heuristic plan that
-    fits costs less energy (a solver gets one start, and the better incumbent prunes more)."""
-    heuristic = next((x for x in map(form.encode, candidates) if x is not None), None)
-    if heuristic is not None and form.milp.c @ heuristic <= 0:
-        return heuristic  # plain training fits: nothing can beat it, so skip encoding the other plan
+def _energy(graph, costs, decisions) -> float:
+    return totals_of(graph, costs, build_steps(graph, decisions))["energy_j"]
+
+
+def _fitting_plan(graph, costs, budgets, mode, profile, decisions):
+    """The caller's plan if it is one of this graph and mode and its replay keeps every rule and
+    budget; else None (a start is a hint, never a reason to fail)."""
+    if decisions is None:
+        return None
+    if (mode in ("remat", "none") and (decisions.page_in or decisions.page_out)) or \
+            (mode in ("paging", "none") and decisions.recompute):
+        return None
+    pairs = (*decisions.recompute, *decisions.page_in, *decisions.keep)
+    if any(not (0 <= i < len(graph) and 0 <= t < len(graph)) for t, i in pairs) or \
+            any(not 0 <= i < len(graph) for i in decisions.page_out):
+        return None  # a plan for some other graph
+    steps = build_steps(graph, decisions)
+    plan = Schedule(model=graph.name, mode=mode, graph=graph, profile=profile, costs=costs, budgets=budgets,
+                    decisions=decisions, steps=steps, totals=totals_of(graph, costs, steps), plain={}, solver={})
     try:
-        given = None if warm is None else form.encode(warm)
-    except (IndexError, TypeError, ValueError):  # a plan for some other graph: no start at all
-        given = None
-    if given is None or (heuristic is not None and form.milp.c @ heuristic < form.milp.c @ given):
-        return heuristic
-    return given
+        validator.replay(plan.to_dict())
+    except validator.ScheduleInvalid:
+        return None
+    return decisions
 
 
 def _fits_runtime(graph, costs, decisions, budgets) -> bool:

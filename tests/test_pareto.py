@@ -448,23 +448,29 @@ def test_solve_ignores_a_start_that_does_not_fit():
     assert remat.totals["page_ins"] == 0
 
 
-def test_the_warm_start_is_the_cheaper_of_the_plans_that_fit():
+def test_a_start_is_taken_only_where_its_replay_keeps_every_rule_and_budget():
     from poet_opt.costs import node_costs
-    from poet_opt.formulation import Budgets, Formulation
-    from poet_opt.heuristics import starting_points
-    from poet_opt.solve import _cheapest_start
+    from poet_opt.formulation import Budgets
+    from poet_opt.solve import _fitting_plan
 
     device = make_test_device()
-    below = solve(RANDOM, device, ram=23000, mode="joint", **FAST)
     costs = node_costs(RANDOM, device)
-    budgets = Budgets(ram_bytes=28000, runtime_s=float("inf"), storage_bytes=device.storage.capacity_bytes)
-    form = Formulation(RANDOM, costs, budgets, "joint")
-    candidates = starting_points(RANDOM, costs, budgets, "joint")
-    x = _cheapest_start(form, below.decisions, candidates)
-    given = form.encode(below.decisions)
-    assert given is not None  # a smaller budget's plan fits a larger one
-    heuristic = next((h for h in map(form.encode, candidates) if h is not None), None)
-    best = min(v for v in (form.milp.c @ given, None if heuristic is None else form.milp.c @ heuristic)
-               if v is not None)
-    assert form.milp.c @ x == pytest.approx(best)
-    assert form.milp.c @ given + form.milp.offset == pytest.approx(below.totals["energy_j"], rel=1e-9)
+
+    def budgets(ram):
+        return Budgets(ram_bytes=ram, runtime_s=float("inf"), storage_bytes=device.storage.capacity_bytes)
+
+    below = solve(RANDOM, device, ram=23000, mode="joint", **FAST)
+    assert below.totals["page_ins"] + below.totals["recomputes"] > 0
+    # a smaller budget's plan fits a larger one, and is refused by a budget below its peak
+    assert _fitting_plan(RANDOM, costs, budgets(28000), "joint", device, below.decisions) == below.decisions
+    assert _fitting_plan(RANDOM, costs, budgets(below.totals["peak_ram_bytes"] - 1), "joint", device,
+                         below.decisions) is None
+    # a mode that cannot do what the plan does, and a plan of another graph, are no starts
+    assert _fitting_plan(RANDOM, costs, budgets(28000), "none", device, below.decisions) is None
+    mlp = solve(MLP, device, ram=MLP_PLAIN, **FAST)
+    assert _fitting_plan(RANDOM, costs, budgets(28000), "joint", device, mlp.decisions) is None
+    # the solve that starts from it is never worse than the plan it was handed
+    warm = solve(RANDOM, device, ram=28000, mode="joint", start=below, **FAST)
+    assert warm.totals["energy_j"] <= below.totals["energy_j"] * (1 + 1e-9)
+
+
