@@ -400,34 +400,56 @@ def _run_here(driver: _Driver) -> None:
         driver.rows.interrupted = True
 
 
-def _run_on_pool(driver: _Driver, jobs: int) -> bool:
-    """Run the points on a local process pool; True if the pool broke (a worker died)."""
-    pool = cf.ProcessPoolExecutor(max_workers=min(jobs, driver.total), initializer=_worker_init)
-    futures: dict = {}
-    broken = False
-    try:
-        while True:
-            while len(futures) < jobs and (task := driver.take()) is not None:
-                futures[pool.submit(_run_point, task)] = task
-            if not futures:
-                break
-            done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: (futures[f]["series"], futures[f]["ram"])):
-                task = futures.pop(fut)
-                try:
-                    row = fut.result()
-                except cf.process.BrokenProcessPool:
+def _drain(driver: _Driver, submit, capacity: int, futures: dict, lost) -> bool:
+    """Keep up to ``capacity`` points in flight on an executor and hand each finished row to the
+    driver, in a fixed order within a batch. A point whose future raises becomes ``lost(task, exc)``:
+    a row, or None when the executor itself broke, which sends every point in flight back to the
+    driver and returns True."""
+    while True:
+        while len(futures) < capacity and (task := driver.take()) is not None:
+            futures[submit(_run_point, task)] = task
+        if not futures:
+            return False
+        done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+        broken = False
+        for fut in sorted(done, key=lambda f: (futures[f]["series"], futures[f]["ram"])):
+            task = futures.pop(fut)
+            try:
+                row = fut.result()
+            except Exception as exc:
+                row = lost(task, exc)
+                if row is None:
                     broken = True
                     driver.give_back(task)
                     continue
-                if row["status"] == "interrupted":  # the solver took a Ctrl-C meant for us
-                    raise KeyboardInterrupt
-                driver.finish(task, row)
-            if broken:
-                for task in futures.values():
-                    driver.give_back(task)
-                futures.clear()
-                break
+            if row["status"] == "interrupted":  # the solver took a Ctrl-C meant for us
+                raise KeyboardInterrupt
+            driver.finish(task, row)
+        if broken:
+            for task in futures.values():
+                driver.give_back(task)
+            futures.clear()
+            return True
+
+
+def _error_row(task: dict, error: str) -> dict:
+    row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
+    row.update(status="error", error=error)
+    return row
+
+
+def _run_on_pool(driver: _Driver, jobs: int) -> bool:
+    """Run the points on a local process pool; True if the pool broke (a worker died)."""
+    pool = cf.ProcessPoolExecutor(max_workers=min(jobs, driver.total), initializer=_worker_init)
+
+    def lost(task, exc):
+        if isinstance(exc, cf.process.BrokenProcessPool):
+            return None
+        return _error_row(task, f"the worker failed on this point: {type(exc).__name__}: {exc}")
+
+    broken = False
+    try:
+        broken = _drain(driver, pool.submit, jobs, {}, lost)
     except KeyboardInterrupt:
         driver.rows.interrupted = True
     finally:
@@ -446,10 +468,8 @@ def _run_alone(driver: _Driver) -> None:
     while not driver.rows.interrupted and (task := driver.take()) is not None:
         if not _run_on_pool_once(driver, task):
             continue
-        row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
-        row.update(status="error", error="the worker process solving this point died "
-                   "(out of memory?); try fewer --jobs or a smaller model")
-        driver.finish(task, row)
+        driver.finish(task, _error_row(task, "the worker process solving this point died "
+                                       "(out of memory?); try fewer --jobs or a smaller model"))
 
 
 def _run_on_pool_once(driver: _Driver, task: dict) -> bool:
@@ -514,22 +534,12 @@ def _run_on_dask(driver: _Driver, client, capacity: int) -> None:
     installed): never more than ``capacity`` points in flight, so chains stay in order."""
     executor = client.get_executor(pure=False)
     futures: dict = {}
+
+    def lost(task, exc):  # the cluster lost the point (a worker died too often): the sweep goes on
+        return _error_row(task, f"the Dask cluster failed on this point: {type(exc).__name__}: {exc}")
+
     try:
-        while True:
-            while len(futures) < capacity and (task := driver.take()) is not None:
-                futures[executor.submit(_run_point, task)] = task
-            if not futures:
-                break
-            done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: (futures[f]["series"], futures[f]["ram"])):
-                task = futures.pop(fut)
-                try:
-                    row = fut.result()
-                except Exception as exc:  # the cluster lost the point (a worker died too often)
-                    row = _empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
-                    row.update(status="error", error=f"the Dask cluster failed on this point: "
-                               f"{type(exc).__name__}: {exc}")
-                driver.finish(task, row)
+        _drain(driver, executor.submit, capacity, futures, lost)
     except KeyboardInterrupt:
         driver.rows.interrupted = True
     finally:
