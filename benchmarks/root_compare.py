@@ -33,6 +33,7 @@ from poet_opt.heuristics import starting_points  # noqa: E402
 from poet_opt.profiles import load_profile  # noqa: E402
 from poet_opt.schedule import build_steps, totals_of  # noqa: E402
 from poet_opt.solve import resolve_budgets  # noqa: E402
+from poet_opt.solvers import highs_lp  # noqa: E402
 
 
 def run_highs(milp, *, relax: bool, start=None, seed: int = 0, time_limit: float = 60.0) -> dict:
@@ -45,23 +46,8 @@ def run_highs(milp, *, relax: bool, start=None, seed: int = 0, time_limit: float
     for key, value in (("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0), ("threads", 1),
                        ("time_limit", float(time_limit)), ("random_seed", int(seed))):
         h.setOptionValue(key, value)
-    inf = highspy.kHighsInf
-    A = milp.A.tocsc()
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = milp.num_vars, milp.num_rows
+    lp = highs_lp(milp, relax=relax)
     lp.col_cost_, lp.offset_ = milp.c * scale, milp.offset * scale
-    lp.col_lower_ = np.where(np.isinf(milp.lb), -inf, milp.lb)
-    lp.col_upper_ = np.where(np.isinf(milp.ub), inf, milp.ub)
-    lp.row_lower_ = np.where(np.isinf(milp.row_lb), -inf, milp.row_lb)
-    lp.row_upper_ = np.where(np.isinf(milp.row_ub), inf, milp.row_ub)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = A.indptr.astype(np.int32)
-    lp.a_matrix_.index_ = A.indices.astype(np.int32)
-    lp.a_matrix_.value_ = A.data
-    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = milp.num_vars, milp.num_rows
-    if not relax:
-        lp.integrality_ = [highspy.HighsVarType.kInteger if v else highspy.HighsVarType.kContinuous
-                           for v in milp.integrality]
     h.passModel(lp)
     if start is not None:
         h.setSolution(milp.num_vars, np.arange(milp.num_vars, dtype=np.int32), np.asarray(start, float))

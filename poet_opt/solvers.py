@@ -108,19 +108,10 @@ def _unscale(value: Optional[float], scale: float) -> Optional[float]:
     return None if value is None else value / scale
 
 
-def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult:
+def highs_lp(milp: Milp, *, relax: bool = False):
+    """The MILP as a HiGHS model in one bulk hand-over (``relax``: integrality dropped, the LP
+    relaxation)."""
     import highspy
-
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", float(gap))
-    # HiGHS's default absolute gap (1e-6) is a large fraction of a millijoule-scale objective on
-    # a microcontroller; only the relative gap the user asked for should stop the search.
-    h.setOptionValue("mip_abs_gap", 0.0)
-    if time_limit is not None:
-        h.setOptionValue("time_limit", float(time_limit))
-    if threads:
-        h.setOptionValue("threads", int(threads))
 
     inf = highspy.kHighsInf
     A = milp.A.tocsc()
@@ -139,9 +130,27 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
     lp.a_matrix_.value_ = A.data
     lp.a_matrix_.num_col_ = milp.num_vars
     lp.a_matrix_.num_row_ = milp.num_rows
-    lp.integrality_ = [highspy.HighsVarType.kInteger if v else highspy.HighsVarType.kContinuous
-                       for v in milp.integrality]
-    h.passModel(lp)
+    if not relax:
+        lp.integrality_ = [highspy.HighsVarType.kInteger if v else highspy.HighsVarType.kContinuous
+                           for v in milp.integrality]
+    return lp
+
+
+def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult:
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", float(gap))
+    # HiGHS's default absolute gap (1e-6) is a large fraction of a millijoule-scale objective on
+    # a microcontroller; only the relative gap the user asked for should stop the search.
+    h.setOptionValue("mip_abs_gap", 0.0)
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(time_limit))
+    if threads:
+        h.setOptionValue("threads", int(threads))
+
+    h.passModel(highs_lp(milp))
     if start is not None:
         idx = np.arange(milp.num_vars, dtype=np.int32)
         h.setSolution(milp.num_vars, idx, np.asarray(start, dtype=float))
