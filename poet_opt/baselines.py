@@ -32,6 +32,7 @@ from typing import Optional
 from .costs import NodeCosts
 from .formulation import Budgets, Decisions
 from .graph import TrainingGraph
+from .heuristics import recompute_on_demand
 from .schedule import build_steps, plain_decisions, totals_of
 
 BASELINES = ("checkpoint-all", "sqrt-n", "dtr")
@@ -84,45 +85,11 @@ def segment_decisions(graph: TrainingGraph, checkpoints: set[int]) -> Decisions:
     the last stage that reads it, recomputations included: the first pass holds checkpoints to the
     end to find those stages, the second releases them there (the recomputations are the same,
     since they depend only on what the checkpoints cover)."""
-    nodes, T = graph.nodes, len(graph)
-    users, last = graph.users(), graph.last_use()
-    dropped = {n.id for n in nodes if not n.is_backward and n.id not in checkpoints}
-
-    def run(checkpoint_end):
-        resident_until: dict[int, int] = {}
-        keep, recompute = set(), set()
-        read_at: dict[int, int] = {}
-
-        def hold(i, start):
-            if i in dropped:
-                forward_readers = [u for u in users[i] if not nodes[u].is_backward and u > start]
-                end = max([start, *forward_readers]) if start == i else max(start, last[i])
-            elif i in checkpoints:
-                end = checkpoint_end(i)
-            else:
-                end = last[i]
-            keep.update((s, i) for s in range(start + 1, end + 1))
-            resident_until[i] = end
-
-        for t in range(T):
-            needed, stack = set(), [d for d in nodes[t].deps if resident_until.get(d, -1) < t]
-            while stack:
-                i = stack.pop()
-                if i in needed:
-                    continue
-                needed.add(i)
-                stack.extend(d for d in nodes[i].deps if resident_until.get(d, -1) < t and d not in needed)
-            for i in sorted(needed):
-                recompute.add((t, i))
-                hold(i, t)
-            hold(t, t)
-            for k in needed | {t}:
-                for d in nodes[k].deps:
-                    read_at[d] = max(read_at.get(d, -1), t)
-        return keep, recompute, read_at
-
-    _, _, read_at = run(lambda i: T - 1)
-    keep, recompute, _ = run(lambda i: max(last[i], read_at.get(i, i)))
+    T, last = len(graph), graph.last_use()
+    dropped = {n.id for n in graph.nodes if not n.is_backward and n.id not in checkpoints}
+    _, _, read_at = recompute_on_demand(graph, dropped, lambda i: T - 1 if i in checkpoints else last[i])
+    recompute, keep, _ = recompute_on_demand(
+        graph, dropped, lambda i: max(last[i], read_at.get(i, i)) if i in checkpoints else last[i])
     return Decisions(frozenset(recompute), frozenset(), frozenset(), frozenset(keep))
 
 

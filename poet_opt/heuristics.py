@@ -84,17 +84,28 @@ def checkpoint_decisions(graph: TrainingGraph, dropped: set[int]) -> Decisions:
     """Plain training, except that each forward tensor in `dropped` is freed once the forward pass
     no longer reads it, recomputed (with whatever it needs that is gone too) in the first later
     stage that reads it, and then kept until its last reader: segment-wise checkpointing."""
+    recompute, keep, _ = recompute_on_demand(graph, dropped)
+    return Decisions(frozenset(recompute), frozenset(), frozenset(), frozenset(keep))
+
+
+def recompute_on_demand(graph: TrainingGraph, dropped: set[int], kept_until=None):
+    """The replay behind checkpointing: each forward tensor in `dropped` is freed once the forward
+    pass no longer reads it and recomputed, with whatever it needs that is gone too, in the first
+    later stage that reads it; every other tensor stays resident until stage ``kept_until(i)``
+    (default: its last reader). Returns the (stage, node) recomputations and keeps, and per tensor
+    the last stage that reads it, recomputations included."""
     nodes, users = graph.nodes, graph.users()
     last = graph.last_use()
     resident_until = {}  # i -> last stage in which i is resident (from its latest materialization)
     keep, recompute = set(), set()
+    read_at: dict[int, int] = {}
 
     def hold(i, start):
         if i in dropped:
             forward_readers = [u for u in users[i] if not nodes[u].is_backward and u > start]
             end = max([start, *forward_readers]) if start == i else max(start, last[i])
         else:
-            end = last[i]
+            end = last[i] if kept_until is None else kept_until(i)
         keep.update((t, i) for t in range(start + 1, end + 1))
         resident_until[i] = end
 
@@ -110,7 +121,10 @@ def checkpoint_decisions(graph: TrainingGraph, dropped: set[int]) -> Decisions:
             recompute.add((t, i))
             hold(i, t)
         hold(t, t)
-    return Decisions(frozenset(recompute), frozenset(), frozenset(), frozenset(keep))
+        for k in needed | {t}:
+            for d in nodes[k].deps:
+                read_at[d] = max(read_at.get(d, -1), t)
+    return recompute, keep, read_at
 
 
 def greedy_checkpointing(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Decisions | None:
