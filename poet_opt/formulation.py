@@ -15,6 +15,9 @@ Reductions that keep the optimum exact, each justified where it is made:
   kept in RAM all along costs the same and holds storage for less time, and a page-out of a
   recomputed copy is dominated by paging out the first;
 - a tensor is materialized at most once per stage and never while already resident.
+
+One family of rows adds no rule but tightens the LP relaxation: (9) below, a knapsack per stage
+boundary over the keep variables alone.
 """
 
 from __future__ import annotations
@@ -158,12 +161,13 @@ class Formulation:
     """Builds the MILP for one (graph, costs, budgets, mode) and maps solutions back to decisions."""
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
-                 *, minimize_peak: bool = False, runtime_margin: float = 0.0):
+                 *, minimize_peak: bool = False, runtime_margin: float = 0.0, boundary_rows: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
         self.minimize_peak = minimize_peak
         self.runtime_margin = runtime_margin
+        self.boundary_rows = boundary_rows
         self.allow_remat = mode in ("joint", "remat")
         self.allow_paging = mode in ("joint", "paging")
         self.milp = self._build()
@@ -385,6 +389,22 @@ class Formulation:
         if len(mo):
             capacity = float(self.budgets.storage_bytes)  # the row in units of it, as for memory
             extra.add_row(self.Mout[mo], costs.storage_bytes[mo] / capacity, -np.inf, 1.0)
+
+        if self.boundary_rows and not self.minimize_peak:
+            # (9) stage boundaries as pure-binary knapsacks: what is kept into stage t+1 was resident
+            #     when node t ran, beside t's inputs and output. Implied by the U chain in the LP,
+            #     but written over binaries alone HiGHS's cover separators can cut on it.
+            kt1, ki1 = np.nonzero(self.S[1:T + 1] >= 0)
+            optional = ~reads[kt1, ki1] & (ki1 != kt1)
+            kt1, ki1 = kt1[optional], ki1[optional]
+            fixed = nbytes.copy()
+            np.add.at(fixed, np.repeat(np.arange(T), n_deps), nbytes[dep_flat])
+            order = np.argsort(kt1, kind="stable")
+            kt1, ki1 = kt1[order], ki1[order]
+            stages = np.unique(kt1)
+            for t in stages:  # one row per stage: T rows, built from the sorted pairs
+                lo, hi = np.searchsorted(kt1, [t, t + 1])
+                extra.add_row(self.S[t + 1, ki1[lo:hi]], nbytes[ki1[lo:hi]], -np.inf, 1.0 - fixed[t])
 
         if extra.count:
             A2, lb2, ub2 = extra.matrix(n_vars)
