@@ -14,7 +14,8 @@ Reductions that keep the optimum exact, each justified where it is made:
 - a tensor is paged out only right after its first computation: a later page-out of a copy that was
   kept in RAM all along costs the same and holds storage for less time, and a page-out of a
   recomputed copy is dominated by paging out the first;
-- a tensor is materialized at most once per stage and never while already resident.
+- a tensor is materialized at most once per stage and never while already resident;
+- given cost_cap (a known plan's energy above plain training), no action dearer than that exists.
 
 One family of rows adds no rule but tightens the LP relaxation: (9) below, a knapsack per stage
 boundary over the keep variables alone.
@@ -129,9 +130,11 @@ class _Rows:
         return A, np.concatenate(self.lb), np.concatenate(self.ub)
 
 
-def horizons(graph: TrainingGraph, allow_remat: bool) -> tuple[np.ndarray, np.ndarray]:
+def horizons(graph: TrainingGraph, allow_remat: bool,
+             recomputable: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """need[i]: the last stage in which tensor i may be read; compute[i]: the last stage in which
-    node i may be computed (itself, or later when it can be recomputed for a reader)."""
+    node i may be computed (itself, or later when it can be recomputed for a reader).
+    recomputable: an optional per-node mask of nodes the caller allows to be recomputed at all."""
     n = len(graph)
     users = graph.users()
     need = np.arange(n)
@@ -139,7 +142,7 @@ def horizons(graph: TrainingGraph, allow_remat: bool) -> tuple[np.ndarray, np.nd
     for i in range(n - 1, -1, -1):
         for j in users[i]:
             need[i] = max(need[i], compute[j])
-        if allow_remat and not graph.nodes[i].is_backward:
+        if allow_remat and not graph.nodes[i].is_backward and (recomputable is None or recomputable[i]):
             compute[i] = need[i]
     return need, compute
 
@@ -161,13 +164,15 @@ class Formulation:
     """Builds the MILP for one (graph, costs, budgets, mode) and maps solutions back to decisions."""
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
-                 *, minimize_peak: bool = False, runtime_margin: float = 0.0, boundary_rows: bool = True):
+                 *, minimize_peak: bool = False, runtime_margin: float = 0.0, boundary_rows: bool = True,
+                 cost_cap: float | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
         self.minimize_peak = minimize_peak
         self.runtime_margin = runtime_margin
         self.boundary_rows = boundary_rows
+        self.cost_cap = cost_cap  # joules above plain training that a plan worth finding may spend
         self.allow_remat = mode in ("joint", "remat")
         self.allow_paging = mode in ("joint", "paging")
         self.milp = self._build()
@@ -175,7 +180,14 @@ class Formulation:
     # -- variable layout ---------------------------------------------------------------------
     def _build(self) -> Milp:
         g, costs, T = self.graph, self.costs, len(self.graph)
-        need, comp = horizons(g, self.allow_remat)
+        # Every action costs energy on top of plain training's (a constant), so with a plan of extra
+        # energy cost_cap in hand, no action dearer than that can be part of a plan at least as good:
+        # it is left out of the model (and a tensor that cannot be recomputed stops widening the
+        # horizons of its inputs). The optimum is unchanged; the model may shrink a lot.
+        cap = np.inf if self.cost_cap is None else float(self.cost_cap)
+        recomputable = costs.compute_j <= cap
+        pageable = costs.page_out_j + costs.page_in_j <= cap
+        need, comp = horizons(g, self.allow_remat, recomputable)
         # Memory rows count in units of the RAM budget, not bytes: next to 0/1 variables, byte-sized
         # coefficients (up to 1e8) left HiGHS numerically fragile, up to wrongly claimed optima.
         self.mem_unit = (float(self.budgets.ram_bytes) if np.isfinite(self.budgets.ram_bytes)
@@ -200,7 +212,7 @@ class Formulation:
         self.R[tt[r_mask], ii[r_mask]] = alloc(int(r_mask.sum()))
 
         # Mout[i]: paging out is useful only for a tensor read in some later stage.
-        mo_mask = (need > np.arange(T)) if self.allow_paging else np.zeros(T, dtype=bool)
+        mo_mask = (need > np.arange(T)) & pageable if self.allow_paging else np.zeros(T, dtype=bool)
         self.Mout = np.full(T, -1, dtype=np.int64)
         self.Mout[mo_mask] = alloc(int(mo_mask.sum()))
 

@@ -127,18 +127,23 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     skip_full = skip_full and bool(candidates)
     full_note = f"skipped: {full_decisions} binaries" if skip_full else "solved"
     floor = costs.plain_energy_j
-    if candidates and not skip_full and backend == "highs":
+    head = cost_cap = None
+    if candidates and not skip_full:
+        head = totals_of(graph, costs, build_steps(graph, candidates[0]))["energy_j"]
+        # No plan at least as good as the best start spends more than it does above plain training on
+        # any one action: the full MILP leaves out every dearer one (see Formulation's cost_cap).
+        cost_cap = (head - floor) + 1e-9 * head
+    if head is not None and backend == "highs":
         # Plain training's energy bounds every plan: a start that close to it is already proven within
         # the gap asked for (plain training itself when it fits), and the full MILP can only confirm it.
         # (A backend the user named explicitly still runs, and says so if it is missing.)
-        head = totals_of(graph, costs, build_steps(graph, candidates[0]))["energy_j"]
         if relative_gap(head, min(floor, head)) <= max(gap, 1e-12):
             skip_full, full_note = True, "not needed: the best start is within the gap of the plain-training floor"
     if skip_full:
         first, decisions = SolveResult("time_limit", None, None, None, 0.0, backend), candidates[0]
     for margin in (() if skip_full else (0.0, 1e-6)):
         started = time.perf_counter()
-        form = Formulation(graph, costs, budgets, mode, runtime_margin=margin)
+        form = Formulation(graph, costs, budgets, mode, runtime_margin=margin, cost_cap=cost_cap)
         build_s = time.perf_counter() - started
         start = next((x for x in map(form.encode, candidates) if x is not None), None)
         # the re-solve shares the one time limit the user gave
@@ -178,6 +183,10 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     # Plain training's energy is a floor for every schedule (each node runs at least once, nothing else
     # is free); it is the bound left when the solver stops before its root relaxation does better.
     bound = min(floor if first.bound is None else max(first.bound, floor), objective)
+    if head is not None:
+        # With actions dearer than the start's extra energy left out, the MILP's bound covers only the
+        # plans at least as good as the start: the start's energy caps the bound for the rest.
+        bound = min(bound, head)
     requested_gap, gap = gap, relative_gap(objective, bound)
     status = first.status
     if status in ("optimal", "gap_limit") or (skip_full and gap is not None and gap <= requested_gap):

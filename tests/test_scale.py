@@ -181,3 +181,31 @@ def test_stage_boundary_rows_tighten_the_root_relaxation():
     plain = costs.plain_energy_j
     assert loose / plain < 1.01
     assert tight / plain > 1.05
+
+
+@pytest.mark.parametrize("case", ["transformer-block@rpi4@0.7@joint", "transformer-block@rpi4@0.7@remat",
+                                  "rand12@test@0.6@joint", "rand14@jetson-tx2@0.5@joint", "rand14@test@0.8@paging"])
+def test_a_cost_cap_from_a_start_keeps_the_optimum_and_shrinks_the_model(case):
+    from poet_opt.heuristics import starting_points
+    from poet_opt.solvers import solve_milp
+
+    model, dev, fraction, mode = case.split("@")
+    graph = (build_model(model) if not model.startswith("rand")
+             else random_training_graph(int(model[4:]), 3, skip_prob=0.5))
+    device = make_test_device() if dev == "test" else load_profile(dev)
+    costs = node_costs(graph, device)
+    budgets = resolve_budgets(graph, device, costs, int(float(fraction) * graph.plain_peak_bytes()))
+    starts = starting_points(graph, costs, budgets, mode)
+    assert starts, "the case needs a heuristic start to cap from"
+    head = totals_of(graph, costs, build_steps(graph, starts[0]))["energy_j"]
+    full = Formulation(graph, costs, budgets, mode)
+    capped = Formulation(graph, costs, budgets, mode, cost_cap=head - costs.plain_energy_j + 1e-9 * head)
+    assert capped.milp.num_vars <= full.milp.num_vars
+    if case == "transformer-block@rpi4@0.7@joint":  # a start 0.02% above plain: no matmul is recomputed
+        assert capped.milp.num_vars < 0.7 * full.milp.num_vars
+    optima = []
+    for form in (full, capped):
+        result = solve_milp(form.milp, gap=0.0, threads=1, start=form.encode(starts[0]))
+        assert result.status == "optimal"
+        optima.append(result.objective)
+    assert optima[1] == pytest.approx(optima[0], rel=1e-9)
