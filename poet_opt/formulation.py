@@ -19,8 +19,8 @@ Reductions that keep the optimum exact, each justified where it is made:
 - a stage that could not exceed the budget even holding everything it might hold gets no memory
   accounting at all.
 
-One family of rows adds no rule but tightens the LP relaxation: (9) below, a knapsack per stage
-boundary over the keep variables alone.
+Two families of rows add no rule but tighten the LP relaxation (tighten=True): (9) below, a knapsack
+per stage boundary over the keep variables alone, and (10), one page-out for all page-ins of a tensor.
 """
 
 from __future__ import annotations
@@ -166,14 +166,14 @@ class Formulation:
     """Builds the MILP for one (graph, costs, budgets, mode) and maps solutions back to decisions."""
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
-                 *, minimize_peak: bool = False, runtime_margin: float = 0.0, boundary_rows: bool = True,
+                 *, minimize_peak: bool = False, runtime_margin: float = 0.0, tighten: bool = True,
                  cost_cap: float | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
         self.minimize_peak = minimize_peak
         self.runtime_margin = runtime_margin
-        self.boundary_rows = boundary_rows
+        self.tighten = tighten  # add the valid inequalities (9) and (11): same optimum, tighter LP
         self.cost_cap = cost_cap  # joules above plain training that a plan worth finding may spend
         self.allow_remat = mode in ("joint", "remat")
         self.allow_paging = mode in ("joint", "paging")
@@ -410,7 +410,7 @@ class Formulation:
             capacity = float(self.budgets.storage_bytes)  # the row in units of it, as for memory
             extra.add_row(self.Mout[mo], costs.storage_bytes[mo] / capacity, -np.inf, 1.0)
 
-        if self.boundary_rows and not self.minimize_peak:
+        if self.tighten and not self.minimize_peak:
             # (9) stage boundaries as pure-binary knapsacks: what is kept into stage t+1 was resident
             #     when node t ran, beside t's inputs and output. Implied by the U chain in the LP,
             #     but written over binaries alone HiGHS's cover separators can cut on it.
@@ -426,6 +426,9 @@ class Formulation:
                 lo, hi = np.searchsorted(kt1, [t, t + 1])
                 extra.add_row(self.S[t + 1, ki1[lo:hi]], nbytes[ki1[lo:hi]], -np.inf, 1.0 - fixed[t])
 
+        if self.tighten and self.allow_paging and not self.minimize_peak:
+            self._add_one_page_out_rows(extra, users, comp)
+
         if extra.count:
             A2, lb2, ub2 = extra.matrix(n_vars)
             A = sp.vstack([A, A2], format="csr")
@@ -434,6 +437,39 @@ class Formulation:
 
         return Milp(c=c, offset=offset, A=A, row_lb=row_lb, row_ub=row_ub, lb=lb, ub=ub,
                     integrality=integrality)
+
+    def _add_one_page_out_rows(self, extra: "_Rows", users, comp) -> None:
+        """(10) One page-out buys every page-in: S[u,i] + sum_{u<=w<=r} R[w,i] + Mout[i] >= 1.
+
+        Tensor i is read in stage r (its last reader's own stage), so it is in RAM then; looking back
+        to any stage u in (i, r], it was already there at the start of u, or recomputed in [u, r],
+        or paged in, which takes the page-out. Without these rows the LP pages i out at 0.02 and in
+        at 0.02 in each of thirty stages, building up a whole copy for a fiftieth of the page-out's
+        energy; row (4) only bounds each page-in by the page-out, not their sum. Rows for accounted
+        stages only (elsewhere keeping is free), and, for a tensor that may be recomputed, only when
+        its recompute window is short (each row sums it).
+        """
+        T = len(self.graph)
+        rows_cols = []
+        for i in range(T):
+            if self.Mout[i] < 0 or not users[i]:
+                continue
+            r = max(users[i])
+            recompute_stages = np.flatnonzero(self.R[:, i] >= 0)
+            if len(recompute_stages) > MAX_RECOMPUTE_TERMS:
+                continue
+            for u in range(i + 1, r + 1):
+                if not self.accounted[u] or self.S[u, i] < 0:
+                    continue
+                later = recompute_stages[(recompute_stages >= u) & (recompute_stages <= r)]
+                rows_cols.append([int(self.S[u, i]), int(self.Mout[i]), *self.R[later, i].tolist()])
+        if not rows_cols:
+            return
+        first, m = extra.count, len(rows_cols)
+        extra.add([(np.full(m, -1, dtype=np.int64), 0.0)], 1.0, np.inf)
+        lengths = np.array([len(c) for c in rows_cols], dtype=np.int64)
+        extra.add_sparse(np.repeat(np.arange(first, first + m), lengths),
+                         np.concatenate([np.array(c, dtype=np.int64) for c in rows_cols]), 1.0)
 
     # -- solutions ----------------------------------------------------------------------------
     def decode(self, x: np.ndarray) -> Decisions:
@@ -501,3 +537,8 @@ def _col(index: np.ndarray, *key) -> int:
     if col < 0:
         raise KeyError(key)
     return col
+
+
+# Row (10) sums a tensor's recompute variables after stage u; past this many the rows cost more
+# nonzeros than they are worth, and the tensor gets none.
+MAX_RECOMPUTE_TERMS = 40
