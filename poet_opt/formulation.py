@@ -173,7 +173,7 @@ class Formulation:
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
         self.minimize_peak = minimize_peak
         self.runtime_margin = runtime_margin
-        self.tighten = tighten  # add the valid inequalities (9) and (11): same optimum, tighter LP
+        self.tighten = tighten  # add the valid inequalities (9) and (10): same optimum, tighter LP
         self.cost_cap = cost_cap  # joules above plain training that a plan worth finding may spend
         self.allow_remat = mode in ("joint", "remat")
         self.allow_paging = mode in ("joint", "paging")
