@@ -19,8 +19,9 @@ Reductions that keep the optimum exact, each justified where it is made:
 - a stage that could not exceed the budget even holding everything it might hold gets no memory
   accounting at all.
 
-Two families of rows add no rule but tighten the LP relaxation (tighten=True): (9) below, a knapsack
-per stage boundary over the keep variables alone, and (10), one page-out for all page-ins of a tensor.
+Three families of rows add no rule but tighten the LP relaxation (tighten=True): (9) below, a knapsack
+per stage boundary over the keep variables alone; (10), one page-out for all page-ins of a tensor;
+and (11), something of an input kept for all recomputes of a tensor.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class Formulation:
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
         self.minimize_peak = minimize_peak
         self.runtime_margin = runtime_margin
-        self.tighten = tighten  # add the valid inequalities (9) and (10): same optimum, tighter LP
+        self.tighten = tighten  # add the valid inequalities (9)-(11): same optimum, tighter LP
         self.cost_cap = cost_cap  # joules above plain training that a plan worth finding may spend
         self.allow_remat = mode in ("joint", "remat")
         self.allow_paging = mode in ("joint", "paging")
@@ -264,6 +265,14 @@ class Formulation:
         self.U_t, self.U_k = u_t, u_k
         self.U = alloc(len(u_t))
         self.B = alloc(1)[0] if self.minimize_peak else -1
+        # Q[t,i] = sum over stages w >= t of R[w,i]: suffix sums that rows (10) and (11) use in place
+        # of a long run of recompute terms (a chain of two-term rows instead of O(T) terms per row).
+        # Only for tensors with more recompute variables than it pays to list.
+        self.Q = np.full((T + 1, T), -1, dtype=np.int64)
+        if self.tighten and not self.minimize_peak:
+            r_count = (self.R >= 0).sum(axis=0)
+            q_t, q_i = np.nonzero((self.R >= 0) & (r_count > DIRECT_RECOMPUTE_TERMS)[None, :])
+            self.Q[q_t, q_i] = alloc(len(q_t))
         n_vars = ncols
 
         # -- bounds, objective -----------------------------------------------------------------
@@ -273,6 +282,9 @@ class Formulation:
         ram_cap = np.inf if self.minimize_peak else 1.0
         ub[self.U] = ram_cap
         integrality[self.U] = 0
+        q_cols = self.Q[self.Q >= 0]
+        ub[q_cols] = np.inf
+        integrality[q_cols] = 0
         # Releases stay binary. Continuous would be exact too (each is bounded above by binaries only, so
         # at any integral choice its best value is 0 or 1 already), but then the memory rows mix binaries
         # with continuous terms and HiGHS finds few cuts and poor incumbents on them: on the 100-node
@@ -426,8 +438,12 @@ class Formulation:
                 lo, hi = np.searchsorted(kt1, [t, t + 1])
                 extra.add_row(self.S[t + 1, ki1[lo:hi]], nbytes[ki1[lo:hi]], -np.inf, 1.0 - fixed[t])
 
-        if self.tighten and self.allow_paging and not self.minimize_peak:
-            self._add_one_page_out_rows(extra, users, comp)
+        if self.tighten and not self.minimize_peak:
+            self._add_suffix_sum_rows(extra)
+            if self.allow_paging:
+                self._add_one_page_out_rows(extra, users)
+            if self.allow_remat:
+                self._add_input_kept_rows(extra, users, deps)
 
         if extra.count:
             A2, lb2, ub2 = extra.matrix(n_vars)
@@ -438,7 +454,29 @@ class Formulation:
         return Milp(c=c, offset=offset, A=A, row_lb=row_lb, row_ub=row_ub, lb=lb, ub=ub,
                     integrality=integrality)
 
-    def _add_one_page_out_rows(self, extra: "_Rows", users, comp) -> None:
+    def _recomputes_between(self, i: int, u: int, r: int) -> tuple[list[int], list[float]]:
+        """Columns and coefficients of sum_{u <= w <= r} R[w,i]: the variables themselves, or two
+        suffix sums when the run is long."""
+        stages = np.flatnonzero(self.R[:, i] >= 0)  # contiguous: i+1 .. the last stage i may be computed
+        if len(stages) == 0 or u > min(r, stages[-1]):
+            return [], []
+        a = max(u, int(stages[0]))
+        if self.Q[a, i] < 0:
+            cols = self.R[a:min(r, stages[-1]) + 1, i].tolist()
+            return cols, [1.0] * len(cols)
+        cols, vals = [int(self.Q[a, i])], [1.0]
+        if self.Q[r + 1, i] >= 0:
+            cols.append(int(self.Q[r + 1, i]))
+            vals.append(-1.0)
+        return cols, vals
+
+    def _add_suffix_sum_rows(self, extra: "_Rows") -> None:
+        """Q[t,i] - Q[t+1,i] - R[t,i] = 0 (Q past the last recompute stage is 0)."""
+        q_t, q_i = np.nonzero(self.Q[: len(self.graph)] >= 0)
+        if len(q_t):
+            extra.add([(self.Q[q_t, q_i], 1.0), (self.Q[q_t + 1, q_i], -1.0), (self.R[q_t, q_i], -1.0)], 0.0, 0.0)
+
+    def _add_one_page_out_rows(self, extra: "_Rows", users) -> None:
         """(10) One page-out buys every page-in: S[u,i] + sum_{u<=w<=r} R[w,i] + Mout[i] >= 1.
 
         Tensor i is read in stage r (its last reader's own stage), so it is in RAM then; looking back
@@ -446,30 +484,45 @@ class Formulation:
         or paged in, which takes the page-out. Without these rows the LP pages i out at 0.02 and in
         at 0.02 in each of thirty stages, building up a whole copy for a fiftieth of the page-out's
         energy; row (4) only bounds each page-in by the page-out, not their sum. Rows for accounted
-        stages only (elsewhere keeping is free), and, for a tensor that may be recomputed, only when
-        its recompute window is short (each row sums it).
+        stages only: elsewhere keeping is free.
         """
-        T = len(self.graph)
-        rows_cols = []
-        for i in range(T):
+        rows = []
+        for i in range(len(self.graph)):
             if self.Mout[i] < 0 or not users[i]:
                 continue
             r = max(users[i])
-            recompute_stages = np.flatnonzero(self.R[:, i] >= 0)
-            if len(recompute_stages) > MAX_RECOMPUTE_TERMS:
-                continue
             for u in range(i + 1, r + 1):
                 if not self.accounted[u] or self.S[u, i] < 0:
                     continue
-                later = recompute_stages[(recompute_stages >= u) & (recompute_stages <= r)]
-                rows_cols.append([int(self.S[u, i]), int(self.Mout[i]), *self.R[later, i].tolist()])
-        if not rows_cols:
-            return
-        first, m = extra.count, len(rows_cols)
-        extra.add([(np.full(m, -1, dtype=np.int64), 0.0)], 1.0, np.inf)
-        lengths = np.array([len(c) for c in rows_cols], dtype=np.int64)
-        extra.add_sparse(np.repeat(np.arange(first, first + m), lengths),
-                         np.concatenate([np.array(c, dtype=np.int64) for c in rows_cols]), 1.0)
+                cols, vals = self._recomputes_between(i, u, r)
+                rows.append(([int(self.S[u, i]), int(self.Mout[i]), *cols], [1.0, 1.0, *vals]))
+        _add_rows_at_least_one(extra, rows)
+
+    def _add_input_kept_rows(self, extra: "_Rows", users, deps) -> None:
+        """(11) To recompute a tensor, something of its input stays: for a recomputable tensor k, an
+        input d of k, and a stage u in (d, r] with r the stage of k's last reader,
+            S[u,k] + Mout[k] + S[u,d] + Mout[d] + sum_{u<=w<=r} R[w,d] >= 1.
+        k is in RAM in stage r. It was there at the start of u, or paged in (its page-out), or made
+        in some stage of [u, r], which needed d in RAM then: d kept since before u, paged in, or
+        recomputed in [u, r]. Without these rows the LP keeps 2% of d through the forward pass and
+        recomputes 2% of k from it in each of thirty stages, all for 2% of d's memory.
+        """
+        rows = []
+        for k in range(len(self.graph)):
+            if not users[k] or not (self.R[:, k] >= 0).any():
+                continue
+            r = max(users[k])
+            k_out = [int(self.Mout[k])] if self.Mout[k] >= 0 else []
+            for d in map(int, deps[k]):
+                d_out = [int(self.Mout[d])] if self.Mout[d] >= 0 else []
+                for u in range(d + 1, r + 1):
+                    if not self.accounted[u]:
+                        continue
+                    keeps = [int(self.S[u, j]) for j in (k, d) if j < u and self.S[u, j] >= 0]
+                    cols, vals = self._recomputes_between(d, u, r)
+                    fixed = keeps + k_out + d_out
+                    rows.append((fixed + cols, [1.0] * len(fixed) + vals))
+        _add_rows_at_least_one(extra, rows)
 
     # -- solutions ----------------------------------------------------------------------------
     def decode(self, x: np.ndarray) -> Decisions:
@@ -503,6 +556,10 @@ class Formulation:
                 x[_col(self.S, t, i)] = 1
         except KeyError:
             return None
+        for i in np.flatnonzero((self.Q >= 0).any(axis=0)):
+            stages = np.flatnonzero(self.Q[:, i] >= 0)
+            recomputed = x[self.R[stages, i]]
+            x[self.Q[stages, i]] = np.cumsum(recomputed[::-1])[::-1]
         runs = {(t, t) for t in range(len(self.graph))} | set(decisions.recompute)
         made = runs | set(decisions.page_in)
         users = self.graph.users()
@@ -539,6 +596,18 @@ def _col(index: np.ndarray, *key) -> int:
     return col
 
 
-# Row (10) sums a tensor's recompute variables after stage u; past this many the rows cost more
-# nonzeros than they are worth, and the tensor gets none.
-MAX_RECOMPUTE_TERMS = 40
+# Rows (10) and (11) sum a run of a tensor's recompute variables; past this many the tensor gets
+# suffix-sum columns (Q) so that each row stays a handful of terms.
+DIRECT_RECOMPUTE_TERMS = 8
+
+
+def _add_rows_at_least_one(extra: _Rows, rows: list[tuple[list[int], list[float]]]) -> None:
+    """One row sum(vals * x[cols]) >= 1 per (cols, vals)."""
+    if not rows:
+        return
+    first, m = extra.count, len(rows)
+    extra.add([(np.full(m, -1, dtype=np.int64), 0.0)], 1.0, np.inf)
+    lengths = np.array([len(c) for c, _ in rows], dtype=np.int64)
+    extra.add_sparse(np.repeat(np.arange(first, first + m), lengths),
+                     np.concatenate([np.array(c, dtype=np.int64) for c, _ in rows]),
+                     np.concatenate([np.array(v, dtype=float) for _, v in rows]))
