@@ -5,9 +5,11 @@ For each case (model x device x RAM budget as a fraction of the plain-training p
 
 - ``ours``: :func:`poet_opt.solve.solve` (our reduced formulation, heuristic MIP start, validated);
 - ``poet-dense`` (joint cases) or ``checkmate-dense`` (remat cases): :mod:`poet_opt.dense` in the
-  published POET semantics, same solver, threads, gap and time limit, with a MIP start: the
-  cheapest its rows accept among our heuristic starts and the fitting baselines' plans; its plan is
-  replayed and checked by our validator;
+  published POET semantics, same solver, threads, gap and time limit, as published: no MIP start;
+  its plan is replayed and checked by our validator;
+- ``poet-dense+starts`` / ``checkmate-dense+starts``: the same model given a MIP start, the
+  cheapest its rows accept among our heuristic starts and the fitting baselines' plans (MIP starts
+  are one of our solver's tools; this row shows what the formulation alone is worth);
 - ``checkpoint-all``, ``sqrt-n``, ``dtr``: :mod:`poet_opt.baselines`, judged by our cost model.
 
 Budgets: RAM as given; no runtime budget unless ``--runtime`` (then the dense model counts paging
@@ -96,14 +98,16 @@ def run_ours(graph, profile, ram, runtime, mode, args) -> dict:
             "note": f"{t['recomputes']} recomputes, {t['page_outs']} page-outs, {t['page_ins']} page-ins"}
 
 
-def run_dense(graph, profile, costs, budgets, mode, args, baselines) -> dict:
+def run_dense(graph, profile, costs, budgets, mode, args, baselines, with_starts: bool) -> dict:
     started = time.perf_counter()
-    # Our heuristic MIP starts, then the baselines that fit, cheapest first: under POET's paging
-    # semantics the dense rows reject our same-stage page-ins, and a start is what gives a MILP of
-    # this size any incumbent within the time limit. Ours does not get the baselines.
-    starts = starting_points(graph, costs, budgets, mode)
-    starts += [r.decisions for r in baselines.values() if r.fits and r.decisions is not None]
-    starts.sort(key=lambda d: totals_of(graph, costs, build_steps(graph, d))["energy_j"])
+    starts = None
+    if with_starts:
+        # Our heuristic MIP starts, then the baselines that fit, cheapest first: under POET's paging
+        # semantics the dense rows reject our same-stage page-ins, and a start is what gives a MILP of
+        # this size any incumbent within the time limit. Ours does not get the baselines.
+        starts = starting_points(graph, costs, budgets, mode)
+        starts += [r.decisions for r in baselines.values() if r.fits and r.decisions is not None]
+        starts.sort(key=lambda d: totals_of(graph, costs, build_steps(graph, d))["energy_j"])
     out = solve_dense(graph, profile, costs, budgets, mode, semantics="poet", runtime=args.dense_runtime,
                       time_limit=args.time_limit, gap=args.gap, threads=args.threads,
                       start=starts)
@@ -118,7 +122,8 @@ def run_dense(graph, profile, costs, budgets, mode, args, baselines) -> dict:
             notes.append(f"as our decisions {out.mapped['energy_j']:.6g} J")
         elif out.mapped_note:
             notes.append(f"not expressible as ours: {out.mapped_note}")
-        notes.append("MIP start: " + ("taken" if out.had_start else "none its rows accept"))
+        if with_starts:
+            notes.append("MIP start: " + ("taken" if out.had_start else "none its rows accept"))
         row["note"] = "; ".join(notes)
     elif out.objective is not None:
         row.update(energy_j=out.objective, fits=False, note=f"plan fails our validator: {out.replay_error}")
@@ -144,10 +149,14 @@ def run_case(case: str, args) -> list[dict]:
     print(f"[{time.strftime('%H:%M:%S')}] {case}: T={len(graph)}", file=sys.stderr, flush=True)
     baselines = run_baselines(graph, profile, costs, budgets)
     rows.append({**base, "method": "ours", **run_ours(graph, profile, ram, args.runtime, mode, args)})
-    if not args.no_dense:
+    if not args.no_dense and mode in ("joint", "remat"):
         name = "poet-dense" if mode == "joint" else "checkmate-dense"
-        if mode in ("joint", "remat"):
-            rows.append({**base, "method": name, **run_dense(graph, profile, costs, budgets, mode, args, baselines)})
+        # As published (no MIP start: POET's and Checkmate's code have none), and with our heuristic
+        # starts, which are one of our solver's own tools: the second shows what the formulation
+        # alone is worth.
+        for with_starts in {"none": (False,), "ours": (True,), "both": (False, True)}[args.dense_starts]:
+            rows.append({**base, "method": name + (STARTS_SUFFIX if with_starts else ""),
+                         **run_dense(graph, profile, costs, budgets, mode, args, baselines, with_starts)})
     for name, r in baselines.items():
         row = {**base, "method": name, "status": "fits" if r.fits else ("no plan" if r.totals is None else "over budget"),
                "fits": r.fits, "note": r.note}
@@ -156,12 +165,21 @@ def run_case(case: str, args) -> list[dict]:
             row.update(energy_j=t["energy_j"], runtime_s=t["runtime_s"], peak_bytes=t["peak_ram_bytes"])
         rows.append(row)
     dense = next((r for r in rows if r["method"].endswith("-dense")), None)
+    seeded = next((r for r in rows if r["method"].endswith(STARTS_SUFFIX)), None)
     for r in rows:
         if dense is not None and dense.get("energy_j") is not None and r.get("energy_j") is not None:
             r["energy_vs_dense"] = r["energy_j"] / dense["energy_j"]
-        if r is not dense and dense is not None and r.get("solve_s") and dense.get("solve_s") is not None:
-            r["dense_solve_ratio"] = dense["solve_s"] / r["solve_s"]
+        for ref, key in ((dense, "dense_solve_ratio"), (seeded, "dense_starts_solve_ratio")):
+            if r is not ref and ref is not None and r.get("solve_s") and ref.get("solve_s") is not None:
+                r[key] = ref["solve_s"] / r["solve_s"]
     return rows
+
+
+STARTS_SUFFIX = "+starts"
+
+
+def _is_dense(method: str) -> bool:
+    return method.endswith("-dense") or method.endswith("-dense" + STARTS_SUFFIX)
 
 
 def check(rows: list[dict]) -> list[str]:
@@ -177,7 +195,7 @@ def check(rows: list[dict]) -> list[str]:
             elif e > r["energy_j"] * (1 + REL):
                 fails.append(f"FAIL {r['case']}: ours {e:.9g} J > {r['method']} {r['energy_j']:.9g} J "
                              f"({e / r['energy_j']:.6f}x)")
-        if r["method"].endswith("-dense") and r.get("status") == "optimal" and r.get("fits"):
+        if _is_dense(r["method"]) and r.get("status") == "optimal" and r.get("fits"):
             if e is None or e > r["energy_j"] * (1 + REL):
                 got = "no schedule" if e is None else f"{e:.9g} J"
                 fails.append(f"FAIL {r['case']}: ours {got} > {r['method']} proven optimum {r['energy_j']:.9g} J")
@@ -185,7 +203,7 @@ def check(rows: list[dict]) -> list[str]:
 
 
 COLUMNS = ("case", "method", "status", "energy_j", "runtime_s", "peak_bytes", "gap", "build_s", "solve_s",
-           "energy_vs_dense", "dense_solve_ratio", "fits", "bound_j", "objective_j", "vars", "wall_s",
+           "energy_vs_dense", "dense_solve_ratio", "dense_starts_solve_ratio", "fits", "bound_j", "objective_j", "vars", "wall_s",
            "model", "device", "fraction", "mode", "nodes", "edges", "ram_bytes", "plain_energy_j",
            "plain_runtime_s", "note")
 
@@ -238,6 +256,16 @@ def machine_facts() -> dict:
 
 def summary(rows: list[dict]) -> list[str]:
     lines = []
+    for label, is_ref in (("the dense formulation as published (no MIP start)", lambda m: m.endswith("-dense")),
+                          ("the dense formulation given our MIP starts", lambda m: m.endswith(STARTS_SUFFIX))):
+        if any(is_ref(r["method"]) for r in rows):
+            lines.append(f"Against {label}:")
+            lines += ["  " + line for line in _summary_against(rows, is_ref)]
+    return lines or ["- No dense runs."]
+
+
+def _summary_against(rows: list[dict], is_ref) -> list[str]:
+    lines = []
     by_case: dict[str, list[dict]] = {}
     for r in rows:
         by_case.setdefault(r["case"], []).append(r)
@@ -245,7 +273,7 @@ def summary(rows: list[dict]) -> list[str]:
     ours_only = []
     for case, rs in by_case.items():
         ours = next((r for r in rs if r["method"] == "ours"), None)
-        dense = next((r for r in rs if r["method"].endswith("-dense")), None)
+        dense = next((r for r in rs if is_ref(r["method"])), None)
         if ours is None or dense is None:
             continue
         if ours.get("status") == "optimal" and dense.get("status") == "optimal":
@@ -294,19 +322,20 @@ def write_markdown(rows, fails, args, facts, started, path: Path, done: bool):
             f"relative gap {args.gap:g}, "
             f"runtime budget {args.runtime or 'none'} (dense runtime accounting: {args.dense_runtime}).",
             "- Budgets: RAM = fraction x plain-training peak of working memory; energy, runtime and peak of every "
-            "plan are our cost model's figures on its validated replay. `dense` = POET's published formulation "
-            "(Checkmate's for remat cases), given our heuristic MIP starts and the fitting baselines' plans as "
+            "plan are our cost model's figures on its validated replay. `poet-dense` / `checkmate-dense` = POET's "
+            "published formulation (Checkmate's for remat cases), built in bulk, as published: no MIP start. "
+            "`...-dense+starts` = the same model given our heuristic MIP starts and the fitting baselines' plans as "
             "MIP start candidates (the cheapest its rows accept).",
-            "- ratio columns: E/E_dense = energy relative to the dense model's plan; t_dense/t = dense solve "
-            "seconds over this method's.", ""]
+            "- ratio columns: E/E_dense = energy relative to the dense model's plan (as published); t_dense/t = "
+            "its solve seconds over this method's; t_dense+s/t = the same for the dense model given our starts.", ""]
     out += ["## Summary", ""] + summary(rows)
     out += ["", "Assertions (ours <= every heuristic baseline that fits; ours <= a dense proven optimum): "
             + ("all hold." if not fails else f"{len(fails)} FAIL(s):")]
     out += [f"- {f}" for f in fails]
     out += ["", "## Table", "",
             "| case | T | method | status | energy J | E/plain | runtime/plain | peak/budget | gap | build s | "
-            "solve s | E/E_dense | t_dense/t | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "solve s | E/E_dense | t_dense/t | t_dense+s/t | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         plain_j, plain_s = r.get("plain_energy_j"), r.get("plain_runtime_s")
         cells = (r["case"], r.get("nodes", ""), r["method"], r.get("status", ""), _f(r.get("energy_j"), ".6g"),
@@ -315,6 +344,7 @@ def write_markdown(rows, fails, args, facts, started, path: Path, done: bool):
                  _f(r["peak_bytes"] / r["ram_bytes"] if r.get("peak_bytes") is not None else None, ".3f"),
                  _pct(r.get("gap")), _f(r.get("build_s"), ".2f"), _f(r.get("solve_s"), ".2f"),
                  _f(r.get("energy_vs_dense"), ".6f"), _f(r.get("dense_solve_ratio"), ".1f"),
+                 _f(r.get("dense_starts_solve_ratio"), ".1f"),
                  (r.get("note") or "").replace("|", "/"))
         out.append("| " + " | ".join(str(c) for c in cells) + " |")
     write_text_atomic("\n".join(out) + "\n", path)
@@ -331,6 +361,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-runtime", choices=("all", "compute"), default="all",
                     help="the dense model's runtime row: all step times (ours) or compute only (POET)")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense formulation")
+    ap.add_argument("--dense-starts", choices=("none", "ours", "both"), default="both",
+                    help="run the dense model as published (none), given our MIP starts (ours), or both (default)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="cases run at once, one worker process each (default 1); use at most one per core")
     ap.add_argument("--csv", type=Path, default=HERE / "results.csv")

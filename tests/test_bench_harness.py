@@ -58,3 +58,22 @@ def test_suite_covers_the_issue(bench):
             assert f"{model}@jetson-nano@{fraction}@joint" in cases
     assert any(c.endswith("@remat") for c in cases) and any("@nrf52840@" in c for c in cases)
     assert len(bench.make_graph("rand1000")) == 1000 and len(bench.make_graph("rand100")) == 100
+
+
+def test_a_dense_model_given_our_starts_counts_as_dense_too(bench):
+    rows = _rows(1.01, dense_status="time_limit", dense=1.0, dtr=(1.2, True))
+    rows.append({"case": "m@d@0.5@joint", "method": "poet-dense+starts", "status": "optimal", "energy_j": 1.0,
+                 "fits": True})
+    fails = bench.check(rows)
+    assert len(fails) == 1 and "poet-dense+starts" in fails[0]
+
+
+def test_the_summary_gives_ratios_against_each_dense_variant(bench):
+    case = {"case": "m@d@0.5@joint"}
+    rows = [{**case, "method": "ours", "status": "optimal", "energy_j": 1.0, "solve_s": 0.5, "build_s": 0.0},
+            {**case, "method": "poet-dense", "status": "optimal", "energy_j": 1.0, "fits": True,
+             "solve_s": 20.0, "build_s": 0.0},
+            {**case, "method": "poet-dense+starts", "status": "optimal", "energy_j": 1.0, "fits": True,
+             "solve_s": 5.0, "build_s": 0.0}]
+    text = "\n".join(bench.summary(rows))
+    assert "median 40.0x" in text and "median 10.0x" in text
