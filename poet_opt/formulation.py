@@ -191,6 +191,7 @@ class Formulation:
         recomputable = costs.compute_j <= cap
         pageable = costs.page_out_j + costs.page_in_j <= cap
         need, comp = horizons(g, self.allow_remat, recomputable)
+        self._last_compute = comp if self.allow_remat else np.arange(T)
         # Memory rows count in units of the RAM budget, not bytes: next to 0/1 variables, byte-sized
         # coefficients (up to 1e8) left HiGHS numerically fragile, up to wrongly claimed optima.
         self.mem_unit = (float(self.budgets.ram_bytes) if np.isfinite(self.budgets.ram_bytes)
@@ -437,8 +438,6 @@ class Formulation:
             for t in stages:  # one row per stage: T rows, built from the sorted pairs
                 lo, hi = np.searchsorted(kt1, [t, t + 1])
                 extra.add_row(self.S[t + 1, ki1[lo:hi]], nbytes[ki1[lo:hi]], -np.inf, 1.0 - fixed[t])
-
-        if self.tighten and not self.minimize_peak:
             self._add_suffix_sum_rows(extra)
             if self.allow_paging:
                 self._add_one_page_out_rows(extra, users)
@@ -457,12 +456,13 @@ class Formulation:
     def _recomputes_between(self, i: int, u: int, r: int) -> tuple[list[int], list[float]]:
         """Columns and coefficients of sum_{u <= w <= r} R[w,i]: the variables themselves, or two
         suffix sums when the run is long."""
-        stages = np.flatnonzero(self.R[:, i] >= 0)  # contiguous: i+1 .. the last stage i may be computed
-        if len(stages) == 0 or u > min(r, stages[-1]):
+        # i's recompute stages run without a hole from i+1 to the last stage it may be computed in
+        last = int(self._last_compute[i])
+        if last <= i or u > min(r, last):
             return [], []
-        a = max(u, int(stages[0]))
+        a = max(u, i + 1)
         if self.Q[a, i] < 0:
-            cols = self.R[a:min(r, stages[-1]) + 1, i].tolist()
+            cols = self.R[a:min(r, last) + 1, i].tolist()
             return cols, [1.0] * len(cols)
         cols, vals = [int(self.Q[a, i])], [1.0]
         if self.Q[r + 1, i] >= 0:
@@ -509,7 +509,7 @@ class Formulation:
         """
         rows = []
         for k in range(len(self.graph)):
-            if not users[k] or not (self.R[:, k] >= 0).any():
+            if not users[k] or self._last_compute[k] <= k:
                 continue
             r = max(users[k])
             k_out = [int(self.Mout[k])] if self.Mout[k] >= 0 else []
