@@ -2,7 +2,7 @@
 (issue 3's closing figure). Run by hand, not in CI; about 10 minutes on one core.
 
 For every example in schedules/examples/ (as checked in), and for every zoo model on two devices
-at a RAM budget 30% below its plain-training peak (solved here with poet_opt.plan.solve_for_export,
+at a RAM budget 30% below its plain-training peak (solved here with poet_opt.firmware.fit.solve_for_export,
 as `poet-opt solve --export` does), prints and writes to benchmarks/ARENA.md, side by side:
 
 - ``size``: greedy by size alone (TFLite Micro's planner), the baseline;
@@ -12,7 +12,7 @@ as `poet-opt solve --export` does), prints and writes to benchmarks/ARENA.md, si
 each as arena bytes / live-bytes peak of the same schedule, then median and worst over the rows.
 A model that has no schedule at that budget is reported as infeasible with the smallest feasible
 budget the solver names. Zoo networks are mostly chains of equal-sized, well-aligned tensors and
-rarely fragment; random training graphs with skip connections (poet_opt.randgraph, budget 30% of
+rarely fragment; random training graphs with skip connections (poet_opt.model.random_graph, budget 30% of
 the way from the minimum working set to the plain peak) do, and are reported as a separate group.
 
     .venv/bin/python benchmarks/arena_ratio.py
@@ -29,14 +29,14 @@ import time
 from pathlib import Path
 
 from poet_opt import __version__
-from poet_opt import arena
+from poet_opt.device.profiles import load_profile
 from poet_opt.errors import InfeasibleError, PoetError
-from poet_opt.plan import solve_for_export
-from poet_opt.profiles import load_profile
-from poet_opt.randgraph import random_training_graph
+from poet_opt.firmware import arena
+from poet_opt.firmware.fit import solve_for_export
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.model.zoo import MODELS, build_model
+from poet_opt.schedule.validator import load_and_validate
 from poet_opt.units import format_bytes
-from poet_opt.validator import load_and_validate
-from poet_opt.zoo import MODELS, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "schedules" / "examples"
@@ -122,7 +122,7 @@ def write_markdown(rows: list[dict], path: Path, args) -> None:
         "",
         f"`benchmarks/arena_ratio.py` (poet-opt {__version__}, Python {platform.python_version()}, "
         f"{args.time_limit:g} s per solve, {args.threads} thread(s)). Zoo rows: RAM budget 30% below the "
-        "plain-training peak, solved by `poet_opt.plan.solve_for_export`; example rows: the schedules "
+        "plain-training peak, solved by `poet_opt.firmware.fit.solve_for_export`; example rows: the schedules "
         "in `schedules/examples/` as checked in.",
         "",
         "Ratios are arena bytes / live-bytes peak of the same schedule: `size` is greedy by size alone "

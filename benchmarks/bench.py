@@ -3,14 +3,14 @@ baselines, side by side in one run (run by hand, not in CI).
 
 For each case (model x device x RAM budget as a fraction of the plain-training peak x mode):
 
-- ``ours``: :func:`poet_opt.solve.solve` (our reduced formulation, heuristic MIP start, validated);
-- ``poet-dense`` (joint cases) or ``checkmate-dense`` (remat cases): :mod:`poet_opt.dense` in the
+- ``ours``: :func:`poet_opt.solver.driver.solve` (our reduced formulation, heuristic MIP start, validated);
+- ``poet-dense`` (joint cases) or ``checkmate-dense`` (remat cases): :mod:`poet_opt.solver.dense` in the
   published POET semantics, same solver, threads, gap and time limit, as published: no MIP start;
   its plan is replayed and checked by our validator;
 - ``poet-dense+starts`` / ``checkmate-dense+starts``: the same model given a MIP start, the
   cheapest its rows accept among our heuristic starts and the fitting baselines' plans (MIP starts
   are one of our solver's tools; this row shows what the formulation alone is worth);
-- ``checkpoint-all``, ``sqrt-n``, ``dtr``: :mod:`poet_opt.baselines`, judged by our cost model.
+- ``checkpoint-all``, ``sqrt-n``, ``dtr``: :mod:`poet_opt.solver.baselines`, judged by our cost model.
 
 Budgets: RAM as given; no runtime budget unless ``--runtime`` (then the dense model counts paging
 time too, as ours does, unless ``--dense-runtime compute``: POET's own accounting). Writes a CSV
@@ -38,16 +38,17 @@ import sys
 import time
 from pathlib import Path
 
-from poet_opt.baselines import run_baselines
-from poet_opt.costs import node_costs
-from poet_opt.dense import solve_dense
+from poet_opt.device.costs import node_costs
+from poet_opt.device.profiles import load_profile
 from poet_opt.errors import InfeasibleError, NoScheduleFound
-from poet_opt.heuristics import starting_points
-from poet_opt.profiles import load_profile
-from poet_opt.randgraph import random_training_graph
-from poet_opt.schedule import build_steps, totals_of, write_text_atomic
-from poet_opt.solve import resolve_budgets, solve
-from poet_opt.zoo import build_model
+from poet_opt.files import write_text_atomic
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.model.zoo import build_model
+from poet_opt.schedule.decisions import build_steps, totals_of
+from poet_opt.solver.baselines import run_baselines
+from poet_opt.solver.dense import solve_dense
+from poet_opt.solver.driver import resolve_budgets, solve
+from poet_opt.solver.heuristics import starting_points
 
 HERE = Path(__file__).resolve().parent
 FRACTIONS = (0.9, 0.7, 0.5, 0.35)

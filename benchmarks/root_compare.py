@@ -24,16 +24,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import make_graph  # noqa: E402
 
-from poet_opt.baselines import run_baselines  # noqa: E402
-from poet_opt.costs import node_costs  # noqa: E402
-from poet_opt.dense import DenseFormulation  # noqa: E402
-from poet_opt.formulation import Formulation  # noqa: E402
-from poet_opt.gap_milp import gap_milp_plan  # noqa: E402
-from poet_opt.heuristics import starting_points  # noqa: E402
-from poet_opt.profiles import load_profile  # noqa: E402
-from poet_opt.schedule import build_steps, totals_of  # noqa: E402
-from poet_opt.solve import resolve_budgets  # noqa: E402
-from poet_opt.solvers import highs_lp  # noqa: E402
+from poet_opt.device.costs import node_costs  # noqa: E402
+from poet_opt.device.profiles import load_profile  # noqa: E402
+from poet_opt.schedule.decisions import build_steps, totals_of  # noqa: E402
+from poet_opt.solver.backends import highs_lp  # noqa: E402
+from poet_opt.solver.baselines import run_baselines  # noqa: E402
+from poet_opt.solver.dense import DenseFormulation  # noqa: E402
+from poet_opt.solver.driver import resolve_budgets  # noqa: E402
+from poet_opt.solver.formulation import Formulation  # noqa: E402
+from poet_opt.solver.gap_milp import gap_milp_plan  # noqa: E402
+from poet_opt.solver.heuristics import starting_points  # noqa: E402
 
 
 def run_highs(milp, *, relax: bool, start=None, seed: int = 0, time_limit: float = 60.0) -> dict:

@@ -11,7 +11,6 @@ time (time to first incumbent, gap at 10 s, 30 s and the end). Prints one Markdo
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import sys
 import time
@@ -19,18 +18,18 @@ from dataclasses import replace
 
 import numpy as np
 
-from poet_opt.costs import node_costs
-from poet_opt.formulation import Formulation
-from poet_opt.heuristics import starting_points
-from poet_opt.profiles import load_profile
-from poet_opt.randgraph import random_training_graph
-from poet_opt.schedule import build_steps, totals_of
-from poet_opt.solve import resolve_budgets, solve
-from poet_opt.solvers import solve_milp
-from poet_opt.zoo import build_model
+from poet_opt.device.costs import node_costs
+from poet_opt.device.profiles import load_profile
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.model.zoo import build_model
+from poet_opt.schedule.decisions import build_steps, totals_of
+from poet_opt.solver.backends import solve_milp
+from poet_opt.solver.driver import resolve_budgets, solve
+from poet_opt.solver.formulation import Formulation
+from poet_opt.solver.heuristics import starting_points
 
 try:  # absent before the gap MILP existed: the "before" run has no such column
-    from poet_opt.gap_milp import gap_milp_plan
+    from poet_opt.solver.gap_milp import gap_milp_plan
 except ImportError:
     gap_milp_plan = None
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from .errors import PoetError
+from poet_opt import __version__
+from poet_opt.errors import PoetError
 
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
@@ -63,8 +63,8 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
                input_shape: str | None = None, torch: str | None = None, onnx: str | None = None,
                trainable="all", costs: str | None = None, optimizer: str = "none"):
     """--model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE, exactly one
-    (poet_opt.sources.load_training_graph)."""
-    from .sources import load_training_graph
+    (poet_opt.model.load.load_training_graph)."""
+    from poet_opt.model.load import load_training_graph
 
     return load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                bytes_per_element=bytes_per_element, input_shape=input_shape, trainable=trainable,
@@ -106,11 +106,11 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, gap, batch_size, torch_spec, onnx_file,
           input_shape, trainable, optimizer, costs_file, out, export_file, prefix, as_json, quiet):
     """Solve for the energy-optimal training schedule under RAM and runtime budgets."""
-    from .profiles import load_profile
-    from .report import summary_dict, summary_text
-    from .schedule import write_json_atomic, write_text_atomic
-    from .solve import solve as solve_schedule
-    from .solvers import print_progress
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.files import write_json_atomic, write_text_atomic
+    from poet_opt.schedule.report import summary_dict, summary_text
+    from poet_opt.solver.backends import print_progress
+    from poet_opt.solver.driver import solve as solve_schedule
 
     profile = load_profile(device)
     graph, name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
@@ -130,7 +130,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
     if export_file is None:
         schedule = solve_schedule(graph, profile, ram=ram, **solve_kwargs)
     else:  # re-solves with a tighter budget if the static arena would not fit
-        from .plan import solve_for_export
+        from poet_opt.firmware.fit import solve_for_export
 
         firmware = solve_for_export(graph, profile, ram=ram, **solve_kwargs)
         schedule = firmware.schedule
@@ -144,7 +144,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
         text = summary_text(schedule) + ("" if out is None else f"\n  wrote    {out}")
     header = None
     if firmware is not None:
-        from .export_c import export_summary, render_header
+        from poet_opt.firmware.header import export_summary, render_header
 
         plan, flash = firmware.arena, firmware.flash
         header = render_header(schedule.to_dict(), plan, flash, prefix=prefix)
@@ -162,13 +162,13 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
 
 def _check_prefix(prefix: str) -> None:
     """Before a long solve, not after it."""
-    from .export_c import check_prefix
+    from poet_opt.firmware.header import check_prefix
 
     check_prefix(prefix)
 
 
 def _rounds_text(rounds: list[dict]) -> str:
-    from .units import format_bytes
+    from poet_opt.units import format_bytes
 
     return "".join(f"\n  re-solve the arena of the plan solved at {format_bytes(a['ram_bytes'])} needed "
                    f"{format_bytes(a['arena_bytes'])}; solved again at {format_bytes(b['ram_bytes'])}"
@@ -189,9 +189,10 @@ def _export_dict(plan, flash, path) -> dict:
 @_one_line_errors
 def export(schedule_file, out, prefix):
     """Export a schedule as a C99 header: static arena offsets, flash layout and the step table."""
-    from .export_c import export as export_header, export_summary
-    from .schedule import write_text_atomic
-    from .validator import ScheduleInvalid, load_and_validate
+    from poet_opt.files import write_text_atomic
+    from poet_opt.firmware.header import export as export_header
+    from poet_opt.firmware.header import export_summary
+    from poet_opt.schedule.validator import ScheduleInvalid, load_and_validate
 
     _check_prefix(prefix)
     _check_writable(out)
@@ -232,8 +233,8 @@ def _check_writable(out: str, field: str = "--out") -> None:
 @_one_line_errors
 def validate(schedule_file):
     """Replay a schedule and check it: exit 0 if valid, 1 naming the first violation."""
-    from .units import format_bytes, format_joules, format_seconds
-    from .validator import load_and_validate
+    from poet_opt.schedule.validator import load_and_validate
+    from poet_opt.units import format_bytes, format_joules, format_seconds
 
     doc, totals = load_and_validate(schedule_file)
     ram_budget = doc["budgets"]["ram_bytes"]
@@ -246,8 +247,8 @@ def validate(schedule_file):
 @_one_line_errors
 def devices():
     """List the built-in device profiles with their key figures."""
-    from .profiles import list_profiles
-    from .units import format_bytes
+    from poet_opt.device.profiles import list_profiles
+    from poet_opt.units import format_bytes
 
     rows = [("name", "cpu", "RAM", "GFLOP/s", "pJ/FLOP", "storage", "read MB/s", "write MB/s")]
     for p in list_profiles():
@@ -263,8 +264,8 @@ def devices():
 @_one_line_errors
 def models(batch_size):
     """List the model zoo with node counts and plain-training memory."""
-    from .units import format_bytes
-    from .zoo import MODELS, build_model
+    from poet_opt.model.zoo import MODELS, build_model
+    from poet_opt.units import format_bytes
 
     rows = [("name", "nodes", "params", "plain peak", "description")]
     for name, description in MODELS.items():
@@ -314,9 +315,10 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
            scheduler, warm, batch_size, torch_spec, onnx_file, input_shape, trainable, optimizer, costs_file, out_dir,
            quiet):
     """Sweep RAM budgets and plot the energy-memory Pareto front (docs/pareto.md)."""
-    from . import pareto as pf
-    from .profiles import load_profile
-    from .units import format_bytes, format_joules
+    from poet_opt import pareto as pf
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.plots.front import plot_front
+    from poet_opt.units import format_bytes, format_joules
 
     if ram_list is not None and any(v is not None for v in (ram_from, ram_to, points)):
         raise PoetError("give either --ram LIST or --ram-from/--ram-to/--points, not both", field="--ram")
@@ -387,7 +389,7 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
         out.mkdir(parents=True, exist_ok=True)
         pf.write_csv(rows, out / "pareto.csv")
         pf.write_csv(pf.non_dominated(rows), out / "pareto_front.csv")
-        written = ["pareto.csv", "pareto_front.csv"] + [p.name for p in pf.plot_front(rows, out / "pareto")]
+        written = ["pareto.csv", "pareto_front.csv"] + [p.name for p in plot_front(rows, out / "pareto")]
     if rows.interrupted:
         _fail(f"interrupted; {len(rows)} finished points written to {out}" if rows else "interrupted; nothing was written",
               EXIT_INTERRUPTED)
@@ -415,8 +417,8 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
 @_one_line_errors
 def plot(schedule_file, out):
     """Plot one schedule: RAM over the steps, and the stage x node compute/keep matrix."""
-    from .pareto import plot_timeline
-    from .validator import ScheduleInvalid, load_and_validate
+    from poet_opt.plots.timeline import plot_timeline
+    from poet_opt.schedule.validator import ScheduleInvalid, load_and_validate
 
     if Path(out).suffix.lower() not in (".png", ".svg"):
         raise PoetError("give a file name ending .png or .svg", source=out, field="-o")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from .errors import PoetError
+from poet_opt.errors import PoetError
 
 _SIZE_UNITS = {
     "": 1,

@@ -17,13 +17,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from poet_opt.export_c import export
-from poet_opt.plan import solve_for_export
-from poet_opt.profiles import load_profile
-from poet_opt.schedule import write_json_atomic, write_text_atomic
+from poet_opt.device.profiles import load_profile
+from poet_opt.files import write_json_atomic, write_text_atomic
+from poet_opt.firmware.fit import solve_for_export
+from poet_opt.firmware.header import export
+from poet_opt.model.zoo import build_model
+from poet_opt.schedule.validator import load_and_validate
 from poet_opt.units import format_bytes
-from poet_opt.validator import load_and_validate
-from poet_opt.zoo import build_model
 
 HERE = Path(__file__).resolve().parent / "examples"
 

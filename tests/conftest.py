@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from poet_opt.profiles import DeviceProfile
+from poet_opt.device.profiles import DeviceProfile
 
 # 1 GFLOP/s at 1 W (1 nJ/FLOP); storage reads at 10 MB/s and writes at 5 MB/s, at 0.5 W, with
 # 10 us / 20 us latency. On random graphs (1-8 KiB tensors, 1e4-1e6 FLOP nodes) recomputing and

@@ -10,12 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poet_opt.arena import (check_fits, check_flash, check_no_overlap, plan_arena, plan_flash,
-                            wear_levelled_lifetime)
+from poet_opt.firmware.arena import check_fits, check_flash, check_no_overlap, plan_arena, plan_flash, wear_levelled_lifetime
 from poet_opt.errors import PoetError
-from poet_opt.randgraph import random_training_graph
-from poet_opt.solve import solve
-from poet_opt.validator import validate
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.solver.driver import solve
+from poet_opt.schedule.validator import validate
 
 _CACHE: dict = {}
 

@@ -12,15 +12,15 @@ import yaml
 from click.testing import CliRunner
 
 from conftest import TEST_PROFILE
-from poet_opt import arena
-from poet_opt.arena import check_no_overlap, live_peak, plan_arena, resident_intervals
+from poet_opt.firmware import arena
+from poet_opt.firmware.arena import check_no_overlap, live_peak, plan_arena, resident_intervals
 from poet_opt.cli import main
-from poet_opt.export_c import export, render_header
-from poet_opt.plan import solve_for_export
-from poet_opt.profiles import DeviceProfile
-from poet_opt.randgraph import random_training_graph
-from poet_opt.schedule import build_steps, plain_decisions
-from poet_opt.validator import validate
+from poet_opt.firmware.header import export, render_header
+from poet_opt.firmware.fit import solve_for_export
+from poet_opt.device.profiles import DeviceProfile
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.schedule.decisions import build_steps, plain_decisions
+from poet_opt.schedule.validator import validate
 
 # Cortex-A-like alignment, and tensor sizes that are 8 bytes past a multiple of it: whenever two
 # tensors are live, the lower one needs 8 bytes of padding, so a plan whose live peak equals the

@@ -5,9 +5,9 @@ import math
 import pytest
 
 from poet_opt.errors import PoetError
-from poet_opt.randgraph import random_training_graph
-from poet_opt.solve import solve
-from poet_opt.validator import validate
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.solver.driver import solve
+from poet_opt.schedule.validator import validate
 
 
 @pytest.mark.parametrize("mode", ["joint", "remat", "paging"])

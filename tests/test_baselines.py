@@ -1,4 +1,4 @@
-"""Heuristic baselines (poet_opt/baselines.py): every plan replays and validates under our cost
+"""Heuristic baselines (poet_opt/solver/baselines.py): every plan replays and validates under our cost
 model, sqrt(n) checkpointing cuts a chain's peak, DTR respects the budget it is given, and our
 exact solver is never worse than any baseline that fits."""
 
@@ -8,14 +8,13 @@ import math
 
 import pytest
 
-from poet_opt.baselines import (bottlenecks, dtr_decisions, evaluate, run_baselines, sqrt_n_checkpoints,
-                                sqrt_n_decisions)
-from poet_opt.costs import node_costs
-from poet_opt.profiles import load_profile
-from poet_opt.randgraph import random_training_graph
-from poet_opt.schedule import build_steps, plain_decisions, totals_of
-from poet_opt.solve import resolve_budgets, solve
-from poet_opt.zoo import build_model
+from poet_opt.solver.baselines import bottlenecks, dtr_decisions, evaluate, run_baselines, sqrt_n_checkpoints, sqrt_n_decisions
+from poet_opt.device.costs import node_costs
+from poet_opt.device.profiles import load_profile
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.schedule.decisions import build_steps, totals_of
+from poet_opt.solver.driver import resolve_budgets, solve
+from poet_opt.model.zoo import build_model
 
 GRAPHS = {
     "mlp": lambda: build_model("mlp"),
@@ -105,8 +104,8 @@ def test_our_optimum_is_never_worse_than_a_baseline_that_fits(seed):
 def test_fitting_baselines_are_mip_starts_for_both_formulations(name):
     """A plan that fits must be a feasible point of our MILP and of the dense one (idle keeps
     pruned), so either solver can start from it."""
-    from poet_opt.dense import DenseFormulation
-    from poet_opt.formulation import Formulation
+    from poet_opt.solver.dense import DenseFormulation
+    from poet_opt.solver.formulation import Formulation
 
     graph = GRAPHS[name]()
     profile = load_profile("rpi4")
@@ -125,7 +124,7 @@ def test_fitting_baselines_are_mip_starts_for_both_formulations(name):
 
 def test_solver_starts_from_a_fitting_baseline():
     """Our solve must end no worse than DTR even when stopped at once: DTR's plan is a MIP start."""
-    from poet_opt.heuristics import starting_points
+    from poet_opt.solver.heuristics import starting_points
 
     graph = random_training_graph(50, 1)
     profile = load_profile("nrf52840")

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poet_opt.export_c import export
-from poet_opt.graph import TrainingGraph
-from poet_opt.profiles import DeviceProfile
-from poet_opt.solve import solve
-from poet_opt.zoo import build_model
+from poet_opt.firmware.header import export
+from poet_opt.model.graph import TrainingGraph
+from poet_opt.device.profiles import DeviceProfile
+from poet_opt.solver.driver import solve
+from poet_opt.model.zoo import build_model
 
 GCC = shutil.which("gcc")
 ARM_GCC = shutil.which("arm-none-eabi-gcc")
@@ -469,8 +469,8 @@ def test_runtime_builds_for_cortex_m4(tmp_path, case, defines):
 
 
 def test_two_plans_with_their_own_prefixes_share_one_runtime(tmp_path):
-    from poet_opt.arena import plan_arena, plan_flash
-    from poet_opt.export_c import render_header
+    from poet_opt.firmware.arena import plan_arena, plan_flash
+    from poet_opt.firmware.header import render_header
 
     docs = {}
     for prefix, name in (("MLP_", "mlp"), ("RES_", "mlp-residual")):

@@ -22,9 +22,9 @@ import yaml
 from click.testing import CliRunner
 
 from poet_opt.cli import main
-from poet_opt.importers import load_node_link
-from poet_opt.profiles import PROFILE_DIR, builtin_profile_names
-from poet_opt.zoo import MODELS, build_model
+from poet_opt.model.node_link import load_node_link
+from poet_opt.device.profiles import PROFILE_DIR, builtin_profile_names
+from poet_opt.model.zoo import MODELS, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
@@ -88,7 +88,7 @@ def assert_usage_error(result, *needles: str) -> None:
 @pytest.fixture(scope="module")
 def good_doc() -> dict:
     """A schedule for the mlp below its plain peak, from the library (the CLI path is tested below)."""
-    from poet_opt.solve import solve
+    from poet_opt.solver.driver import solve
 
     return solve(MLP, "rpi4", ram=BELOW_PLAIN, runtime="1.5x", time_limit=20, model_name="mlp").to_dict()
 
@@ -468,7 +468,7 @@ def test_out_in_an_unwritable_directory(tmp_path, no_solving):
 @pytest.fixture
 def no_solving(monkeypatch):
     """--out problems must be found before a (possibly long) solve, not after it."""
-    import poet_opt.solve as solve_module
+    import poet_opt.solver.driver as solve_module
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("solved before checking --out")
@@ -489,12 +489,12 @@ def test_out_that_is_a_directory_is_a_usage_error(tmp_path):
 
 def test_failed_write_leaves_no_file_nor_temporary(tmp_path, monkeypatch):
     """A full disk in the middle of writing: one line, exit 2, no half file, no .NAME.* temporary."""
-    import poet_opt.schedule as schedule_module
+    import poet_opt.files as files_module
 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(schedule_module.json, "dump", full_disk)
+    monkeypatch.setattr(files_module.json, "dump", full_disk)
     out = tmp_path / "deep" / "x.json"
     assert_one_line_error(cli(*solve_args("--out", out)), os.strerror(errno.ENOSPC), out=out)
 
@@ -590,7 +590,7 @@ def test_click_usage_errors_exit_2_naming_the_option(args, needles):
 
 
 def test_an_internal_error_is_one_line_exit_3(tmp_path, monkeypatch):
-    import poet_opt.report as report
+    import poet_opt.schedule.report as report
 
     def broken(schedule):
         raise ZeroDivisionError("float division by zero")
@@ -602,7 +602,7 @@ def test_an_internal_error_is_one_line_exit_3(tmp_path, monkeypatch):
 
 
 def test_interrupt_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
-    import poet_opt.solve as solve_module
+    import poet_opt.solver.driver as solve_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -1,4 +1,4 @@
-"""The dense Checkmate/POET baseline (poet_opt/dense.py) against our formulation.
+"""The dense Checkmate/POET baseline (poet_opt/solver/dense.py) against our formulation.
 
 On small random graphs the dense model, which keeps every variable and none of our reductions,
 must reach the same optimum as ours (1e-6 relative) in joint and remat modes, in the published
@@ -13,13 +13,13 @@ import math
 import pytest
 
 from conftest import make_test_device
-from poet_opt.costs import node_costs
-from poet_opt.dense import DenseFormulation, solve_dense
+from poet_opt.device.costs import node_costs
+from poet_opt.solver.dense import DenseFormulation, solve_dense
 from poet_opt.errors import InfeasibleError
-from poet_opt.profiles import load_profile
-from poet_opt.randgraph import random_training_graph
-from poet_opt.schedule import build_steps, plain_decisions, totals_of
-from poet_opt.solve import resolve_budgets, solve
+from poet_opt.device.profiles import load_profile
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.schedule.decisions import build_steps, plain_decisions, totals_of
+from poet_opt.solver.driver import resolve_budgets, solve
 
 REL = 1e-6
 WIDE = (512, 4096, 32768)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from poet_opt.export_c import export
-from poet_opt.validator import load_and_validate
+from poet_opt.firmware.header import export
+from poet_opt.schedule.validator import load_and_validate
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "schedules" / "examples"

@@ -14,11 +14,11 @@ import pytest
 
 from exhaustive import exhaustive_optimum
 from conftest import make_test_device
-from poet_opt.costs import node_costs
+from poet_opt.device.costs import node_costs
 from poet_opt.errors import InfeasibleError
-from poet_opt.profiles import load_profile
-from poet_opt.randgraph import random_training_graph
-from poet_opt.solve import solve
+from poet_opt.device.profiles import load_profile
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.solver.driver import solve
 
 REL = 1e-9
 SMALL = (1024, 2048, 4096, 8192)

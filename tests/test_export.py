@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from poet_opt.arena import plan_arena, plan_flash
+from poet_opt.firmware.arena import plan_arena, plan_flash
 from poet_opt.cli import main
 from poet_opt.errors import PoetError
-from poet_opt.export_c import _uint, render_header
-from poet_opt.randgraph import random_training_graph
-from poet_opt.solve import solve
-from poet_opt.zoo import build_model
+from poet_opt.firmware.header import _uint, render_header
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.solver.driver import solve
+from poet_opt.model.zoo import build_model
 
 GCC = shutil.which("gcc")
 ARM_GCC = shutil.which("arm-none-eabi-gcc")
@@ -275,7 +275,7 @@ def test_solve_export_writes_schedule_and_header(tmp_path):
 
 
 def test_solve_export_fails_before_writing_when_the_arena_does_not_fit(tmp_path, monkeypatch):
-    import poet_opt.arena as arena
+    import poet_opt.firmware.arena as arena
 
     real = arena.plan_arena
 

@@ -9,16 +9,16 @@ import pytest
 from click.testing import CliRunner
 
 from poet_opt.cli import main
-from poet_opt.costs import node_costs
+from poet_opt.device.costs import node_costs
 from poet_opt.errors import InfeasibleError, PoetError
-from poet_opt.export_c import export
-from poet_opt.measured_costs import apply_costs, load_costs
-from poet_opt.optimizer import with_optimizer
-from poet_opt.profiles import load_profile
-from poet_opt.solve import solve
-from poet_opt.sources import load_training_graph
-from poet_opt.validator import validate
-from poet_opt.zoo import build_model
+from poet_opt.firmware.header import export
+from poet_opt.model.measured_costs import apply_costs, load_costs
+from poet_opt.model.optimizer import with_optimizer
+from poet_opt.device.profiles import load_profile
+from poet_opt.solver.driver import solve
+from poet_opt.model.load import load_training_graph
+from poet_opt.schedule.validator import validate
+from poet_opt.model.zoo import build_model
 
 
 def test_resnet18_cifar_last2_fits_a_budget_full_fine_tuning_cannot(capsys):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from poet_opt.errors import PoetError
-from poet_opt.importers import load_node_link
+from poet_opt.model.node_link import load_node_link
 
 SHARED_GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
 SAMPLES = sorted(SHARED_GRAPHS.glob("*.json")) if SHARED_GRAPHS.is_dir() else []

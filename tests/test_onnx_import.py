@@ -14,9 +14,9 @@ from click.testing import CliRunner  # noqa: E402
 from poet_opt.cli import main  # noqa: E402
 from poet_opt.errors import PoetError  # noqa: E402
 from poet_opt.examples import torch_models  # noqa: E402
-from poet_opt.onnx_import import import_onnx  # noqa: E402
-from poet_opt.torch_import import import_torch  # noqa: E402
-from poet_opt.zoo import build_model  # noqa: E402
+from poet_opt.model.onnx_import import import_onnx  # noqa: E402
+from poet_opt.model.torch_import import import_torch  # noqa: E402
+from poet_opt.model.zoo import build_model  # noqa: E402
 
 
 def export_for_training(module, shape, path, **kwargs):

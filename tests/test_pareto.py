@@ -1,4 +1,4 @@
-"""Energy-memory Pareto sweeps (poet_opt.pareto and `poet-opt pareto` / `poet-opt plot`): rows for
+"""Energy-memory Pareto sweeps (poet_opt.pareto.front and `poet-opt pareto` / `poet-opt plot`): rows for
 every point whatever happens to it, the same rows from a process pool as in-process, fronts that
 never get worse with more RAM, infeasible budgets below the smallest feasible one, the CSV and the
 plots, and the CLI's one-line errors. Small graphs only: the whole file runs in well under a minute.
@@ -13,14 +13,15 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import make_test_device
-from poet_opt import pareto
+from poet_opt import pareto, plots
+from poet_opt.pareto import executors
 from poet_opt.cli import main
 from poet_opt.errors import PoetError
-from poet_opt.costs import node_costs
-from poet_opt.randgraph import random_training_graph
-from poet_opt.schedule import build_steps, totals_of
-from poet_opt.solve import solve
-from poet_opt.zoo import build_model
+from poet_opt.device.costs import node_costs
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.schedule.decisions import build_steps, totals_of
+from poet_opt.solver.driver import solve
+from poet_opt.model.zoo import build_model
 
 MLP = build_model("mlp")
 MLP_MIN = MLP.min_working_set_bytes()
@@ -195,10 +196,10 @@ def test_csv_round_trip(mlp_rows, tmp_path):
 
 
 def test_front_plot_png_and_svg(mlp_rows, tmp_path):
-    written = pareto.plot_front(mlp_rows, tmp_path / "front")
+    written = plots.plot_front(mlp_rows, tmp_path / "front")
     assert sorted(p.name for p in written) == ["front.png", "front.svg"]
     assert all(p.stat().st_size > 1000 for p in written)
-    assert pareto.plot_front([], tmp_path / "empty.png")[0].stat().st_size > 0
+    assert plots.plot_front([], tmp_path / "empty.png")[0].stat().st_size > 0
 
 
 @pytest.fixture(scope="module")
@@ -211,18 +212,18 @@ def schedule_file(tmp_path_factory):
 
 def test_timeline_replay_and_plot(schedule_file, tmp_path):
     doc = json.loads(schedule_file.read_text())
-    tl = pareto.timeline(doc)
+    tl = plots.timeline(doc)
     assert max(tl["total"]) == doc["totals"]["peak_ram_bytes"]
     assert len(tl["marks"]["recompute"]) == doc["totals"]["recomputes"]
     assert len(tl["marks"]["page_in"]) == doc["totals"]["page_ins"]
     n = len(doc["graph"]["nodes"])
     assert all(tl["matrix"][t][t] == 5 for t in range(n))  # stage t computes node t
     paged = solve(RANDOM, make_test_device(), ram=22000, mode="paging", **FAST).to_dict()
-    tl = pareto.timeline(paged)
+    tl = plots.timeline(paged)
     assert len(tl["marks"]["page_in"]) == paged["totals"]["page_ins"] > 0
     assert len(tl["marks"]["page_out"]) == paged["totals"]["page_outs"] > 0
     assert sum(row.count(3) for row in tl["matrix"]) == paged["totals"]["page_ins"]
-    written = pareto.plot_timeline(doc, tmp_path / "t.svg")
+    written = plots.plot_timeline(doc, tmp_path / "t.svg")
     assert {p.suffix for p in written} == {".svg", ".png"}
     assert all(p.stat().st_size > 1000 for p in written)
 
@@ -319,7 +320,7 @@ def test_cli_plot_bad_input(schedule_file, tmp_path):
     assert not out.exists()
 
 
-_real_run_point = pareto._run_point
+_real_run_point = executors.run_point
 
 
 def _dying_run_point(task):
@@ -337,7 +338,7 @@ def test_a_dead_worker_costs_its_points_not_the_sweep(monkeypatch):
 
     if multiprocessing.get_start_method() != "fork":
         pytest.skip("needs forked workers to see the patched function")
-    monkeypatch.setattr(pareto, "_run_point", _dying_run_point)
+    monkeypatch.setattr(executors, "run_point", _dying_run_point)
     rows = pareto.sweep("mlp", [make_test_device()], MLP_RAMS, modes=("joint",), jobs=2, **FAST)
     assert not rows.interrupted
     assert [r["ram_bytes"] for r in rows] == MLP_RAMS
@@ -385,7 +386,7 @@ def test_a_warm_sweep_gives_the_cold_energies():
 
 
 def test_each_point_starts_from_the_schedule_of_the_budget_below(monkeypatch):
-    import poet_opt.solve as solve_module
+    import poet_opt.solver.driver as solve_module
 
     calls = []
     real = solve_module.solve
@@ -449,9 +450,9 @@ def test_solve_ignores_a_start_that_does_not_fit():
 
 
 def test_a_start_is_taken_only_where_its_replay_keeps_every_rule_and_budget():
-    from poet_opt.costs import node_costs
-    from poet_opt.formulation import Budgets
-    from poet_opt.solve import _fitting_plan
+    from poet_opt.device.costs import node_costs
+    from poet_opt.schedule.decisions import Budgets
+    from poet_opt.solver.driver import _fitting_plan
 
     device = make_test_device()
     costs = node_costs(RANDOM, device)

@@ -12,8 +12,9 @@ from click.testing import CliRunner
 
 from conftest import make_test_device
 from poet_opt import pareto
+from poet_opt.pareto import executors
 from poet_opt.cli import main
-from poet_opt.zoo import build_model
+from poet_opt.model.zoo import build_model
 
 MLP = build_model("mlp")
 RAMS = [MLP.min_working_set_bytes() // 2, MLP.min_working_set_bytes(),
@@ -61,7 +62,7 @@ def test_cli_on_a_dask_cluster_writes_the_local_csv(cluster, tmp_path):
 
 
 def test_an_unreachable_scheduler_is_one_line(monkeypatch, tmp_path):
-    monkeypatch.setattr(pareto, "DASK_CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(executors, "DASK_CONNECT_TIMEOUT_S", 1.0)
     out = tmp_path / "never"
     for address, needle in (("tcp://127.0.0.1:1", "cannot reach the Dask scheduler at tcp://127.0.0.1:1"),
                             ("127.0.0.1:1", "tcp://HOST:PORT")):

@@ -13,13 +13,7 @@ import pytest
 import yaml
 
 from poet_opt.errors import PoetError
-from poet_opt.profiles import (
-    PROFILE_DIR,
-    DeviceProfile,
-    builtin_profile_names,
-    list_profiles,
-    load_profile,
-)
+from poet_opt.device.profiles import PROFILE_DIR, DeviceProfile, builtin_profile_names, list_profiles, load_profile
 
 REQUIRED = {"mkr1000", "nrf52840", "stm32f746", "rpi4", "rpi4-nocache", "rpi3", "jetson-tx2", "jetson-nano"}
 MICROCONTROLLERS = {"mkr1000": 32 * 1024, "nrf52840": 256 * 1024, "stm32f746": 320 * 1024}

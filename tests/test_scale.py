@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_test_device
-from poet_opt.costs import node_costs
-from poet_opt.formulation import Formulation
-from poet_opt.heuristics import gap_plan, greedy_paging
-from poet_opt.profiles import load_profile
-from poet_opt.randgraph import random_training_graph
-from poet_opt.schedule import build_steps, totals_of
-from poet_opt.solve import resolve_budgets
-from poet_opt.zoo import build_model
+from poet_opt.device.costs import node_costs
+from poet_opt.solver.formulation import Formulation
+from poet_opt.solver.heuristics import gap_plan, greedy_paging
+from poet_opt.device.profiles import load_profile
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.schedule.decisions import build_steps, totals_of
+from poet_opt.solver.driver import resolve_budgets
+from poet_opt.model.zoo import build_model
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -50,8 +50,8 @@ def test_gap_plan_pages_less_than_paging_for_every_reader():
 
 
 def test_every_result_carries_a_lower_bound_between_the_plain_floor_and_its_energy():
-    from poet_opt.report import summary_dict, summary_text
-    from poet_opt.solve import solve
+    from poet_opt.schedule.report import summary_dict, summary_text
+    from poet_opt.solver.driver import solve
 
     graph = random_training_graph(8, 1)
     device = make_test_device()
@@ -71,7 +71,7 @@ def test_every_result_carries_a_lower_bound_between_the_plain_floor_and_its_ener
 
 def test_a_time_limited_solve_is_bounded_by_the_floor_at_least():
     """HiGHS stopped before its root relaxation still yields a proven gap, from plain training."""
-    from poet_opt.solve import solve
+    from poet_opt.solver.driver import solve
 
     graph = build_model("resnet18-cifar")
     schedule = solve(graph, "rpi4", ram="1.5MB", runtime="1.2x", time_limit=0.01, gap=1e-9)
@@ -85,8 +85,8 @@ def test_a_time_limited_solve_is_bounded_by_the_floor_at_least():
 def test_gap_milp_is_exact_on_its_space_and_a_restriction_of_the_full_one(seed):
     """Its optimum is no dearer than the greedy on the same space, no cheaper than the full MILP's
     optimum, and a plan the full MILP accepts as a start."""
-    from poet_opt.gap_milp import gap_milp_plan
-    from poet_opt.solve import solve
+    from poet_opt.solver.gap_milp import gap_milp_plan
+    from poet_opt.solver.driver import solve
 
     graph = random_training_graph(5 + seed, seed, skip_prob=0.4)
     device = load_profile("jetson-tx2") if seed % 2 else make_test_device()
@@ -106,7 +106,7 @@ def test_gap_milp_is_exact_on_its_space_and_a_restriction_of_the_full_one(seed):
 
 
 def test_past_the_size_limit_the_best_start_stands_with_the_floor_as_bound(monkeypatch):
-    import poet_opt.solve as solve_module
+    import poet_opt.solver.driver as solve_module
 
     graph = random_training_graph(12, 3)
     ram = (graph.min_working_set_bytes() + graph.plain_peak_bytes()) // 2
@@ -122,8 +122,8 @@ def test_past_the_size_limit_the_best_start_stands_with_the_floor_as_bound(monke
 
 def test_a_solver_abort_in_the_gap_milp_only_loses_the_start():
     """HiGHS 1.15 aborts ("vector::reserve") on this instance of the gap MILP; solve() must not."""
-    from poet_opt.gap_milp import gap_milp_plan
-    from poet_opt.solve import solve
+    from poet_opt.solver.gap_milp import gap_milp_plan
+    from poet_opt.solver.driver import solve
 
     graph = random_training_graph(7, 8192, skip_prob=0.7, size_choices=(512, 4096, 32768))
     device = load_profile("nrf52840")
@@ -142,7 +142,7 @@ def test_a_solver_abort_in_the_gap_milp_only_loses_the_start():
 
 @pytest.mark.parametrize("mode", ["none", "remat", "paging"])
 def test_starting_points_only_use_what_the_mode_allows(mode):
-    from poet_opt.heuristics import starting_points
+    from poet_opt.solver.heuristics import starting_points
 
     graph = random_training_graph(6, 301460, size_choices=(4096,), skip_prob=0.0)
     device = load_profile("rpi4")
@@ -158,7 +158,7 @@ def test_starting_points_only_use_what_the_mode_allows(mode):
 def _root_lp(form: Formulation) -> float:
     import highspy
 
-    from poet_opt.solvers import highs_lp
+    from poet_opt.solver.backends import highs_lp
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -186,8 +186,8 @@ def test_stage_boundary_rows_tighten_the_root_relaxation():
 @pytest.mark.parametrize("case", ["transformer-block@rpi4@0.7@joint", "transformer-block@rpi4@0.7@remat",
                                   "rand12@test@0.6@joint", "rand14@jetson-tx2@0.5@joint", "rand14@test@0.8@paging"])
 def test_a_cost_cap_from_a_start_keeps_the_optimum_and_shrinks_the_model(case):
-    from poet_opt.heuristics import starting_points
-    from poet_opt.solvers import solve_milp
+    from poet_opt.solver.heuristics import starting_points
+    from poet_opt.solver.backends import solve_milp
 
     model, dev, fraction, mode = case.split("@")
     graph = (build_model(model) if not model.startswith("rand")
@@ -215,7 +215,7 @@ def test_one_page_out_rows_stop_the_lp_paging_in_slivers():
     # Paging being cheap on the Pi's SD card, the LP pages a tensor out at 0.02 and in at 0.02 in
     # each of thirty stages; with a page-out required once for all of them the root bound almost
     # reaches the optimum (1.000215 of plain).
-    from poet_opt.heuristics import starting_points
+    from poet_opt.solver.heuristics import starting_points
 
     graph = random_training_graph(50, seed=1)
     device = load_profile("rpi4")
@@ -232,7 +232,7 @@ def test_one_page_out_rows_stop_the_lp_paging_in_slivers():
 def test_input_kept_rows_stop_the_lp_recomputing_in_slivers():
     # On the nRF52840 the LP kept 2% of bn0 through the forward pass and recomputed 2% of relu0 from
     # it in each of thirty backward stages; the optimum (+1.077% of plain) recomputes whole tensors.
-    from poet_opt.heuristics import starting_points
+    from poet_opt.solver.heuristics import starting_points
 
     graph = build_model("mcu-vww")
     device = load_profile("nrf52840")

@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import TEST_PROFILE, make_test_device
-from poet_opt.costs import node_costs
+from poet_opt.device.costs import node_costs
 from poet_opt.errors import InfeasibleError
-from poet_opt.profiles import DeviceProfile, load_profile
-from poet_opt.randgraph import random_training_graph
-from poet_opt.solve import solve
-from poet_opt.validator import TOTAL_KEYS, validate
+from poet_opt.device.profiles import DeviceProfile, load_profile
+from poet_opt.model.random_graph import random_training_graph
+from poet_opt.solver.driver import solve
+from poet_opt.schedule.validator import TOTAL_KEYS, validate
 
 MODES = ("joint", "remat", "paging", "none")
 REL = 1e-9  # energies compared across solves (all at gap=0)

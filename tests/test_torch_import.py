@@ -13,8 +13,8 @@ from click.testing import CliRunner  # noqa: E402
 from poet_opt.cli import main  # noqa: E402
 from poet_opt.errors import PoetError  # noqa: E402
 from poet_opt.examples import torch_models  # noqa: E402
-from poet_opt.torch_import import import_torch  # noqa: E402
-from poet_opt.zoo import build_model  # noqa: E402
+from poet_opt.model.torch_import import import_torch  # noqa: E402
+from poet_opt.model.zoo import build_model  # noqa: E402
 
 EXAMPLES = "poet_opt/examples/torch_models.py"
 

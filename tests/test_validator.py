@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from poet_opt import validator
+from poet_opt.schedule import validator
 from poet_opt.errors import PoetError
-from poet_opt.validator import ScheduleInvalid, load_and_validate, replay, validate
+from poet_opt.schedule.validator import ScheduleInvalid, load_and_validate, replay, validate
 
 # id, name, kind, bytes, deps, compute_s, compute_j. Paging costs scale with bytes (see _node).
 NODES = [

@@ -1,7 +1,7 @@
 import pytest
 
 from poet_opt.errors import PoetError
-from poet_opt.zoo import MODELS, build_model
+from poet_opt.model.zoo import MODELS, build_model
 
 
 def _count(graph, kind):

@@ -13,9 +13,9 @@ from functools import lru_cache
 
 import pytest
 
-from poet_opt.validator import TOTAL_KEYS, validate
-from poet_opt.solve import solve
-from poet_opt.zoo import MODELS, build_model
+from poet_opt.schedule.validator import TOTAL_KEYS, validate
+from poet_opt.solver.driver import solve
+from poet_opt.model.zoo import MODELS, build_model
 
 TIME_LIMIT = 3.0  # per case; the large models (300+ nodes) stop here with a valid incumbent
 GAP = 1e-2

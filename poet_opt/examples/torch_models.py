@@ -1,6 +1,6 @@
 """Example networks in plain PyTorch (no torchvision), for ``poet-opt solve --torch``.
 
-Layer names follow the model zoo (``poet_opt.zoo``), so an imported graph can be compared with the
+Layer names follow the model zoo (``poet_opt.model.zoo``), so an imported graph can be compared with the
 zoo's node by node: ``poet-opt solve --torch poet_opt.examples.torch_models:resnet18 --input-shape
 1,3,32,32 ...`` and ``--model resnet18-cifar`` describe the same network. Each factory takes no
 argument and returns an ``nn.Module``; its input shape is given on the command line.

@@ -1,0 +1,67 @@
+"""Cost model: device profile x training graph -> per-node time and energy, in SI units.
+
+Compute: a node with a measured time (imported graphs, measured-cost files) takes that time at the
+device's active power; otherwise FLOPs / throughput, with energy from the energy per FLOP. A measured
+energy (``--costs``) replaces either energy.
+Paging: latency + bytes / throughput, at the storage's power while it runs. Input nodes are "loaded",
+not computed: reading the sample from storage is their cost, so re-reading one is a page-in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from poet_opt.device.profiles import DeviceProfile
+from poet_opt.model.graph import TrainingGraph
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """Arrays indexed by node id."""
+
+    compute_s: np.ndarray
+    compute_j: np.ndarray
+    page_out_s: np.ndarray
+    page_out_j: np.ndarray
+    page_in_s: np.ndarray
+    page_in_j: np.ndarray
+    storage_bytes: np.ndarray  # bytes a paged copy occupies, rounded up to whole erase blocks
+
+    @property
+    def plain_energy_j(self) -> float:
+        return math.fsum(self.compute_j)
+
+    @property
+    def plain_runtime_s(self) -> float:
+        return math.fsum(self.compute_s)
+
+
+def node_costs(graph: TrainingGraph, profile: DeviceProfile) -> NodeCosts:
+    n = len(graph)
+    nbytes = np.array([node.bytes for node in graph.nodes], dtype=float)
+    flops = np.array([node.flops for node in graph.nodes], dtype=float)
+    measured = np.array([np.nan if node.compute_s is None else node.compute_s for node in graph.nodes])
+    is_input = np.array([node.op == "input" for node in graph.nodes])
+
+    compute = profile.compute
+    compute_s = np.where(np.isnan(measured), flops / compute.flops_per_second, measured)
+    compute_j = np.where(np.isnan(measured), flops * compute.joules_per_flop, measured * compute.power_w)
+    measured_j = np.array([np.nan if node.compute_j is None else node.compute_j for node in graph.nodes])
+    compute_j = np.where(np.isnan(measured_j), compute_j, measured_j)  # a measured energy wins over both
+
+    read, write = profile.storage.read, profile.storage.write
+    page_in_s = read.latency_s + nbytes / read.bytes_per_second
+    page_out_s = write.latency_s + nbytes / write.bytes_per_second
+    page_in_j = page_in_s * read.power_w
+    page_out_j = page_out_s * write.power_w
+
+    compute_s = np.where(is_input & np.isnan(measured), page_in_s, compute_s)
+    compute_j = np.where(is_input & np.isnan(measured) & np.isnan(measured_j), page_in_j, compute_j)
+
+    block = profile.storage.erase_block_bytes
+    storage_bytes = np.ceil(nbytes / block) * block
+    assert compute_s.shape == (n,)
+    return NodeCosts(compute_s, compute_j, page_out_s, page_out_j, page_in_s, page_in_j, storage_bytes)

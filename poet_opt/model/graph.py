@@ -1,0 +1,156 @@
+"""Training graph: a DAG of operators, each producing one tensor.
+
+Nodes are stored in a topological order and their ``id`` equals their position, so the solver and
+the validator can index arrays by id. Builders (the model zoo, importers) hand in nodes with any
+ids; :func:`TrainingGraph.build` checks the structure and renumbers.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+from poet_opt.errors import PoetError
+
+KINDS = ("forward", "loss", "backward")
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    name: str
+    kind: str  # one of KINDS
+    bytes: int  # size of the output tensor
+    deps: tuple[int, ...] = ()
+    flops: float = 0.0
+    op: str = ""  # operator type (conv2d, linear, relu, ...); used by measured-cost overrides
+    param_bytes: int = 0  # weights owned by this operator (counted once, outside the RAM budget)
+    trainable: bool = False  # whether the weights get a gradient (another param_bytes)
+    compute_s: float | None = None  # a measured time (imported graphs); overrides flops / throughput
+    compute_j: float | None = None  # a measured energy (--costs); overrides the profile's energy model
+
+    @property
+    def is_backward(self) -> bool:
+        return self.kind == "backward"
+
+
+@dataclass(frozen=True)
+class TrainingGraph:
+    name: str
+    nodes: tuple[Node, ...]
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def edges(self) -> list[tuple[int, int]]:
+        return [(d, n.id) for n in self.nodes for d in n.deps]
+
+    def users(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.nodes]
+        for node in self.nodes:
+            for d in node.deps:
+                out[d].append(node.id)
+        return out
+
+    def last_use(self) -> list[int]:
+        """Index of the last consumer of each node (the node itself when nothing reads it)."""
+        last = list(range(len(self.nodes)))
+        for node in self.nodes:
+            for d in node.deps:
+                last[d] = max(last[d], node.id)
+        return last
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(n.param_bytes for n in self.nodes)
+
+    @property
+    def param_grad_bytes(self) -> int:
+        return sum(n.param_bytes for n in self.nodes if n.trainable)
+
+    def plain_peak_bytes(self) -> int:
+        """Peak of live activation/gradient bytes when training plainly: every node computed once
+        in order, each tensor freed right after its last consumer."""
+        last = self.last_use()
+        frees_after: list[list[int]] = [[] for _ in self.nodes]
+        for i, t in enumerate(last):
+            frees_after[t].append(i)
+        live = peak = 0
+        for node in self.nodes:
+            live += node.bytes
+            peak = max(peak, live)
+            live -= sum(self.nodes[i].bytes for i in frees_after[node.id])
+        return peak
+
+    def min_working_set_bytes(self) -> int:
+        """No schedule can go below this: some node and all its inputs must be resident at once."""
+        return max(n.bytes + sum(self.nodes[d].bytes for d in set(n.deps)) for n in self.nodes)
+
+    @staticmethod
+    def build(name: str, nodes: Iterable[Node], *, source: str | None = None, meta: dict | None = None) -> "TrainingGraph":
+        """Check the structure (unique ids, known deps, no cycle, sane sizes), then renumber into a
+        topological order that keeps the given order wherever the dependencies allow."""
+        nodes = list(nodes)
+        if not nodes:
+            raise PoetError("the graph has no nodes", source=source, field="nodes")
+        by_id: dict[int, int] = {}
+        for pos, node in enumerate(nodes):
+            if node.id in by_id:
+                raise PoetError(f"duplicate node id {node.id}", source=source, field="nodes.id")
+            by_id[node.id] = pos
+            if node.kind not in KINDS:
+                raise PoetError(f"node {node.id} has kind {node.kind!r}; expected one of {', '.join(KINDS)}",
+                                source=source, field="nodes.kind")
+            for attr in ("bytes", "flops", "param_bytes"):
+                value = getattr(node, attr)
+                if not (value >= 0):  # also catches NaN
+                    raise PoetError(f"node {node.id} ({node.name}) has {attr} = {value}; must be >= 0",
+                                    source=source, field=f"nodes.{attr}")
+            if node.compute_s is not None and not (node.compute_s >= 0):
+                raise PoetError(f"node {node.id} ({node.name}) has a compute time of {node.compute_s}; must be >= 0",
+                                source=source, field="nodes.cost_cpu")
+            if node.compute_j is not None and not (node.compute_j >= 0):
+                raise PoetError(f"node {node.id} ({node.name}) has a compute energy of {node.compute_j}; must be >= 0",
+                                source=source, field="nodes.compute_j")
+        for node in nodes:
+            for d in node.deps:
+                if d not in by_id:
+                    raise PoetError(f"edge {d} -> {node.id} refers to node {d}, which does not exist",
+                                    source=source, field="links.source")
+                if d == node.id:
+                    raise PoetError(f"node {node.id} ({node.name}) depends on itself", source=source, field="links")
+        order = _topological_order(nodes, by_id, source)
+        new_id = {nodes[pos].id: k for k, pos in enumerate(order)}
+        renumbered = []
+        for k, pos in enumerate(order):
+            node = nodes[pos]
+            deps = tuple(sorted({new_id[d] for d in node.deps}))
+            renumbered.append(replace(node, id=k, deps=deps))
+        return TrainingGraph(name=name, nodes=tuple(renumbered), meta=dict(meta or {}))
+
+
+def _topological_order(nodes: Sequence[Node], by_id: dict[int, int], source: str | None) -> list[int]:
+    indegree = [0] * len(nodes)
+    users: list[list[int]] = [[] for _ in nodes]
+    for pos, node in enumerate(nodes):
+        for d in set(node.deps):
+            users[by_id[d]].append(pos)
+            indegree[pos] += 1
+    ready = [pos for pos, deg in enumerate(indegree) if deg == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        pos = heapq.heappop(ready)
+        order.append(pos)
+        for u in users[pos]:
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) < len(nodes):
+        stuck = [nodes[pos] for pos, deg in enumerate(indegree) if deg > 0]
+        names = ", ".join(f"{n.id} ({n.name})" for n in stuck[:4])
+        raise PoetError(f"the graph has a cycle through nodes {names}", source=source, field="links")
+    return order

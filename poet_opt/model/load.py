@@ -1,0 +1,76 @@
+"""One function from "where the network comes from" to a training graph, for the CLI and notebooks:
+a zoo model, a node-link JSON file, a PyTorch module or an ONNX file, then partial fine-tuning,
+the optimizer step and measured per-layer costs on top."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from poet_opt.errors import PoetError
+from poet_opt.model.graph import TrainingGraph
+
+
+def load_training_graph(model: str | None = None, graph_file: str | None = None, torch: str | None = None,
+                        onnx: str | None = None, *, batch_size: int = 1, bytes_per_element: int = 4,
+                        input_shape=None, trainable="all", costs=None, optimizer: str = "none") \
+        -> tuple[TrainingGraph, str]:
+    """Exactly one of ``model`` (zoo name), ``graph_file`` (node-link JSON), ``torch`` (FILE.py:FACTORY or
+    package.module:FACTORY) or ``onnx`` (FILE.onnx). ``input_shape``: for zoo models without the batch
+    (``3x32x32``); for torch and ONNX the whole tensor, batch first (``1,3,32,32``). ``costs``: a CSV/YAML
+    file or a :class:`~poet_opt.model.measured_costs.MeasuredCosts`. Returns (graph, display name)."""
+    given = [(flag, value) for flag, value in (("--model", model), ("--graph", graph_file), ("--torch", torch),
+                                                ("--onnx", onnx)) if value]
+    if len(given) != 1:
+        raise PoetError("give exactly one of --model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE",
+                        field="/".join(flag for flag, _ in given) if given else "--model")
+    flag, _ = given[0]
+    table = None
+    if costs is not None:
+        from poet_opt.model.measured_costs import MeasuredCosts, load_costs
+
+        table = costs if isinstance(costs, MeasuredCosts) else load_costs(costs)
+    known = table.names() if table else frozenset()
+    partial = trainable is not None and not (isinstance(trainable, str) and trainable.strip().lower() == "all")
+    if flag in ("--torch", "--onnx") and batch_size != 1:
+        raise PoetError("the batch is the first number of --input-shape for --torch and --onnx models",
+                        field="--batch-size")
+    if flag == "--graph":
+        if partial:
+            raise PoetError("a node-link graph carries no parameters; --trainable applies to --model, --torch "
+                            "and --onnx", field="--trainable")
+        if input_shape is not None:
+            raise PoetError("a node-link graph has fixed sizes; --input-shape applies to the other sources",
+                            field="--input-shape")
+        from poet_opt.model.node_link import load_node_link
+
+        graph, name = load_node_link(graph_file), Path(graph_file).stem
+    elif flag == "--model":
+        from poet_opt.model.zoo import build_model
+
+        graph = build_model(model, batch_size=batch_size, input_shape=input_shape,
+                            bytes_per_element=bytes_per_element, trainable=trainable)
+        name = model
+    elif flag == "--torch":
+        from poet_opt.model.torch_import import import_torch
+
+        if input_shape is None:
+            raise PoetError("a PyTorch module needs the input's shape, batch first, e.g. --input-shape 1,3,32,32",
+                            field="--input-shape")
+        graph = import_torch(torch, input_shape, bytes_per_element=bytes_per_element, trainable=trainable,
+                             known_costs=known)
+        name = torch.rsplit(":", 1)[-1]
+    else:
+        from poet_opt.model.onnx_import import import_onnx
+
+        graph = import_onnx(onnx, input_shape=input_shape, bytes_per_element=bytes_per_element,
+                            trainable=trainable, known_costs=known)
+        name = Path(onnx).stem
+    if optimizer and optimizer != "none":
+        from poet_opt.model.optimizer import with_optimizer
+
+        graph = with_optimizer(graph, optimizer, bytes_per_element=bytes_per_element)
+    if table is not None:
+        from poet_opt.model.measured_costs import apply_costs
+
+        graph = apply_costs(graph, table)
+    return graph, name

@@ -1,0 +1,435 @@
+"""Model zoo: training graphs of well-known networks at operator granularity.
+
+Each model declares its forward operators on a small builder (:class:`_Net`); one generic function
+(:func:`_training_graph`) derives the loss and the Checkmate-style backward graph from them, so the
+backward rules live in one place. Sizes are per operator as a framework would run it (conv, BN and
+ReLU stay separate: the cheap element-wise nodes are what a rematerialization solver recomputes).
+
+Modelling choices: dropout and attention masks are left out (no dropout nodes); views (flatten,
+reshape, head split, taking the [CLS] token) are free and get no node; BN running statistics are
+buffers, not parameters, and are not counted. Token ids are sized with ``bytes_per_element`` like
+every other tensor.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import operator
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from poet_opt.errors import PoetError
+from poet_opt.model.graph import Node, TrainingGraph
+
+
+@dataclass(frozen=True)
+class _Op:
+    name: str
+    op: str
+    shape: tuple[int, ...]  # one sample's output tensor
+    inputs: tuple[int, ...]
+    flops: float  # one sample, forward
+    params: int = 0
+    # What back-propagating through this op into one of its inputs reads besides the output
+    # gradient: "in" (its inputs), "out" (its own output), "other" (the other operand of a product
+    # of two activations) or "" (nothing: weights are parameters, add only routes gradients);
+    # "in+out" joins two.
+    saves: str = ""
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+
+_ACTIVATIONS = {  # op -> (FLOP per element, what its backward reads), as PyTorch saves them
+    "relu": (1, "out"),
+    "relu6": (2, "in"),
+    "gelu": (5, "in"),
+    "tanh": (5, "out"),
+}
+
+
+class _Net:
+    """Collects forward operators in execution order; op 0 is the input tensor."""
+
+    def __init__(self, input_shape: Sequence[int]):
+        self.ops = [_Op("input", "input", tuple(input_shape), (), 0.0)]
+
+    def shape(self, x: int) -> tuple[int, ...]:
+        return self.ops[x].shape
+
+    def _add(self, name, op, inputs, shape, flops, params=0, saves="") -> int:
+        if min(shape) < 1:
+            raise PoetError(f"the input is too small for this model: {name} would have shape {shape}",
+                            field="--input-shape")
+        assert all(o.name != name for o in self.ops), name
+        self.ops.append(_Op(name, op, tuple(shape), tuple(inputs), float(flops), params, saves))
+        return len(self.ops) - 1
+
+    def conv(self, x, name, cout, k, stride=1, groups=1, bias=False):
+        cin, h, w = self.shape(x)
+        groups = cin if groups == "depthwise" else groups
+        ho, wo = ((d + 2 * (k // 2) - k) // stride + 1 for d in (h, w))
+        weights = cout * (cin // groups) * k * k
+        return self._add(name, "conv2d", (x,), (cout, ho, wo), 2 * weights * ho * wo,
+                         weights + (cout if bias else 0))
+
+    def bn(self, x, name):
+        return self._add(name, "batchnorm", (x,), self.shape(x), 5 * math.prod(self.shape(x)),
+                         2 * self.shape(x)[0], "in")
+
+    def act(self, x, name, fn="relu"):
+        per_element, saves = _ACTIVATIONS[fn]
+        return self._add(name, fn, (x,), self.shape(x), per_element * math.prod(self.shape(x)), saves=saves)
+
+    def add(self, a, b, name):
+        assert self.shape(a) == self.shape(b), (name, self.shape(a), self.shape(b))
+        return self._add(name, "add", (a, b), self.shape(a), math.prod(self.shape(a)))
+
+    def maxpool(self, x, name, k, stride, pad):
+        c, h, w = self.shape(x)
+        ho, wo = ((d + 2 * pad - k) // stride + 1 for d in (h, w))
+        return self._add(name, "maxpool", (x,), (c, ho, wo), k * k * c * ho * wo, saves="in")
+
+    def avgpool(self, x, name, out_hw=None):
+        """Global average pooling to (C,), or adaptive pooling to (C, *out_hw)."""
+        shape = (self.shape(x)[0],) + tuple(out_hw or ())
+        return self._add(name, "avgpool", (x,), shape, math.prod(self.shape(x)))
+
+    def linear(self, x, name, out, cls_token=False):
+        """A (C,H,W) input is flattened; a (seq, d) input is projected token by token, or only its
+        first token when ``cls_token`` (BERT's pooler)."""
+        shape = self.shape(x)
+        if len(shape) == 3:
+            rows, fan_in, out_shape = 1, math.prod(shape), (out,)
+        elif cls_token:
+            rows, fan_in, out_shape = 1, shape[-1], (out,)
+        else:
+            rows, fan_in, out_shape = math.prod(shape[:-1]), shape[-1], shape[:-1] + (out,)
+        return self._add(name, "linear", (x,), out_shape, 2 * rows * fan_in * out, fan_in * out + out)
+
+    def layernorm(self, x, name):
+        return self._add(name, "layernorm", (x,), self.shape(x), 5 * math.prod(self.shape(x)),
+                         2 * self.shape(x)[-1], "in")
+
+    def softmax(self, x, name):
+        return self._add(name, "softmax", (x,), self.shape(x), 5 * math.prod(self.shape(x)), saves="out")
+
+    def matmul(self, a, b, name, shape, macs):
+        return self._add(name, "matmul", (a, b), shape, 2 * macs, saves="other")
+
+    def embedding(self, x, name, rows, dim):
+        shape = self.shape(x) + (dim,)
+        return self._add(name, "embedding", (x,), shape, math.prod(shape), rows * dim)
+
+
+# -- models ----------------------------------------------------------------------------------------
+
+def _mlp(net: _Net) -> None:
+    x = 0
+    for i in (1, 2, 3):
+        x = net.act(net.linear(x, f"fc{i}", 256), f"relu{i}")
+    net.linear(x, "fc4", 10)
+
+
+def _mlp_residual(net: _Net) -> None:
+    # The smallest network with a skip connection, small enough that tests/test_c_execution.py
+    # solves it to optimality in seconds and runs its training step in C.
+    x = net.act(net.linear(0, "fc_in", 256), "relu_in")
+    y = net.linear(net.act(net.linear(x, "block.fc1", 256), "block.relu1"), "block.fc2", 256)
+    x = net.act(net.add(x, y, "block.add"), "block.relu2")
+    net.linear(x, "fc_out", 10)
+
+
+_VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+
+def _vgg16(net: _Net, imagenet: bool) -> None:
+    # VGG-16 with batch norm (torchvision's vgg16_bn; the usual CIFAR recipe needs BN to train).
+    x, stage, i = 0, 1, 1
+    for v in _VGG16:
+        if v == "M":
+            x = net.maxpool(x, f"pool{stage}", 2, 2, 0)
+            stage, i = stage + 1, 1
+            continue
+        x = net.conv(x, f"conv{stage}_{i}", v, 3, bias=True)
+        x = net.act(net.bn(x, f"bn{stage}_{i}"), f"relu{stage}_{i}")
+        i += 1
+    if not imagenet:
+        net.linear(x, "fc", 10)
+        return
+    if net.shape(x)[1:] != (7, 7):  # torchvision pools to 7x7 so fc6 keeps its size at any input
+        x = net.avgpool(x, "avgpool", (7, 7))
+    x = net.act(net.linear(x, "fc6", 4096), "relu6")
+    x = net.act(net.linear(x, "fc7", 4096), "relu7")
+    net.linear(x, "fc8", 1000)
+
+
+def _basic_block(net: _Net, x: int, p: str, width: int, stride: int) -> int:
+    y = net.act(net.bn(net.conv(x, f"{p}.conv1", width, 3, stride), f"{p}.bn1"), f"{p}.relu1")
+    y = net.bn(net.conv(y, f"{p}.conv2", width, 3), f"{p}.bn2")
+    return net.act(net.add(y, _shortcut(net, x, p, width, stride), f"{p}.add"), f"{p}.relu2")
+
+
+def _bottleneck(net: _Net, x: int, p: str, width: int, stride: int) -> int:
+    # torchvision's ResNet v1.5: the stride sits on the 3x3 conv.
+    y = net.act(net.bn(net.conv(x, f"{p}.conv1", width, 1), f"{p}.bn1"), f"{p}.relu1")
+    y = net.act(net.bn(net.conv(y, f"{p}.conv2", width, 3, stride), f"{p}.bn2"), f"{p}.relu2")
+    y = net.bn(net.conv(y, f"{p}.conv3", 4 * width, 1), f"{p}.bn3")
+    return net.act(net.add(y, _shortcut(net, x, p, 4 * width, stride), f"{p}.add"), f"{p}.relu3")
+
+
+def _shortcut(net: _Net, x: int, p: str, cout: int, stride: int) -> int:
+    if stride == 1 and net.shape(x)[0] == cout:
+        return x
+    return net.bn(net.conv(x, f"{p}.downsample.0", cout, 1, stride), f"{p}.downsample.1")
+
+
+def _resnet(net: _Net, block: Callable, depths: Sequence[int], cifar: bool) -> None:
+    if cifar:  # the CIFAR variant keeps 32x32 through layer1: 3x3 stem, no max-pool
+        x = net.act(net.bn(net.conv(0, "conv1", 64, 3), "bn1"), "relu")
+    else:
+        x = net.act(net.bn(net.conv(0, "conv1", 64, 7, 2), "bn1"), "relu")
+        x = net.maxpool(x, "maxpool", 3, 2, 1)
+    for stage, (width, n) in enumerate(zip((64, 128, 256, 512), depths), 1):
+        for b in range(n):
+            x = block(net, x, f"layer{stage}.{b}", width, 2 if stage > 1 and b == 0 else 1)
+    net.linear(net.avgpool(x, "avgpool"), "fc", 10 if cifar else 1000)
+
+
+def _mobilenetv2(net: _Net) -> None:
+    x = net.act(net.bn(net.conv(0, "stem.conv", 32, 3, 2), "stem.bn"), "stem.relu", "relu6")
+    k = 0
+    for t, c, n, s in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                       (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)):
+        for i in range(n):
+            p, cin, stride = f"block{k}", net.shape(x)[0], s if i == 0 else 1
+            y = x
+            if t != 1:
+                y = net.conv(y, f"{p}.expand", cin * t, 1)
+                y = net.act(net.bn(y, f"{p}.expand_bn"), f"{p}.expand_relu", "relu6")
+            y = net.conv(y, f"{p}.dw", net.shape(y)[0], 3, stride, groups="depthwise")
+            y = net.act(net.bn(y, f"{p}.dw_bn"), f"{p}.dw_relu", "relu6")
+            y = net.bn(net.conv(y, f"{p}.project", c, 1), f"{p}.project_bn")
+            x = net.add(x, y, f"{p}.add") if stride == 1 and cin == c else y
+            k += 1
+    x = net.act(net.bn(net.conv(x, "head.conv", 1280, 1), "head.bn"), "head.relu", "relu6")
+    net.linear(net.avgpool(x, "avgpool"), "classifier", 1000)
+
+
+def _mcu_vww(net: _Net) -> None:
+    # MobileNetV1's first seven layers at width 0.125, striding early so that plain training fits
+    # in about 250 KB of SRAM at fp32 (person / no person).
+    x = net.act(net.bn(net.conv(0, "conv0", 4, 3, 2), "bn0"), "relu0")
+    for i, (cout, stride) in enumerate(((8, 2), (16, 2), (32, 2), (32, 1), (64, 2), (64, 1)), 1):
+        p = f"ds{i}"
+        x = net.conv(x, f"{p}.dw", net.shape(x)[0], 3, stride, groups="depthwise")
+        x = net.act(net.bn(x, f"{p}.dw_bn"), f"{p}.dw_relu")
+        x = net.act(net.bn(net.conv(x, f"{p}.pw", cout, 1), f"{p}.pw_bn"), f"{p}.pw_relu")
+    net.linear(net.avgpool(x, "avgpool"), "fc", 2)
+
+
+def _encoder_block(net: _Net, x: int, p: str, d=768, heads=12, d_ff=3072) -> int:
+    # Post-LN, as BERT. The 1/sqrt(d_head) scaling is folded into the scores matmul.
+    seq = net.shape(x)[0]
+    q, k, v = (net.linear(x, f"{p}.attn.{w}", d) for w in "qkv")
+    scores = net.matmul(q, k, f"{p}.attn.scores", (heads, seq, seq), seq * seq * d)
+    probs = net.softmax(scores, f"{p}.attn.softmax")
+    ctx = net.matmul(probs, v, f"{p}.attn.context", (seq, d), seq * seq * d)
+    out = net.linear(ctx, f"{p}.attn.out", d)
+    x = net.layernorm(net.add(x, out, f"{p}.attn.add"), f"{p}.attn.ln")
+    h = net.act(net.linear(x, f"{p}.ffn.fc1", d_ff), f"{p}.ffn.gelu", "gelu")
+    h = net.linear(h, f"{p}.ffn.fc2", d)
+    return net.layernorm(net.add(x, h, f"{p}.ffn.add"), f"{p}.ffn.ln")
+
+
+def _bert_base(net: _Net) -> None:
+    seq = net.shape(0)[0]
+    if seq > 512:
+        raise PoetError(f"BERT-base has 512 position embeddings; a sequence of {seq} is too long",
+                        field="--input-shape")
+    # Position and token-type tables are both indexed by position here: one gather, one add.
+    x = net.add(net.embedding(0, "embeddings.word", 30522, 768),
+                net.embedding(0, "embeddings.position_type", 512 + 2, 768), "embeddings.add")
+    x = net.layernorm(x, "embeddings.ln")
+    for i in range(12):
+        x = _encoder_block(net, x, f"layer{i}")
+    x = net.act(net.linear(x, "pooler.dense", 768, cls_token=True), "pooler.tanh", "tanh")
+    net.linear(x, "classifier", 2)
+
+
+def _hidden_states(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[0], 768)  # a lone encoder block reads hidden states, not token ids
+
+
+# name -> (description, default input shape, input shape -> the input tensor's shape, declare layers)
+_ZOO: dict[str, tuple[str, tuple[int, ...], Callable | None, Callable[[_Net], None]]] = {
+    "mlp": ("784-256-256-256-10 multilayer perceptron with ReLU (MNIST-sized)", (784,), None, _mlp),
+    "mlp-residual": ("784-256-256-256-10 MLP whose middle two layers form a residual block (one skip connection)",
+                     (784,), None, _mlp_residual),
+    "vgg16-cifar": ("VGG-16 with batch norm, CIFAR-10 (3x32x32, 10 classes)", (3, 32, 32), None,
+                    lambda net: _vgg16(net, imagenet=False)),
+    "vgg16-imagenet": ("VGG-16 with batch norm, ImageNet (3x224x224, 1000 classes)", (3, 224, 224), None,
+                       lambda net: _vgg16(net, imagenet=True)),
+    "resnet18-cifar": ("ResNet-18, CIFAR variant: 3x3 stem, no max-pool (3x32x32, 10 classes)", (3, 32, 32),
+                       None, lambda net: _resnet(net, _basic_block, (2, 2, 2, 2), cifar=True)),
+    "resnet18-imagenet": ("ResNet-18, ImageNet (3x224x224, 1000 classes)", (3, 224, 224), None,
+                          lambda net: _resnet(net, _basic_block, (2, 2, 2, 2), cifar=False)),
+    "resnet50": ("ResNet-50 v1.5, ImageNet (3x224x224, 1000 classes)", (3, 224, 224), None,
+                 lambda net: _resnet(net, _bottleneck, (3, 4, 6, 3), cifar=False)),
+    "mobilenetv2": ("MobileNetV2 width 1.0, ImageNet (3x224x224, 1000 classes)", (3, 224, 224), None,
+                    _mobilenetv2),
+    "mcu-vww": ("tiny depthwise-separable CNN for visual wake words on a microcontroller (1x96x96, 2 classes)",
+                (1, 96, 96), None, _mcu_vww),
+    "transformer-block": ("one post-LN encoder block: d_model 768, 12 heads, d_ff 3072 (seq 128)", (128,),
+                          _hidden_states, lambda net: _encoder_block(net, 0, "block")),
+    "bert-base": ("BERT-base: embeddings, 12 encoder blocks, pooler and a 2-class head (seq 128)", (128,),
+                  None, _bert_base),
+}
+
+MODELS: dict[str, str] = {name: spec[0] for name, spec in _ZOO.items()}
+
+
+def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_element: int = 4,
+                trainable="all") -> TrainingGraph:
+    """The training graph of a zoo model. ``input_shape`` is (C, H, W) for CNNs, (features,) for the
+    MLP, (seq_len,) for transformers; it may also be a string such as ``"3x64x64"`` or ``"256"``.
+    ``trainable`` is ``"all"``, ``"last:N"`` (the last N operators that have parameters) or node
+    names (a list or a comma-separated string; ``layer4`` also selects ``layer4.*``)."""
+    key = _model_key(name)
+    description, default_shape, to_builder, declare = _ZOO[key]
+    batch_size = _positive_int(batch_size, "--batch-size")
+    bytes_per_element = _positive_int(bytes_per_element, "--bytes-per-element")
+    shape = _input_shape(input_shape, default_shape)
+    net = _Net(to_builder(shape) if to_builder else shape)
+    declare(net)
+    meta = {"model": key, "description": description, "batch_size": batch_size, "input_shape": list(shape),
+            "bytes_per_element": bytes_per_element, "forward_layers": len(net.ops) - 1}
+    return _training_graph(key, net.ops, batch_size, bytes_per_element, trainable, meta)
+
+
+def _model_key(name) -> str:
+    key = str(name).strip().lower().replace("_", "-")
+    if key in _ZOO:
+        return key
+    bare = re.sub(r"[^a-z0-9]", "", key)  # "ResNet-18" should find resnet18-*
+    close = [n for n in _ZOO if bare and bare in re.sub(r"[^a-z0-9]", "", n)] or \
+        difflib.get_close_matches(key, _ZOO, n=3, cutoff=0.6)
+    hint = f"did you mean {_either(close)}?" if close else f"known models: {', '.join(_ZOO)}"
+    raise PoetError(f"unknown model {name!r}; {hint}", field="--model")
+
+
+def _either(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _positive_int(value, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PoetError(f"must be a positive whole number, got {value!r}", field=field)
+    return value
+
+
+def _input_shape(value, default: tuple[int, ...]) -> tuple[int, ...]:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        parts: list = [p for p in re.split(r"[x,\s()\[\]]+", value.strip().lower()) if p]
+    else:
+        parts = [value] if isinstance(value, int) else list(value)
+    try:
+        shape = tuple(int(p) if isinstance(p, str) and p.isdigit() else _whole(p) for p in parts)
+    except (TypeError, ValueError):
+        shape = ()
+    if len(shape) != len(default) or min(shape) < 1:
+        expected = "(C, H, W)" if len(default) == 3 else "(seq_len,) or (features,)"
+        raise PoetError(f"expected {expected} in positive whole numbers, got {value!r}", field="--input-shape")
+    return shape
+
+
+def _whole(p) -> int:
+    if isinstance(p, bool):
+        raise TypeError(p)
+    return operator.index(p)  # ints (numpy's too), not floats
+
+
+def _resolve_trainable(ops: Sequence[_Op], spec) -> set[int]:
+    weighted = [i for i, o in enumerate(ops) if o.params]
+    if not isinstance(spec, (str, list, tuple, set, type(None))):
+        raise PoetError(f"expected all, last:N or layer names, got {spec!r}", field="--trainable")
+    if spec is None or isinstance(spec, str) and spec.strip().lower() == "all":
+        return set(weighted)
+    if isinstance(spec, str) and spec.strip().lower().startswith("last:"):
+        count = spec.strip()[5:]
+        if not count.isdigit() or int(count) < 1:
+            raise PoetError(f"'last:N' needs a positive whole number N, got {spec!r}", field="--trainable")
+        return set(weighted[-int(count):])
+    names = [str(n).strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if str(n).strip()]
+    if not names or names == ["none"]:
+        raise PoetError("nothing would be trained; give all, last:N or layer names", field="--trainable")
+    chosen: set[int] = set()
+    for want in names:
+        hits = [i for i in weighted if ops[i].name == want or ops[i].name.startswith(want + ".")]
+        if not hits:
+            close = difflib.get_close_matches(want, [ops[i].name for i in weighted], n=4, cutoff=0.5)
+            hint = f"; did you mean {_either(close)}?" if close else ""
+            without = any(o.name == want for o in ops)
+            problem = "has no parameters" if without else "is not a layer of this model"
+            raise PoetError(f"{want!r} {problem}{hint}", field="--trainable")
+        chosen.update(hits)
+    return chosen
+
+
+def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainable, meta: dict) -> TrainingGraph:
+    """Forward nodes, a loss on the last op, then one ``grad:f`` node per forward op f whose output
+    gradient some trainable weight needs, in reverse forward order."""
+    train = _resolve_trainable(ops, trainable)
+    needs_grad = []
+    for i, o in enumerate(ops):  # inputs come first, so one pass settles "f or an ancestor trains"
+        needs_grad.append(i in train or any(needs_grad[j] for j in o.inputs))
+    users: list[list[int]] = [[] for _ in ops]
+    for i, o in enumerate(ops):
+        for j in o.inputs:
+            users[j].append(i)
+    logits = len(ops) - 1
+    assert all(users[i] for i in range(logits)), "every forward op but the last must feed another"
+
+    def size(i: int) -> int:
+        return ops[i].elements * bpe * batch
+
+    nodes = [Node(i, o.name, "forward", size(i), o.inputs, o.flops * batch, o.op, o.params * bpe, i in train)
+             for i, o in enumerate(ops)]
+    loss = len(nodes)
+    nodes.append(Node(loss, "loss", "loss", bpe * batch, (logits,), 5.0 * ops[logits].elements * batch, "loss"))
+    grad: dict[int, int] = {}
+    for f in reversed(range(len(ops))):
+        if not needs_grad[f]:
+            continue
+        deps: set[int] = set()
+        flops = 0.0
+        if f == logits:  # the loss gradient reads the logits (softmax minus target)
+            deps |= {loss, logits}
+            flops += 2.0 * ops[logits].elements
+        for u in users[f]:  # dL/df = sum over users of the data gradient back through u
+            deps.add(grad[u])
+            flops += ops[u].flops
+            for rule in ops[u].saves.split("+"):  # e.g. "in+out": fused attention keeps both
+                deps |= {"in": set(ops[u].inputs), "out": {u}, "other": set(ops[u].inputs) - {f}}.get(rule, set())
+        if f in train:  # the weight gradient, written outside the graph, reads f's inputs
+            deps |= set(ops[f].inputs)
+            flops += ops[f].flops
+        grad[f] = len(nodes)
+        nodes.append(Node(grad[f], f"grad:{ops[f].name}", "backward", size(f), tuple(sorted(deps)), flops * batch,
+                          f"{ops[f].op}_grad"))
+    meta = {**meta, "trainable": trainable if isinstance(trainable, str) or trainable is None else list(trainable),
+            "param_count": sum(o.params for o in ops),
+            "trainable_param_count": sum(ops[i].params for i in train)}
+    return TrainingGraph.build(name, nodes, meta=meta)
+
+
+# The importers (torch_import, onnx_import) describe a network as these forward operators and get
+# its loss and backward graph from the same function, so the backward rules stay in one place.
+ForwardOp = _Op
+training_graph = _training_graph
+

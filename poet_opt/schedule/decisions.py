@@ -1,0 +1,139 @@
+"""A plan as the solver chose it, in budgets and decisions, and the ordered steps it replays as.
+
+The step order follows the formulation's stage semantics (docs/schedule-format.md has the replay
+rules): stage t walks positions 0..t, paging in or recomputing at each position, computing node t
+last and paging it out right away; a tensor is freed as soon as nothing later in the stage reads
+it, unless it is kept for the next stage. Frees here happen no later than the formulation's
+accounting assumes, so replayed memory never exceeds what the solver bounded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from poet_opt.device.costs import NodeCosts
+from poet_opt.model.graph import TrainingGraph
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What a plan may use: RAM in bytes, runtime in seconds (inf: no limit), storage in bytes."""
+
+    ram_bytes: float
+    runtime_s: float
+    storage_bytes: float
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """The solver's choices, as plain sets of (stage, node) pairs; node t at stage t is implicit."""
+
+    recompute: frozenset  # (t, i): recompute i at position i of stage t (i < t)
+    page_in: frozenset  # (t, i): page i in at position i of stage t
+    page_out: frozenset  # i: page i out right after computing it in stage i
+    keep: frozenset  # (t, i): i is in RAM at the start of stage t
+
+
+def plain_decisions(graph: TrainingGraph) -> Decisions:
+    """Plain training: compute every node once, keep each tensor until its last reader."""
+    last = graph.last_use()
+    keep = frozenset((t, i) for i in range(len(graph)) for t in range(i + 1, last[i] + 1))
+    return Decisions(frozenset(), frozenset(), frozenset(), keep)
+
+
+def build_steps(graph: TrainingGraph, decisions: Decisions) -> list[dict]:
+    T = len(graph)
+    nodes = graph.nodes
+    recompute_at: dict[int, list[int]] = {}
+    page_in_at: dict[int, list[int]] = {}
+    for t, i in decisions.recompute:
+        recompute_at.setdefault(t, []).append(i)
+    for t, i in decisions.page_in:
+        page_in_at.setdefault(t, []).append(i)
+    keep_at: dict[int, set[int]] = {}
+    for t, i in decisions.keep:
+        keep_at.setdefault(t, set()).add(i)
+
+    steps: list[dict] = []
+    resident: set[int] = set()
+    for t in range(T):
+        computed = sorted(recompute_at.get(t, [])) + [t]
+        paged_in = set(page_in_at.get(t, []))
+        keep_next = keep_at.get(t + 1, set())
+        # last position in this stage at which each tensor is read or made
+        last_touch: dict[int, int] = {}
+        for k in computed:
+            last_touch[k] = max(last_touch.get(k, -1), k)
+            for d in nodes[k].deps:
+                last_touch[d] = max(last_touch.get(d, -1), k)
+        for i in paged_in:
+            last_touch[i] = max(last_touch.get(i, -1), i)
+        # what came in from the previous stage but is neither read here nor kept goes first
+        for i in sorted(resident):
+            if i not in last_touch and i not in keep_next:
+                steps.append({"op": "free", "node": i})
+                resident.discard(i)
+        releases: dict[int, list[int]] = {}
+        for i, pos in last_touch.items():
+            if i not in keep_next:
+                releases.setdefault(pos, []).append(i)
+        for k in sorted(set(computed) | paged_in):
+            if k in paged_in:
+                steps.append({"op": "page_in", "node": k})
+                resident.add(k)
+            if k in computed:
+                steps.append({"op": "compute", "node": k})
+                resident.add(k)
+                if k == t and t in decisions.page_out:
+                    steps.append({"op": "page_out", "node": k})
+            for i in sorted(releases.get(k, [])):
+                if i in resident:
+                    steps.append({"op": "free", "node": i})
+                    resident.discard(i)
+        missing = keep_next - resident
+        if missing:
+            raise RuntimeError(f"decisions keep nodes {sorted(missing)} into stage {t + 1} that are not resident")
+    for i in sorted(resident):
+        steps.append({"op": "free", "node": i})
+    return steps
+
+
+def totals_of(graph: TrainingGraph, costs: NodeCosts, steps: list[dict]) -> dict:
+    """What a plan costs. The validator recomputes this independently."""
+    compute_j, page_in_j, page_out_j, runtime = [], [], [], []
+    resident: set[int] = set()
+    stored: set[int] = set()
+    live = peak = 0
+    counts = {"compute": 0, "page_in": 0, "page_out": 0, "free": 0}
+    for step in steps:
+        op, n = step["op"], step["node"]
+        counts[op] += 1
+        if op == "compute":
+            compute_j.append(costs.compute_j[n]), runtime.append(costs.compute_s[n])
+        elif op == "page_in":
+            page_in_j.append(costs.page_in_j[n]), runtime.append(costs.page_in_s[n])
+        elif op == "page_out":
+            page_out_j.append(costs.page_out_j[n]), runtime.append(costs.page_out_s[n])
+            stored.add(n)
+        if op in ("compute", "page_in"):
+            resident.add(n)
+            live += graph.nodes[n].bytes
+            peak = max(peak, live)
+        elif op == "free":
+            resident.discard(n)
+            live -= graph.nodes[n].bytes
+    cj, ij, oj = math.fsum(map(float, compute_j)), math.fsum(map(float, page_in_j)), math.fsum(map(float, page_out_j))
+    return {
+        "energy_j": math.fsum([cj, ij, oj]),
+        "compute_j": cj,
+        "page_in_j": ij,
+        "page_out_j": oj,
+        "runtime_s": math.fsum(map(float, runtime)),
+        "peak_ram_bytes": int(peak),
+        "storage_bytes": int(sum(graph.nodes[n].bytes for n in stored)),
+        "computes": counts["compute"],
+        "recomputes": counts["compute"] - len(graph),
+        "page_ins": counts["page_in"],
+        "page_outs": counts["page_out"],
+    }

@@ -1,0 +1,91 @@
+"""The schedule document: a solved plan with its graph, device, costs, budgets and solver report,
+as written to JSON (docs/schedule-format.md) and read back by the validator and the exporters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from poet_opt import __version__
+from poet_opt.device.costs import NodeCosts
+from poet_opt.device.profiles import DeviceProfile
+from poet_opt.model.graph import TrainingGraph
+from poet_opt.schedule.decisions import Budgets, Decisions
+
+FORMAT = "poet-opt/schedule@1"
+
+
+@dataclass
+class Schedule:
+    """A solved plan with everything needed to write, validate, export or report it."""
+
+    model: str
+    mode: str
+    graph: TrainingGraph
+    profile: DeviceProfile
+    costs: NodeCosts
+    budgets: Budgets
+    decisions: Decisions
+    steps: list[dict]
+    totals: dict
+    plain: dict
+    solver: dict
+
+    def memory(self) -> dict:
+        params, grads = self.graph.param_bytes, self.graph.param_grad_bytes
+        working = self.totals["peak_ram_bytes"]
+        total = params + grads + working
+        return {
+            "param_bytes": params,
+            "param_grad_bytes": grads,
+            # part of param_bytes: Adam's moments, owned by the update nodes (--optimizer adam)
+            "optimizer_state_bytes": sum(n.param_bytes for n in self.graph.nodes if n.op.endswith("_update")),
+            "working_peak_bytes": working,
+            "total_bytes": total,
+            "device_ram_bytes": self.profile.memory.ram_bytes,
+            "fits_device": total <= self.profile.memory.ram_bytes,
+        }
+
+    def recomputed_nodes(self) -> list[int]:
+        return sorted({i for _, i in self.decisions.recompute})
+
+    def paged_nodes(self) -> list[int]:
+        return sorted(self.decisions.page_out)
+
+    def to_dict(self) -> dict:
+        c, p = self.costs, self.profile
+        nodes = []
+        for node in self.graph.nodes:
+            n = node.id
+            nodes.append({
+                "id": n, "name": node.name, "kind": node.kind, "op": node.op, "bytes": node.bytes,
+                "deps": list(node.deps), "flops": node.flops, "param_bytes": node.param_bytes,
+                "trainable": node.trainable,
+                "compute_s": float(c.compute_s[n]), "compute_j": float(c.compute_j[n]),
+                "page_out_s": float(c.page_out_s[n]), "page_out_j": float(c.page_out_j[n]),
+                "page_in_s": float(c.page_in_s[n]), "page_in_j": float(c.page_in_j[n]),
+            })
+        return {
+            "format": FORMAT,
+            "generator": f"poet-opt {__version__}",
+            "model": self.model,
+            "mode": self.mode,
+            "device": {
+                "name": p.name, "source": p.source, "cpu": p.cpu, "ram_bytes": p.memory.ram_bytes,
+                "bytes_per_element": p.memory.bytes_per_element, "alignment_bytes": p.memory.alignment_bytes,
+                "storage_kind": p.storage.kind, "storage_capacity_bytes": p.storage.capacity_bytes,
+                "erase_block_bytes": p.storage.erase_block_bytes, "endurance_cycles": p.storage.endurance_cycles,
+            },
+            "graph": {"name": self.graph.name, "nodes": nodes},
+            "budgets": {
+                "ram_bytes": int(self.budgets.ram_bytes),
+                # null: no runtime limit (JSON has no infinity)
+                "runtime_s": float(self.budgets.runtime_s) if math.isfinite(self.budgets.runtime_s) else None,
+                "storage_bytes": int(self.budgets.storage_bytes),
+            },
+            "steps": self.steps,
+            "totals": self.totals,
+            "memory": self.memory(),
+            "plain": self.plain,
+            "solver": self.solver,
+        }

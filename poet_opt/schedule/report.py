@@ -1,0 +1,97 @@
+"""Human-readable and JSON summaries of a schedule."""
+
+from __future__ import annotations
+
+import math
+
+from poet_opt.schedule.document import Schedule
+from poet_opt.units import format_bytes, format_joules, format_seconds
+
+
+def summary_dict(s: Schedule) -> dict:
+    t, plain, mem = s.totals, s.plain, s.memory()
+    names = [n.name for n in s.graph.nodes]
+    runtime_budget = s.budgets.runtime_s if math.isfinite(s.budgets.runtime_s) else None
+    return {
+        "model": s.model,
+        "device": s.profile.name,
+        "mode": s.mode,
+        "budgets": {"ram_bytes": int(s.budgets.ram_bytes), "runtime_s": runtime_budget},
+        "totals": t,
+        "plain": plain,
+        "energy_vs_plain": _ratio(t["energy_j"], plain["energy_j"], None),
+        "runtime_vs_plain": _ratio(t["runtime_s"], plain["runtime_s"], None),
+        "memory": mem,
+        "recomputed": [names[i] for i in s.recomputed_nodes()],
+        "paged": [names[i] for i in s.paged_nodes()],
+        "solver": s.solver,
+        "lower_bound": _lower_bound(s),
+    }
+
+
+def _lower_bound(s: Schedule) -> dict:
+    """How far the schedule can be from the best one: the solver's proven bound (its dual bound, at
+    least the LP relaxation once the root is solved, and never below plain training) and the
+    plain-training floor itself."""
+    energy, bound = s.totals["energy_j"], s.solver.get("bound")
+    floor = s.solver.get("plain_floor_j", s.plain["energy_j"])
+    return {"energy_j": energy, "bound_j": bound, "gap": s.solver.get("gap"), "plain_floor_j": floor,
+            "above_floor": _ratio(energy - floor, energy, None)}
+
+
+def summary_text(s: Schedule) -> str:
+    t, plain, mem, solver = s.totals, s.plain, s.memory(), s.solver
+    names = [n.name for n in s.graph.nodes]
+    lines = []
+    lines.append(f"{s.model} on {s.profile.name} ({s.profile.cpu}), mode {s.mode}: "
+                 f"{len(s.graph)} nodes, {len(s.steps)} steps")
+    ratio = _ratio(t["energy_j"], plain["energy_j"])
+    lines.append(f"  energy   {format_joules(t['energy_j'])} ({ratio:.3f}x plain training's "
+                 f"{format_joules(plain['energy_j'])}): compute {format_joules(t['compute_j'])}, "
+                 f"page-in {format_joules(t['page_in_j'])}, page-out {format_joules(t['page_out_j'])}")
+    budget = s.budgets.runtime_s
+    budget_text = "no limit" if not math.isfinite(budget) else f"budget {format_seconds(budget)}"
+    lines.append(f"  runtime  {format_seconds(t['runtime_s'])} ({_ratio(t['runtime_s'], plain['runtime_s']):.3f}x plain), "
+                 f"{budget_text}")
+    lines.append(f"  RAM      peak {format_bytes(t['peak_ram_bytes'])} of budget {format_bytes(s.budgets.ram_bytes)} "
+                 f"(plain training peaks at {format_bytes(plain['peak_ram_bytes'])})")
+    state = mem.get("optimizer_state_bytes") or 0
+    state_text = f" (with optimizer state {format_bytes(state)})" if state else ""
+    lines.append(f"  params   weights {format_bytes(mem['param_bytes'])}{state_text} + weight gradients "
+                 f"{format_bytes(mem['param_grad_bytes'])} + working peak = {format_bytes(mem['total_bytes'])} "
+                 f"of the device's {format_bytes(mem['device_ram_bytes'])}")
+    if not mem["fits_device"]:
+        lines.append(f"  WARNING  parameters plus working memory ({format_bytes(mem['total_bytes'])}) exceed "
+                     f"the device's RAM ({format_bytes(mem['device_ram_bytes'])}): train fewer layers or page weights")
+    rec, paged = s.recomputed_nodes(), s.paged_nodes()
+    lines.append(f"  remat    {_count(t['recomputes'], 'recomputation')} of {_count(len(rec), 'node')}"
+                 f"{_names(names, rec)}")
+    lines.append(f"  paging   {_count(t['page_outs'], 'page-out')}, {_count(t['page_ins'], 'page-in')} "
+                 f"({format_bytes(t['storage_bytes'])} on {s.profile.storage.kind}){_names(names, paged)}")
+    low = _lower_bound(s)
+    gap_text = "-" if low["gap"] is None else f"{100 * low['gap']:.3g}%"
+    bound_text = "-" if low["bound_j"] is None else format_joules(low["bound_j"])
+    lines.append(f"  bound    energy {format_joules(low['energy_j'])}, bound {bound_text} (gap {gap_text}), "
+                 f"plain-training floor {format_joules(low['plain_floor_j'])}")
+    lines.append(f"  solver   {solver['backend']} {solver['status']}, "
+                 f"build {solver['build_s']:.2f} s, solve {solver['solve_s']:.2f} s "
+                 + (f"({solver['variables']} variables, {solver['constraints']} constraints)"
+                    if solver.get("variables") is not None else f"(full MILP {solver.get('full_milp')})"))
+    return "\n".join(lines)
+
+
+def _names(names: list[str], ids: list[int], limit: int = 8) -> str:
+    if not ids:
+        return ""
+    shown = ", ".join(names[i] for i in ids[:limit])
+    more = f", +{len(ids) - limit} more" if len(ids) > limit else ""
+    return f": {shown}{more}"
+
+
+def _ratio(value: float, reference: float, empty=float("nan")):
+    """value / reference; a graph whose nodes all cost nothing has no meaningful ratio."""
+    return value / reference if reference else empty
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -1,0 +1,258 @@
+"""Independent validator for `poet-opt/schedule@1` files (contract: docs/schedule-format.md).
+
+It replays the steps from scratch and shares no code with the graph, cost model or solver (only
+the error type), so a bug there cannot vouch for itself by being repeated here. Two kinds of failure:
+a document that is not a readable schedule raises PoetError (exit 2); a schedule that breaks a
+rule, a budget or its own totals raises ScheduleInvalid (exit 1) naming the first violation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from poet_opt.errors import PoetError
+
+FORMAT = "poet-opt/schedule@1"
+OPS = ("compute", "page_out", "page_in", "free")
+COST_KEYS = ("compute_s", "compute_j", "page_out_s", "page_out_j", "page_in_s", "page_in_j")
+BUDGET_KEYS = ("ram_bytes", "runtime_s", "storage_bytes")
+# Same order as the docs; True marks the integer counts, which must match exactly.
+TOTAL_KEYS = {
+    "energy_j": False, "compute_j": False, "page_in_j": False, "page_out_j": False, "runtime_s": False,
+    "peak_ram_bytes": True, "storage_bytes": True, "computes": True, "recomputes": True,
+    "page_ins": True, "page_outs": True,
+}
+MEMORY_KEYS = ("param_bytes", "param_grad_bytes", "working_peak_bytes", "total_bytes")
+REL_TOL, ABS_TOL = 1e-6, 1e-12
+# Solvers hit the runtime budget with equality; this absorbs their floating-point noise.
+RUNTIME_SLACK = 1e-9
+
+
+class ScheduleInvalid(PoetError):
+    """A well-formed schedule that breaks a replay rule, a budget, or its own reported totals."""
+
+    exit_code = 1
+
+
+def _number(value, where: str, source, *, integer=False, signed=False):
+    kind = "integer" if integer else "number"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if ok and not signed:
+        ok = value >= 0
+    if not ok:
+        need = kind if signed else f"non-negative {kind}"
+        raise PoetError(f"{where} is {value!r}; expected a {need}", source=source)
+    return int(value) if integer else float(value)
+
+
+def _section(doc: dict, key: str, kind: type, source):
+    if key not in doc:
+        raise PoetError(f"the schedule has no {key!r} section", source=source)
+    if not isinstance(doc[key], kind):
+        raise PoetError(f"{key} is a {type(doc[key]).__name__}; expected a JSON {kind.__name__}", source=source)
+    return doc[key]
+
+
+def _read_plan(doc, source) -> dict:
+    """Check the parts a replay needs (format, graph, budgets, steps); PoetError if they are not a schedule."""
+    if not isinstance(doc, dict):
+        raise PoetError(f"not a poet-opt schedule: expected a JSON object, got a {type(doc).__name__}", source=source)
+    fmt = doc.get("format")
+    if fmt != FORMAT:
+        version = re.fullmatch(r"poet-opt/schedule@(.*)", fmt) if isinstance(fmt, str) else None
+        if "format" not in doc:
+            problem = "not a poet-opt schedule: it has no 'format' field"
+        elif version:
+            problem = f"format {fmt!r} is schedule version {version[1]!r}, which this poet-opt cannot read"
+        else:
+            problem = f"not a poet-opt schedule: format is {fmt!r}"
+        raise PoetError(f"{problem}; the supported format is {FORMAT!r}", source=source)
+
+    nodes = _section(doc, "graph", dict, source).get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise PoetError("graph.nodes must be a non-empty list of nodes", source=source)
+    names, size, deps, cost = [], [], [], {k: [] for k in COST_KEYS}
+    for i, node in enumerate(nodes):
+        where = f"graph.nodes[{i}]"
+        if not isinstance(node, dict):
+            raise PoetError(f"{where} is not a JSON object", source=source)
+        if node.get("id") != i or isinstance(node.get("id"), bool):
+            raise PoetError(f"{where} has id {node.get('id')!r}; nodes must be listed in topological order "
+                            f"with id equal to their index", source=source)
+        if not isinstance(node.get("name"), str):
+            raise PoetError(f"{where}.name is {node.get('name')!r}; expected a string", source=source)
+        names.append(node["name"])
+        where = f"node {i} {node['name']!r}"
+        size.append(_number(node.get("bytes"), f"{where}: bytes", source, integer=True))
+        for key in COST_KEYS:
+            cost[key].append(_number(node.get(key), f"{where}: {key}", source))
+        node_deps = node.get("deps")
+        if not isinstance(node_deps, list):
+            raise PoetError(f"{where}: deps is {node_deps!r}; expected a list of node ids", source=source)
+        for d in node_deps:
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise PoetError(f"{where}: deps contains {d!r}; expected node ids", source=source)
+            if d >= i:
+                raise PoetError(f"{where} depends on node {d}; the graph is not in topological order "
+                                f"(every dep must be smaller than the node's id)", source=source)
+        deps.append(tuple(node_deps))
+
+    budgets = _section(doc, "budgets", dict, source)
+    for key in BUDGET_KEYS:
+        if key not in budgets:
+            raise PoetError(f"budgets has no {key!r}", source=source)
+    # null: no such budget was set (e.g. no runtime limit), so there is nothing to enforce.
+    limits = {k: None if budgets[k] is None else _number(budgets[k], f"budgets.{k}", source) for k in BUDGET_KEYS}
+
+    steps = []
+    for k, step in enumerate(_section(doc, "steps", list, source)):
+        if not isinstance(step, dict) or "op" not in step or "node" not in step:
+            raise PoetError(f"step {k} is {step!r}; expected {{\"op\": ..., \"node\": id}}", source=source)
+        op, n = step["op"], step["node"]
+        if op not in OPS:
+            raise PoetError(f"step {k} has unknown op {op!r}; expected one of {', '.join(OPS)}", source=source)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < len(nodes):
+            raise PoetError(f"step {k} ({op}) refers to node {n!r}, but the graph has nodes 0..{len(nodes) - 1}",
+                            source=source)
+        steps.append((op, n))
+    return {"names": names, "size": size, "deps": deps, "cost": cost, "limits": limits, "steps": steps}
+
+
+def _read_reported(doc: dict, source) -> tuple[dict, dict | None]:
+    totals = _section(doc, "totals", dict, source)
+    reported = {}
+    for key, integer in TOTAL_KEYS.items():
+        if key not in totals:
+            raise PoetError(f"totals has no {key!r}", source=source)
+        reported[key] = _number(totals[key], f"totals.{key}", source, integer=integer, signed=True)
+    if "memory" not in doc:
+        return reported, None
+    memory = _section(doc, "memory", dict, source)
+    for key in MEMORY_KEYS:
+        if key not in memory:
+            raise PoetError(f"memory has no {key!r}", source=source)
+    return reported, {k: _number(memory[k], f"memory.{k}", source, integer=True, signed=True) for k in MEMORY_KEYS}
+
+
+def _b(x) -> str:
+    return f"{int(x):,} B" if float(x).is_integer() else f"{x:,.1f} B"
+
+
+def _replay(plan: dict, source) -> dict:
+    names, size, deps, cost, limits = (plan[k] for k in ("names", "size", "deps", "cost", "limits"))
+    resident: set[int] = set()
+    stored: set[int] = set()
+    ram = storage = peak = 0
+    spent = {k: [] for k in COST_KEYS}  # per-step amounts, summed with fsum at the end
+    counts = dict.fromkeys(OPS, 0)
+    computed = [False] * len(names)
+
+    for k, (op, n) in enumerate(plan["steps"]):
+        def invalid(what: str):
+            return ScheduleInvalid(f"step {k} ({op} node {n} {names[n]!r}): {what}", source=source)
+
+        if op == "compute":
+            for d in deps[n]:
+                if d not in resident:
+                    raise invalid(f"input {d} {names[d]!r} is not resident")
+            if n in resident:
+                raise invalid("the node is already resident; free it before computing it again")
+            computed[n] = True
+        elif op == "page_in":
+            if n not in stored:
+                raise invalid("the node is not on storage (it was never paged out)")
+            if n in resident:
+                raise invalid("the node is already resident")
+        elif n not in resident:  # page_out, free
+            raise invalid("the node is not resident")
+
+        counts[op] += 1
+        if op in ("compute", "page_in"):
+            resident.add(n)
+            ram += size[n]
+            peak = max(peak, ram)
+            if limits["ram_bytes"] is not None and ram > limits["ram_bytes"]:
+                raise invalid(f"RAM in use {_b(ram)} exceeds the budget ram_bytes {_b(limits['ram_bytes'])}")
+        elif op == "free":
+            resident.discard(n)
+            ram -= size[n]
+        elif n not in stored:  # page_out: a tensor paged out again reuses its storage copy
+            stored.add(n)
+            storage += size[n]
+            if limits["storage_bytes"] is not None and storage > limits["storage_bytes"]:
+                raise invalid(f"storage in use {_b(storage)} exceeds the budget storage_bytes "
+                              f"{_b(limits['storage_bytes'])}")
+        if op != "free":
+            spent[f"{op}_s"].append(cost[f"{op}_s"][n])
+            spent[f"{op}_j"].append(cost[f"{op}_j"][n])
+
+    for n, done in enumerate(computed):
+        if not done:
+            raise ScheduleInvalid(f"node {n} {names[n]!r} is never computed", source=source)
+    runtime = math.fsum(spent["compute_s"] + spent["page_in_s"] + spent["page_out_s"])
+    if limits["runtime_s"] is not None and runtime > limits["runtime_s"] * (1 + RUNTIME_SLACK):
+        raise ScheduleInvalid(f"runtime {runtime:.12g} s (sum of all steps) exceeds the budget runtime_s "
+                              f"{limits['runtime_s']:.12g} s", source=source)
+    return {
+        "energy_j": math.fsum(spent["compute_j"] + spent["page_in_j"] + spent["page_out_j"]),
+        "compute_j": math.fsum(spent["compute_j"]),
+        "page_in_j": math.fsum(spent["page_in_j"]),
+        "page_out_j": math.fsum(spent["page_out_j"]),
+        "runtime_s": runtime,
+        "peak_ram_bytes": peak,
+        "storage_bytes": storage,
+        "computes": counts["compute"],
+        "recomputes": counts["compute"] - len(names),
+        "page_ins": counts["page_in"],
+        "page_outs": counts["page_out"],
+    }
+
+
+def replay(doc: dict, *, source: str | None = None) -> dict:
+    """Replay the steps under the rules and budgets (not the reported totals); return the recomputed totals."""
+    return _replay(_read_plan(doc, source), source)
+
+
+def validate(doc: dict, *, source: str | None = None) -> dict:
+    """Check everything the format promises; return the recomputed totals, or raise on the first violation."""
+    plan = _read_plan(doc, source)
+    reported, memory = _read_reported(doc, source)
+    totals = _replay(plan, source)
+    for key, integer in TOTAL_KEYS.items():
+        got, want = reported[key], totals[key]
+        if integer and got != want:
+            raise ScheduleInvalid(f"totals.{key} is {got:,} but the steps give {want:,}", source=source)
+        if not integer and not math.isclose(got, want, rel_tol=REL_TOL, abs_tol=ABS_TOL):
+            raise ScheduleInvalid(f"totals.{key} is {got:.12g} but the steps add up to {want:.12g}", source=source)
+    if memory is not None:
+        if memory["working_peak_bytes"] != totals["peak_ram_bytes"]:
+            raise ScheduleInvalid(f"memory.working_peak_bytes is {_b(memory['working_peak_bytes'])} but the "
+                                  f"replayed peak RAM is {_b(totals['peak_ram_bytes'])}", source=source)
+        want = memory["param_bytes"] + memory["param_grad_bytes"] + memory["working_peak_bytes"]
+        if memory["total_bytes"] != want:
+            raise ScheduleInvalid(f"memory.total_bytes is {_b(memory['total_bytes'])} but param_bytes + "
+                                  f"param_grad_bytes + working_peak_bytes = {_b(want)}", source=source)
+    return totals
+
+
+def load_and_validate(path) -> tuple[dict, dict]:
+    """Read a schedule file and validate it; return (document, recomputed totals)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PoetError(f"cannot read the schedule: {exc.strerror or exc}", source=source) from None
+    except UnicodeDecodeError:
+        raise PoetError("not a schedule: the file is not UTF-8 text", source=source) from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PoetError(f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}", source=source) from None
+    except RecursionError:
+        raise PoetError("not valid JSON for a schedule: nested too deeply", source=source) from None
+    return doc, validate(doc, source=source)

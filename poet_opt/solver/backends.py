@@ -1,0 +1,281 @@
+"""MILP backends: HiGHS in-process through highspy (default), CBC or Gurobi through PuLP.
+
+Every backend takes the same bulk-built :class:`~poet_opt.solver.formulation.Milp` and returns a
+:class:`SolveResult`: the incumbent (if any), the proven bound, and a status that says why the
+search stopped. A time-out with an incumbent is a result, not an error.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import numpy as np
+
+from poet_opt.errors import PoetError
+from poet_opt.solver.formulation import Milp
+
+BACKENDS = ("highs", "cbc", "gurobi")
+
+
+@dataclass
+class Progress:
+    elapsed_s: float
+    incumbent: Optional[float]
+    bound: Optional[float]
+    gap: Optional[float]
+
+
+@dataclass
+class SolveResult:
+    status: str  # optimal | gap_limit | time_limit | interrupted | infeasible | no_solution | error
+    x: Optional[np.ndarray]
+    objective: Optional[float]
+    bound: Optional[float]
+    solve_s: float
+    backend: str
+
+    @property
+    def gap(self) -> Optional[float]:
+        return relative_gap(self.objective, self.bound)
+
+
+def relative_gap(objective: Optional[float], bound: Optional[float]) -> Optional[float]:
+    """(objective - bound) / |objective|, the gap reported everywhere; None when either is unknown."""
+    if objective is None or bound is None:
+        return None
+    if abs(objective) < 1e-12:
+        return 0.0
+    return max(0.0, (objective - bound) / abs(objective))
+
+
+@contextmanager
+def _interrupt_flag():
+    """Ctrl-C asks the solver to stop and keep its incumbent instead of killing the process."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        if flag.is_set():  # a second Ctrl-C means it
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        flag.set()
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float] = None,
+               gap: float = 1e-3, threads: Optional[int] = None,
+               progress: Optional[Callable[[Progress], None]] = None,
+               start: Optional[np.ndarray] = None) -> SolveResult:
+    if backend not in BACKENDS:
+        raise PoetError(f"unknown solver {backend!r}; choose one of {', '.join(BACKENDS)}", field="--solver")
+    # Energies in joules are tiny next to solver tolerances (HiGHS treats reduced costs under 1e-7
+    # as zero, and a microcontroller's recompute of a small node costs 1e-8 J): solve with the
+    # objective scaled to order one, and scale the answers back.
+    scale = 1.0 / max(abs(milp.offset), float(np.abs(milp.c).max(initial=0.0)), 1e-300)
+    scaled = replace(milp, c=milp.c * scale, offset=milp.offset * scale)
+    if progress is not None:
+        report = progress
+
+        def progress(p: Progress):
+            report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap))
+
+    if backend == "highs":
+        result = _solve_highs(scaled, time_limit, gap, threads, progress, start)
+    else:
+        result = _solve_pulp(scaled, backend, time_limit, gap, threads)
+    result.objective = _unscale(result.objective, scale)
+    result.bound = _unscale(result.bound, scale)
+    return result
+
+
+def _unscale(value: Optional[float], scale: float) -> Optional[float]:
+    return None if value is None else value / scale
+
+
+def highs_lp(milp: Milp, *, relax: bool = False):
+    """The MILP as a HiGHS model in one bulk hand-over (``relax``: integrality dropped, the LP
+    relaxation)."""
+    import highspy
+
+    inf = highspy.kHighsInf
+    A = milp.A.tocsc()
+    lp = highspy.HighsLp()
+    lp.num_col_ = milp.num_vars
+    lp.num_row_ = milp.num_rows
+    lp.col_cost_ = milp.c
+    lp.offset_ = milp.offset
+    lp.col_lower_ = np.where(np.isinf(milp.lb), -inf, milp.lb)
+    lp.col_upper_ = np.where(np.isinf(milp.ub), inf, milp.ub)
+    lp.row_lower_ = np.where(np.isinf(milp.row_lb), -inf, milp.row_lb)
+    lp.row_upper_ = np.where(np.isinf(milp.row_ub), inf, milp.row_ub)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = A.indptr.astype(np.int32)
+    lp.a_matrix_.index_ = A.indices.astype(np.int32)
+    lp.a_matrix_.value_ = A.data
+    lp.a_matrix_.num_col_ = milp.num_vars
+    lp.a_matrix_.num_row_ = milp.num_rows
+    if not relax:
+        lp.integrality_ = [highspy.HighsVarType.kInteger if v else highspy.HighsVarType.kContinuous
+                           for v in milp.integrality]
+    return lp
+
+
+def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult:
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", float(gap))
+    # HiGHS's default absolute gap (1e-6) is a large fraction of a millijoule-scale objective on
+    # a microcontroller; only the relative gap the user asked for should stop the search.
+    h.setOptionValue("mip_abs_gap", 0.0)
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(time_limit))
+    if threads:
+        h.setOptionValue("threads", int(threads))
+
+    h.passModel(highs_lp(milp))
+    if start is not None:
+        idx = np.arange(milp.num_vars, dtype=np.int32)
+        h.setSolution(milp.num_vars, idx, np.asarray(start, dtype=float))
+
+    started = time.perf_counter()
+    with _interrupt_flag() as stop:
+        last_report = [0.0]
+
+        def on_interrupt(event):
+            out = event.data_out
+            if stop.is_set():
+                event.data_in.user_interrupt = True
+            if progress is not None:
+                now = time.perf_counter() - started
+                if now - last_report[0] >= 1.0:
+                    last_report[0] = now
+                    inc = out.mip_primal_bound if abs(out.mip_primal_bound) < 1e300 else None
+                    bnd = out.mip_dual_bound if abs(out.mip_dual_bound) < 1e300 else None
+                    g = out.mip_gap if inc is not None and math.isfinite(out.mip_gap) else None
+                    progress(Progress(now, inc, bnd, g))
+
+        h.cbMipInterrupt.subscribe(on_interrupt)
+        h.run()
+        interrupted = stop.is_set()
+    solve_s = time.perf_counter() - started
+
+    status = h.getModelStatus()
+    info = h.getInfo()
+    ms = highspy.HighsModelStatus
+    has_solution = info.primal_solution_status == 2
+    x = np.array(h.getSolution().col_value) if has_solution else None
+    objective = info.objective_function_value if has_solution else None
+    bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) and abs(info.mip_dual_bound) < 1e300 else None
+    if status == ms.kOptimal:
+        if bound is None:
+            bound = objective
+        # HiGHS calls a solve stopped by the relative-gap criterion "optimal"; say which it was.
+        closed = objective is None or objective - bound <= 1e-9 * max(1.0, abs(objective))
+        name = "optimal" if closed else "gap_limit"
+    elif status in (ms.kInfeasible,):
+        name = "infeasible"
+    elif status == ms.kInterrupt or interrupted:
+        name = "interrupted"
+    elif status in (ms.kTimeLimit, ms.kIterationLimit, ms.kSolutionLimit):
+        name = "time_limit"
+    else:
+        name = "error"
+    if name not in ("optimal", "infeasible") and x is None:
+        name = "no_solution" if name in ("time_limit", "interrupted") else name
+    return SolveResult(name, x, objective, bound, solve_s, "highs")
+
+
+def _solve_pulp(milp, backend, time_limit, gap, threads) -> SolveResult:
+    # pulp 3.x warns about APIs that change in 4.0; the dependency is pinned below 4.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve_pulp_model(milp, backend, time_limit, gap, threads)
+
+
+def _solve_pulp_model(milp, backend, time_limit, gap, threads) -> SolveResult:
+    import pulp
+
+    prob = pulp.LpProblem("poet", pulp.LpMinimize)
+    xs = [
+        pulp.LpVariable(f"x{j}", lowBound=None if math.isinf(lo) else lo, upBound=None if math.isinf(hi) else hi,
+                        cat=pulp.LpInteger if integer else pulp.LpContinuous)
+        for j, (lo, hi, integer) in enumerate(zip(milp.lb, milp.ub, milp.integrality))
+    ]
+    prob += pulp.LpAffineExpression([(xs[j], float(v)) for j, v in enumerate(milp.c) if v]) + milp.offset
+    A = milp.A.tocsr()
+    for r in range(milp.num_rows):
+        lo, hi = milp.row_lb[r], milp.row_ub[r]
+        cols = A.indices[A.indptr[r]:A.indptr[r + 1]]
+        vals = A.data[A.indptr[r]:A.indptr[r + 1]]
+        expr = pulp.LpAffineExpression([(xs[j], float(v)) for j, v in zip(cols, vals)])
+        if lo == hi:
+            prob += expr == float(lo)
+        else:
+            if not math.isinf(hi):
+                prob += expr <= float(hi)
+            if not math.isinf(lo):
+                prob += expr >= float(lo)
+
+    kwargs = {"msg": False, "gapRel": gap}
+    if time_limit is not None:
+        kwargs["timeLimit"] = time_limit
+    if threads:
+        kwargs["threads"] = threads
+    if backend == "cbc":
+        solver = pulp.PULP_CBC_CMD(**kwargs)
+    else:
+        solver = pulp.GUROBI(**kwargs) if _gurobi_python_available() else pulp.GUROBI_CMD(**kwargs)
+    if not solver.available():
+        raise PoetError(f"the {backend} solver is not available on this machine; use --solver highs",
+                        field="--solver")
+    started = time.perf_counter()
+    prob.solve(solver)
+    solve_s = time.perf_counter() - started
+    status = pulp.LpStatus[prob.status]
+    # PuLP leaves variables that appear in no row or objective term unset: any value in bounds will
+    # do, take the lower bound.
+    lower = np.where(np.isinf(milp.lb), 0.0, milp.lb)
+    values = np.array([lower[j] if v.varValue is None else v.varValue for j, v in enumerate(xs)], dtype=float)
+    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    objective = float(milp.c @ values + milp.offset) if has_solution else None
+    if status == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal:
+        return SolveResult("optimal", values, objective, objective, solve_s, backend)
+    if status == "Infeasible":
+        return SolveResult("infeasible", None, None, None, solve_s, backend)
+    if has_solution:
+        # PuLP does not expose CBC's bound; report the gap as unknown rather than invent one.
+        return SolveResult("time_limit", values, objective, None, solve_s, backend)
+    return SolveResult("no_solution", None, None, None, solve_s, backend)
+
+
+def _gurobi_python_available() -> bool:
+    try:
+        import gurobipy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def print_progress(p: Progress) -> None:
+    inc = "-" if p.incumbent is None else f"{p.incumbent:.6g} J"
+    bnd = "-" if p.bound is None else f"{p.bound:.6g} J"
+    gap = "-" if p.gap is None else f"{100 * p.gap:.2f}%"
+    print(f"  [{p.elapsed_s:6.1f}s] incumbent {inc}  bound {bnd}  gap {gap}", file=sys.stderr, flush=True)

@@ -1,0 +1,238 @@
+"""Quick schedules without a solver: starting points for the MILP and baselines to beat.
+
+Each returns formulation-style Decisions (or None when it cannot meet the budgets), so the same
+step builder, replay and validator apply to them as to the optimum.
+"""
+
+from __future__ import annotations
+
+from poet_opt.device.costs import NodeCosts
+from poet_opt.model.graph import TrainingGraph
+from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of
+from poet_opt.solver.baselines import dtr_decisions, sqrt_n_decisions, without_idle_keeps
+from poet_opt.solver.checkpointing import checkpoint_decisions
+
+
+def paging_decisions(graph: TrainingGraph, paged: set[int]) -> Decisions:
+    """Plain training, except that each tensor in `paged` is written out right after it is made
+    and read back in every stage that reads it, instead of being kept."""
+    last = graph.last_use()
+    users = graph.users()
+    keep = set()
+    page_in = set()
+    for i in range(len(graph)):
+        if i in paged:
+            page_in.update((t, i) for t in users[i])
+        else:
+            keep.update((t, i) for t in range(i + 1, last[i] + 1))
+    return Decisions(frozenset(), frozenset(page_in), frozenset(paged), frozenset(keep))
+
+
+def _peak_stage(graph: TrainingGraph, steps: list[dict]) -> tuple[int, set[int]]:
+    """Stage and resident set at the first moment RAM in use is at its peak."""
+    resident: set[int] = set()
+    first_done: set[int] = set()
+    live = peak = 0
+    at = (0, set())
+    for step in steps:
+        op, n = step["op"], step["node"]
+        stage = len(first_done)
+        if op in ("compute", "page_in"):
+            resident.add(n)
+            live += graph.nodes[n].bytes
+            if live > peak:
+                peak, at = live, (stage, set(resident))
+            if op == "compute":
+                first_done.add(n)
+        elif op == "free":
+            resident.discard(n)
+            live -= graph.nodes[n].bytes
+    return at
+
+
+def _relieve_peak(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, decisions_for, candidate,
+                  cost) -> Decisions | None:
+    """Shared greedy loop: from plain training, while RAM peaks over budget, move the largest
+    tensor that sits idle in the peak stage (and passes `candidate`, cheapest `cost` first on ties)
+    into the chosen set, then rebuild the plan with `decisions_for(chosen)`. Fails when the peak
+    stage holds nothing movable, or the plan breaks the runtime or storage budget."""
+    chosen: set[int] = set()
+    while True:
+        decisions = decisions_for(chosen)
+        steps = build_steps(graph, decisions)
+        totals = totals_of(graph, costs, steps)
+        if totals["peak_ram_bytes"] <= budgets.ram_bytes:
+            break
+        stage, resident = _peak_stage(graph, steps)
+        busy = set(graph.nodes[stage].deps) | {stage}
+        idle = [i for i in resident - busy - chosen if candidate(i)]
+        if not idle:
+            return None
+        chosen.add(max(idle, key=lambda i: (graph.nodes[i].bytes, -cost(i))))
+    if totals["runtime_s"] > budgets.runtime_s or totals["storage_bytes"] > budgets.storage_bytes:
+        return None
+    return decisions
+
+
+def greedy_paging(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Decisions | None:
+    """Page out the largest idle tensor at the RAM peak until the peak fits."""
+    return _relieve_peak(graph, costs, budgets, lambda paged: paging_decisions(graph, paged),
+                         candidate=lambda i: True, cost=lambda i: costs.page_out_j[i] + costs.page_in_j[i])
+
+
+def greedy_checkpointing(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Decisions | None:
+    """Drop the largest idle forward tensor at the RAM peak from the checkpoints until the peak fits."""
+    return _relieve_peak(graph, costs, budgets, lambda dropped: checkpoint_decisions(graph, dropped),
+                         candidate=lambda i: not graph.nodes[i].is_backward, cost=lambda i: costs.compute_j[i])
+
+
+REPLAYING_GREEDY_MAX_NODES = 600
+
+
+def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str) -> list[Decisions]:
+    """Heuristic schedules valid for this mode and these budgets, cheapest first."""
+    found = []
+    plain = plain_decisions(graph)
+    if graph.plain_peak_bytes() <= budgets.ram_bytes:
+        found.append(plain)
+    else:
+        if mode != "none":
+            found.append(gap_plan(graph, costs, budgets, allow_paging=mode in ("joint", "paging"),
+                                  allow_remat=mode in ("joint", "remat")))
+        # The replaying greedy loops re-run the whole plan per step (their keep sets grow with the
+        # square of the graph): minutes at 1000 nodes, where gap_plan alone takes seconds.
+        small = len(graph) <= REPLAYING_GREEDY_MAX_NODES
+        if mode in ("joint", "paging") and small:
+            found.append(greedy_paging(graph, costs, budgets))
+        if mode in ("joint", "remat"):
+            if small:
+                found.append(greedy_checkpointing(graph, costs, budgets))
+            found += _fitting_baselines(graph, costs, budgets)
+        found = [d for d in found if d is not None]
+
+    def energy(d):
+        return totals_of(graph, costs, build_steps(graph, d))["energy_j"]
+
+    return sorted(found, key=energy)
+
+
+def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> list[Decisions]:
+    """The DTR and sqrt(n) baselines' plans where they fit: the benchmark showed a time-limited
+    solve ending above DTR's energy when the greedy starts were worse than it, and the solver
+    must never lose to a baseline it could have started from."""
+    plans = [sqrt_n_decisions(graph), dtr_decisions(graph, costs, budgets.ram_bytes)]
+    fitting = []
+    for d in plans:
+        if d is None:
+            continue
+        d = without_idle_keeps(graph, d)
+        totals = totals_of(graph, costs, build_steps(graph, d))
+        if totals["peak_ram_bytes"] <= budgets.ram_bytes and totals["runtime_s"] <= budgets.runtime_s:
+            fitting.append(d)
+    return fitting
+
+
+def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_paging: bool = True,
+             allow_remat: bool = True) -> Decisions | None:
+    """Plain training, except that a tensor may leave RAM in a *gap* between two stages that touch
+    it (make or read it), and come back for the stage after the gap: paged in (it is paged out once,
+    right after it is made), or recomputed there when it is a forward node whose inputs are all in
+    RAM in that stage anyway (they are then pinned there). While RAM peaks over budget, drop the gap
+    over the peak stage that frees the most bytes per joule, by its cheaper way back; then put back,
+    dearest first, every dropped gap that still fits.
+
+    Finer than greedy_paging (which pages a tensor in for every reader, even the forward reader right
+    after it) and fast at any size: recomputed nodes only read resident inputs, so RAM in use within
+    a stage peaks when its own node runs, and the plan's peak is the largest per-stage sum of resident
+    tensors, kept in one array and updated per dropped gap. The plan is replayed once at the end, so a
+    mismatch fails safely (None)."""
+    import numpy as np
+
+    nodes, T = graph.nodes, len(graph)
+    size = np.array([n.bytes for n in nodes], dtype=np.int64)
+    users, last = graph.users(), graph.last_use()
+    live = np.zeros(T + 1, dtype=np.int64)
+    owner, gap_a, gap_b = [], [], []
+    for i in range(T):
+        live[i] += size[i]
+        live[last[i] + 1] -= size[i]
+        touches = sorted({i, *users[i]})
+        for a, b in zip(touches, touches[1:]):
+            if b - a >= 2 and size[i] > 0:  # a gap with stages inside it
+                owner.append(i), gap_a.append(a), gap_b.append(b)
+    live = np.cumsum(live)[:T]
+    if live.max(initial=0) <= budgets.ram_bytes:
+        return plain_decisions(graph)
+    owner, gap_a, gap_b = np.array(owner, dtype=np.int64), np.array(gap_a), np.array(gap_b)
+    n_gaps = len(owner)
+    how = np.zeros(n_gaps, dtype=np.int8)  # 0 kept, 1 paged in after the gap, 2 recomputed after it
+    paged_out = np.zeros(T, dtype=bool)
+    gap_bytes = size[owner].astype(float)
+    page_in_j, page_out_j = costs.page_in_j[owner], costs.page_out_j[owner]
+    away: dict[int, list[tuple[int, int]]] = {}  # tensor -> dropped gaps (a, b)
+    pins: dict[int, list[int]] = {}  # tensor -> stages in which a recomputation reads it
+
+    def resident(d, t):
+        return d <= t <= last[d] and not any(a < t < b for a, b in away.get(d, ()))
+
+    def recomputable(i, b):
+        return (allow_remat and not nodes[i].is_backward
+                and all(resident(d, b) for d in nodes[i].deps))
+
+    while True:
+        t = int(np.argmax(live))
+        if live[t] <= budgets.ram_bytes:
+            break
+        cand = np.flatnonzero((how == 0) & (gap_a < t) & (t < gap_b))
+        best = None
+        for g in cand.tolist():
+            i, a, b = int(owner[g]), int(gap_a[g]), int(gap_b[g])
+            if any(a < p < b for p in pins.get(i, ())):
+                continue
+            options = []
+            if allow_paging:
+                options.append((page_in_j[g] + (0.0 if paged_out[i] else page_out_j[g]), 1))
+            if recomputable(i, b):
+                options.append((float(costs.compute_j[i]), 2))
+            for joules, way in options:
+                score = (gap_bytes[g] / joules if joules > 0 else np.inf, gap_bytes[g])
+                if best is None or score > best[0]:
+                    best = (score, g, way)
+        if best is None:
+            return None
+        _, g, way = best
+        i, a, b = int(owner[g]), int(gap_a[g]), int(gap_b[g])
+        how[g] = way
+        away.setdefault(i, []).append((a, b))
+        if way == 1:
+            paged_out[i] = True
+        else:
+            for d in nodes[i].deps:
+                pins.setdefault(d, []).append(b)
+        live[a + 1:b] -= size[i]
+    # Undo drops the budget no longer needs, dearest first.
+    dropped = np.flatnonzero(how > 0).tolist()
+    dearest = sorted(dropped, key=lambda g: -(page_in_j[g] if how[g] == 1 else costs.compute_j[owner[g]]))
+    for g in dearest:
+        a, b, i = int(gap_a[g]), int(gap_b[g]), int(owner[g])
+        if live[a + 1:b].max(initial=0) + size[i] <= budgets.ram_bytes:
+            how[g] = 0
+            away[i].remove((a, b))
+            live[a + 1:b] += size[i]
+    keep, page_in, recompute, page_out = set(), set(), set(), set()
+    for g in np.flatnonzero(how > 0).tolist():
+        i, b = int(owner[g]), int(gap_b[g])
+        if how[g] == 1:
+            page_in.add((b, i))
+            page_out.add(i)
+        else:
+            recompute.add((b, i))
+    for i in range(T):
+        gone = {t for a, b in away.get(i, ()) for t in range(a + 1, b + 1)}
+        keep.update((t, i) for t in range(i + 1, last[i] + 1) if t not in gone)
+    decisions = Decisions(frozenset(recompute), frozenset(page_in), frozenset(page_out), frozenset(keep))
+    totals = totals_of(graph, costs, build_steps(graph, decisions))
+    if (totals["peak_ram_bytes"] > budgets.ram_bytes or totals["runtime_s"] > budgets.runtime_s
+            or totals["storage_bytes"] > budgets.storage_bytes):
+        return None
+    return decisions
