@@ -1,0 +1,225 @@
+/* poet_kernels: reference fp32 kernels, forward and backward, for training on a microcontroller.
+ *
+ * Freestanding C99 for bare-metal targets (Cortex-M4F first): no libc, no libm, no malloc. A
+ * generated training step places every tensor in one static arena and hands the kernels pointers
+ * into it, so no kernel allocates, and the few per-channel statistics a backward pass needs are
+ * written to caller buffers.
+ *
+ * Layout. Tensors are dense, row-major, batch first; images are NCHW. Parameters keep PyTorch's
+ * layout (conv weight [c_out][c_in/groups][k_h][k_w], linear weight [out][in]), so each parameter
+ * and each gradient maps 1:1 onto a tensor of `named_parameters()` and can be loaded or checked
+ * without reshuffling. Sizes are uint32_t element counts, and index arithmetic is 32-bit: every
+ * tensor holds fewer than 2^32 elements, as any microcontroller's does.
+ *
+ * Gradients ACCUMULATE. Every backward kernel adds into its outputs (dx += ..., gw += ...):
+ *   - an activation used by several operators (a residual branch, x + x) receives one contribution
+ *     per user, and the sum is its gradient without a separate add node;
+ *   - weight and bias gradients can be built up over tiles or micro-batches.
+ * The caller zeroes each gradient buffer once (poet_zero) before its first contribution. Where one
+ * kernel yields several gradients (weight and bias, a norm's dx, dgamma and dbeta, add's two
+ * inputs), a NULL pointer skips the one not needed: a layer without bias, a network input's dx.
+ *
+ * Aliasing. Elementwise forwards (copy, add, relu, relu6, gelu, softmax) may write in place
+ * (y == x, or y == a or b for add); every other kernel needs its outputs disjoint from its inputs.
+ * A backward that reads the forward's input (gelu, max pooling, norms, conv, linear, matmul)
+ * needs that input intact, so it must not have been overwritten in place.
+ *
+ * Numerics. Arithmetic is float throughout (a double on an M4 is a slow software call). Dot
+ * products and reductions run in a register and touch their destination once, which keeps the
+ * rounding of long sums down. Every kernel agrees with PyTorch autograd in float64 on the same
+ * inputs to within 1e-6 of the output's largest magnitude (tests/test_kernels.py).
+ */
+#ifndef POET_KERNELS_H
+#define POET_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- maths (poet_math.c): libm's float functions with C99's special values. expf, logf and erff
+ * are within 1 ulp of the exact result; expm1f, log1pf and erfcf within 3, as glibc's are. ---- */
+
+float poet_expf(float x);
+float poet_expm1f(float x); /* exp(x) - 1, accurate near 0 */
+float poet_logf(float x);
+float poet_log1pf(float x); /* log(1 + x), accurate near 0 */
+/* correctly rounded; the FPU's vsqrt.f32 where there is one, integer arithmetic elsewhere
+ * (Cortex-M0+), or always when built with -DPOET_SOFT_SQRT */
+float poet_sqrtf(float x);
+float poet_erff(float x);
+float poet_erfcf(float x);  /* 1 - erf(x) without the cancellation, for GELU's negative side */
+
+/* ---- buffers (poet_kernels_basic.c) ---- */
+
+void poet_zero(float *x, uint32_t n);
+/* flatten/reshape forward when the arena holds the view in a separate slot */
+void poet_copy(float *y, const float *x, uint32_t n);
+/* dst += src: flatten/reshape backward, and any gradient that passes through unchanged */
+void poet_accumulate(float *dst, const float *src, uint32_t n);
+
+/* ---- elementwise (poet_kernels_basic.c) ---- */
+
+void poet_add_forward(float *y, const float *a, const float *b, uint32_t n);
+/* da += dy, db += dy; da == db (y = x + x) gets both contributions */
+void poet_add_backward(float *da, float *db, const float *dy, uint32_t n);
+
+/* ReLU and ReLU6 propagate NaN like torch. Their backward takes either the forward's input or its
+ * output as `t`: both give the same mask (dy passes where 0 < t, and t < 6 for ReLU6), so a
+ * schedule may keep whichever tensor it already holds. */
+void poet_relu_forward(float *y, const float *x, uint32_t n);
+void poet_relu_backward(float *dx, const float *dy, const float *t, uint32_t n);
+void poet_relu6_forward(float *y, const float *x, uint32_t n);
+void poet_relu6_backward(float *dx, const float *dy, const float *t, uint32_t n);
+/* exact GELU, x * Phi(x), as torch.nn.GELU(); the backward reads the forward's INPUT x */
+void poet_gelu_forward(float *y, const float *x, uint32_t n);
+void poet_gelu_backward(float *dx, const float *dy, const float *x, uint32_t n);
+
+/* ---- dense layers (poet_kernels_basic.c) ---- */
+
+/* y[rows][out] = x[rows][in] W^T + b, W [out][in] as nn.Linear; b may be NULL. Leading dimensions
+ * of a 3-D input (batch, sequence) fold into rows. */
+void poet_linear_forward(float *y, const float *x, const float *w, const float *b, uint32_t rows,
+                         uint32_t in, uint32_t out);
+/* dx += dy W */
+void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
+                                uint32_t out);
+/* gw += dy^T x, gb += column sums of dy (gb may be NULL) */
+void poet_linear_backward_params(float *gw, float *gb, const float *dy, const float *x, uint32_t rows,
+                                 uint32_t in, uint32_t out);
+
+/* c[batch][m][n] = a[batch][m][k] b[batch][k][n]; both operands carry the batch dimension */
+void poet_matmul_forward(float *c, const float *a, const float *b, uint32_t batch, uint32_t m, uint32_t k,
+                         uint32_t n);
+/* da += dc b^T */
+void poet_matmul_backward_a(float *da, const float *dc, const float *b, uint32_t batch, uint32_t m,
+                            uint32_t k, uint32_t n);
+/* db += a^T dc */
+void poet_matmul_backward_b(float *db, const float *a, const float *dc, uint32_t batch, uint32_t m,
+                            uint32_t k, uint32_t n);
+
+/* softmax over the last dimension d of x[rows][d]; the backward reads the forward's OUTPUT y */
+void poet_softmax_forward(float *y, const float *x, uint32_t rows, uint32_t d);
+void poet_softmax_backward(float *dx, const float *dy, const float *y, uint32_t rows, uint32_t d);
+
+/* ---- loss and optimiser (poet_kernels_basic.c) ---- */
+
+/* Mean softmax cross-entropy of logits[batch][classes] against class indices, as
+ * nn.CrossEntropyLoss(). Targets are int32: PyTorch's int64 labels narrow losslessly (a class index
+ * is far below 2^31), and int32 halves their arena slot. A target outside [0, classes), such as
+ * torch's ignore_index -100, contributes nothing and is left out of the mean, as torch does for
+ * ignore_index (torch raises on other out-of-range targets; a microcontroller cannot, and must not
+ * read outside the row). All rows ignored gives NaN, as in torch. */
+void poet_cross_entropy_forward(float *loss, const float *logits, const int32_t *target, uint32_t batch,
+                                uint32_t classes);
+/* dlogits += (softmax(logits) - onehot(target)) / (rows counted); the loss is the root, dloss = 1 */
+void poet_cross_entropy_backward(float *dlogits, const float *logits, const int32_t *target, uint32_t batch,
+                                 uint32_t classes);
+
+/* w -= lr * g, as torch.optim.SGD without momentum or weight decay */
+void poet_sgd_step(float *w, const float *g, uint32_t n, float lr);
+
+/* torch.optim.Adam without weight decay or amsgrad. The betas are taken as given in float: pass
+ * the float32 values (0.9f, 0.999f) to torch too when comparing, since 1 - 0.999f differs from
+ * 1 - 0.999 at the 1e-5 level. */
+typedef struct {
+    float lr;    /* 1e-3 */
+    float beta1; /* 0.9 */
+    float beta2; /* 0.999 */
+    float eps;   /* 1e-8 */
+} poet_adam_config;
+
+/* One step over n weights; m, v (exp_avg, exp_avg_sq) start at zero and persist between steps.
+ * `step` counts from 1 and is this update's number, like torch's state["step"] after increment. */
+void poet_adam_step(float *w, float *m, float *v, const float *g, uint32_t n, const poet_adam_config *cfg,
+                    uint32_t step);
+
+/* ---- convolution and pooling (poet_kernels_conv.c) ---- */
+
+/* Geometry of nn.Conv2d with dilation 1 and zero padding. The output size is stored rather than
+ * derived so a generated step can keep each layer's shape in a static const table; check it once
+ * with poet_conv2d_shape_ok. */
+typedef struct {
+    uint32_t n;                  /* batch */
+    uint32_t c_in, h_in, w_in;   /* input [n][c_in][h_in][w_in] */
+    uint32_t c_out, h_out, w_out;/* output [n][c_out][h_out][w_out] */
+    uint32_t k_h, k_w;
+    uint32_t stride_h, stride_w;
+    uint32_t pad_h, pad_w;
+    uint32_t groups;             /* 1: dense; c_in: depthwise; divides c_in and c_out */
+} poet_conv2d_shape;
+
+/* 1 when every field is consistent (h_out = (h_in + 2 pad_h - k_h) / stride_h + 1, ...), else 0 */
+int poet_conv2d_shape_ok(const poet_conv2d_shape *s);
+
+/* w [c_out][c_in/groups][k_h][k_w]; b [c_out] or NULL */
+void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s);
+/* dx += conv2d's transpose of dy */
+void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s);
+/* gw += correlation of x with dy; gb += per-channel sums of dy (gb may be NULL) */
+void poet_conv2d_backward_params(float *gw, float *gb, const float *dy, const float *x,
+                                 const poet_conv2d_shape *s);
+
+/* Geometry of nn.MaxPool2d / nn.AvgPool2d with ceil_mode=False and dilation 1. As in torch, the
+ * padding is at most half the kernel, so every window holds at least one input element. */
+typedef struct {
+    uint32_t n, c;
+    uint32_t h_in, w_in;
+    uint32_t h_out, w_out;
+    uint32_t k_h, k_w;
+    uint32_t stride_h, stride_w;
+    uint32_t pad_h, pad_w;
+} poet_pool2d_shape;
+
+int poet_pool2d_shape_ok(const poet_pool2d_shape *s);
+
+/* Padding never wins a max. The backward reads the forward's INPUT x and routes each dy to the
+ * first maximum of its window in row-major scan order (torch's tie rule; a NaN counts as a max),
+ * which spares the arena an index tensor. */
+void poet_maxpool2d_forward(float *y, const float *x, const poet_pool2d_shape *s);
+void poet_maxpool2d_backward(float *dx, const float *dy, const float *x, const poet_pool2d_shape *s);
+/* count_include_pad=True (torch's default): every window divides by k_h * k_w */
+void poet_avgpool2d_forward(float *y, const float *x, const poet_pool2d_shape *s);
+void poet_avgpool2d_backward(float *dx, const float *dy, const poet_pool2d_shape *s);
+
+/* nn.AdaptiveAvgPool2d(1): x [planes][spatial] -> y [planes], planes = n * c, spatial = h * w */
+void poet_global_avgpool_forward(float *y, const float *x, uint32_t planes, uint32_t spatial);
+void poet_global_avgpool_backward(float *dx, const float *dy, uint32_t planes, uint32_t spatial);
+
+/* ---- normalisation (poet_kernels_norm.c) ---- */
+
+/* nn.BatchNorm1d/2d in training mode over x [n][c][spatial] (spatial = h * w, or 1) */
+typedef struct {
+    uint32_t n, c, spatial;
+    float eps;      /* torch default 1e-5 */
+    float momentum; /* torch default 0.1; only read when running statistics are given */
+} poet_batchnorm_shape;
+
+/* Normalises with the batch's mean and biased variance and saves mean[c] and invstd[c] =
+ * 1/sqrt(var + eps) for the backward. gamma and beta may be NULL (affine=False). running_mean and
+ * running_var may be NULL; when given they move by `momentum` towards the batch mean and the
+ * UNBIASED batch variance, as torch's running statistics do. */
+void poet_batchnorm_forward(float *y, float *mean, float *invstd, float *running_mean, float *running_var,
+                            const float *x, const float *gamma, const float *beta,
+                            const poet_batchnorm_shape *s);
+/* dx += ..., dgamma += sum(dy * xhat), dbeta += sum(dy), from the forward's INPUT x and its saved
+ * mean and invstd. Any of dx, dgamma, dbeta may be NULL; gamma NULL means 1. */
+void poet_batchnorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy, const float *x,
+                             const float *mean, const float *invstd, const float *gamma,
+                             const poet_batchnorm_shape *s);
+
+/* nn.LayerNorm(d) over the last d elements of x [rows][d]; mean[rows] and invstd[rows] saved as for
+ * batch norm; gamma/beta [d] may be NULL (elementwise_affine=False) */
+void poet_layernorm_forward(float *y, float *mean, float *invstd, const float *x, const float *gamma,
+                            const float *beta, uint32_t rows, uint32_t d, float eps);
+void poet_layernorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy, const float *x,
+                             const float *mean, const float *invstd, const float *gamma, uint32_t rows,
+                             uint32_t d);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* POET_KERNELS_H */

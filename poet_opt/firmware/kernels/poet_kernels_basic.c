@@ -1,0 +1,340 @@
+/* Buffers, elementwise operators, dense layers, softmax, the loss and the optimisers. */
+#include "poet_kernels.h"
+
+void poet_zero(float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        x[i] = 0.0f;
+}
+
+void poet_copy(float *y, const float *x, uint32_t n)
+{
+    uint32_t i;
+    if (y == x) /* a reshape in place: nothing to move */
+        return;
+    for (i = 0; i < n; ++i)
+        y[i] = x[i];
+}
+
+void poet_accumulate(float *dst, const float *src, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        dst[i] += src[i];
+}
+
+void poet_add_forward(float *y, const float *a, const float *b, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        y[i] = a[i] + b[i];
+}
+
+void poet_add_backward(float *da, float *db, const float *dy, uint32_t n)
+{
+    if (da)
+        poet_accumulate(da, dy, n);
+    if (db)
+        poet_accumulate(db, dy, n);
+}
+
+/* Comparisons are written so that NaN takes torch's branch: relu(NaN) = NaN, and the backward
+ * lets the gradient through a NaN, as threshold_backward's `t <= 0 ? 0 : dy` does. */
+void poet_relu_forward(float *y, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        y[i] = x[i] < 0.0f ? 0.0f : x[i];
+}
+
+void poet_relu_backward(float *dx, const float *dy, const float *t, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        if (!(t[i] <= 0.0f))
+            dx[i] += dy[i];
+}
+
+void poet_relu6_forward(float *y, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        y[i] = x[i] < 0.0f ? 0.0f : (x[i] > 6.0f ? 6.0f : x[i]);
+}
+
+/* hardtanh_backward's mask: the gradient stops at both clamps, including exactly 0 and 6 */
+void poet_relu6_backward(float *dx, const float *dy, const float *t, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        if (!(t[i] <= 0.0f || t[i] >= 6.0f))
+            dx[i] += dy[i];
+}
+
+#define POET_SQRT1_2 0.70710678118654752f
+#define POET_INV_SQRT_2PI 0.39894228040143268f
+
+/* Phi(x) = erfc(-x / sqrt 2) / 2 rather than (1 + erf(x / sqrt 2)) / 2: on the negative side the
+ * latter cancels to a few correct bits by x = -5, where erfc keeps full relative precision. */
+static float normal_cdf(float x) { return 0.5f * poet_erfcf(-x * POET_SQRT1_2); }
+
+void poet_gelu_forward(float *y, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        y[i] = x[i] * normal_cdf(x[i]);
+}
+
+void poet_gelu_backward(float *dx, const float *dy, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i) {
+        const float v = x[i];
+        const float pdf = POET_INV_SQRT_2PI * poet_expf(-0.5f * v * v);
+        dx[i] += dy[i] * (normal_cdf(v) + v * pdf);
+    }
+}
+
+void poet_linear_forward(float *y, const float *x, const float *w, const float *b, uint32_t rows,
+                         uint32_t in, uint32_t out)
+{
+    uint32_t r, o, i;
+    for (r = 0; r < rows; ++r) {
+        const float *xr = x + r * in;
+        for (o = 0; o < out; ++o) {
+            const float *wo = w + o * in;
+            float acc = 0.0f;
+            for (i = 0; i < in; ++i)
+                acc += xr[i] * wo[i];
+            y[r * out + o] = b ? acc + b[o] : acc;
+        }
+    }
+}
+
+/* Strided reads cost nothing extra on a cacheless microcontroller's SRAM, so each gradient element
+ * is one register dot product and one read-modify-write of its destination. */
+void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
+                                uint32_t out)
+{
+    uint32_t r, o, i;
+    for (r = 0; r < rows; ++r) {
+        const float *dyr = dy + r * out;
+        for (i = 0; i < in; ++i) {
+            float acc = 0.0f;
+            for (o = 0; o < out; ++o)
+                acc += dyr[o] * w[o * in + i];
+            dx[r * in + i] += acc;
+        }
+    }
+}
+
+void poet_linear_backward_params(float *gw, float *gb, const float *dy, const float *x, uint32_t rows,
+                                 uint32_t in, uint32_t out)
+{
+    uint32_t r, o, i;
+    for (o = 0; o < out; ++o) {
+        if (gw) {
+            for (i = 0; i < in; ++i) {
+                float acc = 0.0f;
+                for (r = 0; r < rows; ++r)
+                    acc += dy[r * out + o] * x[r * in + i];
+                gw[o * in + i] += acc;
+            }
+        }
+        if (gb) {
+            float acc = 0.0f;
+            for (r = 0; r < rows; ++r)
+                acc += dy[r * out + o];
+            gb[o] += acc;
+        }
+    }
+}
+
+void poet_matmul_forward(float *c, const float *a, const float *b, uint32_t batch, uint32_t m, uint32_t k,
+                         uint32_t n)
+{
+    uint32_t t, i, j, p;
+    for (t = 0; t < batch; ++t) {
+        const float *at = a + t * m * k, *bt = b + t * k * n;
+        float *ct = c + t * m * n;
+        for (i = 0; i < m; ++i)
+            for (j = 0; j < n; ++j) {
+                float acc = 0.0f;
+                for (p = 0; p < k; ++p)
+                    acc += at[i * k + p] * bt[p * n + j];
+                ct[i * n + j] = acc;
+            }
+    }
+}
+
+void poet_matmul_backward_a(float *da, const float *dc, const float *b, uint32_t batch, uint32_t m,
+                            uint32_t k, uint32_t n)
+{
+    uint32_t t, i, j, p;
+    for (t = 0; t < batch; ++t) {
+        const float *dct = dc + t * m * n, *bt = b + t * k * n;
+        float *dat = da + t * m * k;
+        for (i = 0; i < m; ++i)
+            for (p = 0; p < k; ++p) {
+                float acc = 0.0f;
+                for (j = 0; j < n; ++j)
+                    acc += dct[i * n + j] * bt[p * n + j];
+                dat[i * k + p] += acc;
+            }
+    }
+}
+
+void poet_matmul_backward_b(float *db, const float *a, const float *dc, uint32_t batch, uint32_t m,
+                            uint32_t k, uint32_t n)
+{
+    uint32_t t, i, j, p;
+    for (t = 0; t < batch; ++t) {
+        const float *at = a + t * m * k, *dct = dc + t * m * n;
+        float *dbt = db + t * k * n;
+        for (p = 0; p < k; ++p)
+            for (j = 0; j < n; ++j) {
+                float acc = 0.0f;
+                for (i = 0; i < m; ++i)
+                    acc += at[i * k + p] * dct[i * n + j];
+                dbt[p * n + j] += acc;
+            }
+    }
+}
+
+static float row_max(const float *x, uint32_t d)
+{
+    float mx = x[0];
+    uint32_t j;
+    for (j = 1; j < d; ++j)
+        if (x[j] > mx)
+            mx = x[j];
+    return mx;
+}
+
+/* sum of exp(x - max): every term is at most 1 and one of them is exactly 1, so nothing overflows
+ * and the sum never underflows to zero */
+static float row_sum_exp(const float *x, uint32_t d, float mx)
+{
+    float s = 0.0f;
+    uint32_t j;
+    for (j = 0; j < d; ++j)
+        s += poet_expf(x[j] - mx);
+    return s;
+}
+
+void poet_softmax_forward(float *y, const float *x, uint32_t rows, uint32_t d)
+{
+    uint32_t r, j;
+    if (d == 0)
+        return;
+    for (r = 0; r < rows; ++r) {
+        const float *xr = x + r * d;
+        float *yr = y + r * d;
+        const float mx = row_max(xr, d);
+        float s = 0.0f, inv;
+        for (j = 0; j < d; ++j) { /* reads xr[j] before writing yr[j]: safe in place */
+            const float e = poet_expf(xr[j] - mx);
+            yr[j] = e;
+            s += e;
+        }
+        inv = 1.0f / s;
+        for (j = 0; j < d; ++j)
+            yr[j] *= inv;
+    }
+}
+
+void poet_softmax_backward(float *dx, const float *dy, const float *y, uint32_t rows, uint32_t d)
+{
+    uint32_t r, j;
+    for (r = 0; r < rows; ++r) {
+        const float *dyr = dy + r * d, *yr = y + r * d;
+        float *dxr = dx + r * d;
+        float dot = 0.0f;
+        for (j = 0; j < d; ++j)
+            dot += dyr[j] * yr[j];
+        for (j = 0; j < d; ++j)
+            dxr[j] += yr[j] * (dyr[j] - dot);
+    }
+}
+
+static int target_counts(int32_t t, uint32_t classes) { return t >= 0 && (uint32_t)t < classes; }
+
+void poet_cross_entropy_forward(float *loss, const float *logits, const int32_t *target, uint32_t batch,
+                                uint32_t classes)
+{
+    float total = 0.0f;
+    uint32_t r, counted = 0;
+    for (r = 0; r < batch; ++r) {
+        const float *z = logits + r * classes;
+        float mx;
+        if (!target_counts(target[r], classes))
+            continue;
+        mx = row_max(z, classes);
+        /* logsumexp(z) - z[t] = (max - z[t]) + log(sum exp(z - max)): both terms are
+         * non-negative, so a large max cancels exactly instead of losing the loss's bits */
+        total += (mx - z[target[r]]) + poet_logf(row_sum_exp(z, classes, mx));
+        ++counted;
+    }
+    *loss = total / (float)counted;
+}
+
+void poet_cross_entropy_backward(float *dlogits, const float *logits, const int32_t *target, uint32_t batch,
+                                 uint32_t classes)
+{
+    uint32_t r, j, counted = 0;
+    float scale;
+    for (r = 0; r < batch; ++r)
+        counted += (uint32_t)target_counts(target[r], classes);
+    if (counted == 0) /* torch's gradient is zero when every row is ignored */
+        return;
+    scale = 1.0f / (float)counted;
+    for (r = 0; r < batch; ++r) {
+        const float *z = logits + r * classes;
+        float *dz = dlogits + r * classes;
+        float mx, inv;
+        if (!target_counts(target[r], classes))
+            continue;
+        mx = row_max(z, classes);
+        inv = scale / row_sum_exp(z, classes, mx);
+        for (j = 0; j < classes; ++j)
+            dz[j] += poet_expf(z[j] - mx) * inv;
+        dz[target[r]] -= scale;
+    }
+}
+
+void poet_sgd_step(float *w, const float *g, uint32_t n, float lr)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        w[i] -= lr * g[i];
+}
+
+/* 1 - beta^step as -expm1(step * log(beta)): computed directly, 1 - 0.999^1 would keep only the
+ * few bits of 0.999^1 below 1, and the early steps are where Adam's correction matters most.
+ * beta - 1 is exact for beta in [0.5, 1], which log1p turns into an accurate log(beta). */
+static float bias_correction(float beta, uint32_t step)
+{
+    const float log_beta = beta >= 0.5f ? poet_log1pf(beta - 1.0f) : poet_logf(beta);
+    return -poet_expm1f((float)step * log_beta);
+}
+
+void poet_adam_step(float *w, float *m, float *v, const float *g, uint32_t n, const poet_adam_config *cfg,
+                    uint32_t step)
+{
+    const float beta1 = cfg->beta1, beta2 = cfg->beta2, eps = cfg->eps;
+    const float one_minus_beta1 = 1.0f - beta1, one_minus_beta2 = 1.0f - beta2;
+    const float step_size = cfg->lr / bias_correction(beta1, step);
+    const float inv_sqrt_bc2 = 1.0f / poet_sqrtf(bias_correction(beta2, step));
+    uint32_t i;
+    for (i = 0; i < n; ++i) {
+        const float gi = g[i];
+        float mi = m[i], vi = v[i];
+        /* torch's lerp: the form whose weight is below one half rounds better */
+        mi = one_minus_beta1 < 0.5f ? mi + one_minus_beta1 * (gi - mi) : gi - (gi - mi) * beta1;
+        vi = vi * beta2 + one_minus_beta2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        w[i] -= step_size * (mi / (poet_sqrtf(vi) * inv_sqrt_bc2 + eps));
+    }
+}
