@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -23,6 +25,20 @@ from poet_opt.errors import PoetError
 
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where a Ctrl-C would be, so that the same cleanup runs: finally blocks remove
+    temporary files, a sweep stops its workers. By default SIGTERM ends the process on the spot."""
+
+
+_TERMINATED = threading.Event()  # for code that catches _Terminated as a KeyboardInterrupt, then reports
+
+
+def _raise_terminated(signum, frame):
+    _TERMINATED.set()
+    raise _Terminated
 
 
 def _fail(message: str, code: int) -> None:
@@ -39,6 +55,8 @@ def _one_line_errors(fn):
             _fail(f"error: {exc.one_line()}", exc.exit_code)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except _Terminated:
+            _fail("terminated; nothing was written", EXIT_TERMINATED)
         except KeyboardInterrupt:
             _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
         except OSError as exc:  # the machine, not the input: a full disk, a vanished directory
@@ -53,7 +71,37 @@ def _one_line_errors(fn):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """The entry point: click's usage errors become one line like every other error (click prints
+    three: Usage, Try, Error), and SIGTERM raises _Terminated while a command runs."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        handled = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _raise_terminated) if handled else None
+        _TERMINATED.clear()
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `poet-opt`: the help, as click prints it
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            command = " ".join(["poet-opt", *(exc.ctx.command_path.split()[1:] if exc.ctx else [])])
+            _fail(f"error: {exc.format_message()} (see {command} --help)", exc.exit_code)
+        except click.ClickException as exc:
+            _fail(f"error: {exc.format_message()}", exc.exit_code)
+        except click.exceptions.Abort as exc:  # a Ctrl-C or SIGTERM outside a command (click wraps it)
+            terminated = isinstance(exc.__cause__, _Terminated)
+            _fail(f"{'terminated' if terminated else 'interrupted'}; nothing was written",
+                  EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+        finally:
+            if handled:  # None: a handler installed outside Python, which cannot be put back
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="poet-opt")
 def main():
     """Energy-optimal rematerialization + paging schedules for training on edge devices."""
@@ -81,6 +129,8 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True)
 @click.option("--solver", "backend", type=click.Choice(["highs", "cbc", "gurobi"]), default="highs", show_default=True)
 @click.option("--time-limit", type=float, default=None, help="seconds; the best schedule found so far is kept")
+@click.option("--order", type=click.Choice(["auto", "given"]), default="auto", show_default=True,
+              help="execution order: auto also tries orders that hold less in RAM at once; given keeps the graph's")
 @click.option("--gap", type=float, default=1e-3, show_default=True,
               help="stop once proven within this relative gap of the optimum")
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
@@ -103,7 +153,7 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
 @click.option("--quiet", "-q", is_flag=True, help="no solver progress on stderr")
 @_one_line_errors
-def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, gap, batch_size, torch_spec, onnx_file,
+def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, order, gap, batch_size, torch_spec, onnx_file,
           input_shape, trainable, optimizer, costs_file, out, export_file, prefix, as_json, quiet):
     """Solve for the energy-optimal training schedule under RAM and runtime budgets."""
     from poet_opt.device.profiles import load_profile
@@ -116,15 +166,14 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
     graph, name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
                              bytes_per_element=profile.memory.bytes_per_element, torch=torch_spec, onnx=onnx_file,
                              trainable=trainable, costs=costs_file, optimizer=optimizer)
+    _check_not_inputs([("--out", out), ("--export", export_file)], graph_file=graph_file, device=device,
+                      torch_spec=torch_spec, onnx_file=onnx_file, costs_file=costs_file)
     if out is not None:
         _check_writable(out)
     if export_file is not None:
-        if out is not None and Path(out).resolve() == Path(export_file).resolve():
-            raise PoetError("is also the --out file; give the header its own name", source=export_file,
-                            field="--export")
         _check_writable(export_file, field="--export")
         _check_prefix(prefix)
-    solve_kwargs = dict(runtime=runtime, mode=mode, backend=backend, time_limit=time_limit, gap=gap,
+    solve_kwargs = dict(runtime=runtime, mode=mode, backend=backend, time_limit=time_limit, gap=gap, order=order,
                         model_name=name, progress=None if quiet else print_progress)
     firmware = None
     if export_file is None:
@@ -158,6 +207,8 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, ga
     if header is not None:
         write_text_atomic(header, export_file, field="--export")
     click.echo(text)
+    if schedule.solver["status"] == "interrupted":  # the best plan found is out; the run still ended early
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def _check_prefix(prefix: str) -> None:
@@ -195,6 +246,7 @@ def export(schedule_file, out, prefix):
     from poet_opt.schedule.validator import ScheduleInvalid, load_and_validate
 
     _check_prefix(prefix)
+    _check_not_inputs([("-o", out)], schedule_file=schedule_file)
     _check_writable(out)
     try:
         doc, _ = load_and_validate(schedule_file)
@@ -204,6 +256,19 @@ def export(schedule_file, out, prefix):
     write_text_atomic(header, out)
     click.echo(f"{schedule_file}: {len(doc['steps'])} steps, {len(doc['graph']['nodes'])} tensors\n"
                f"{export_summary(plan, flash)}\n  wrote    {out}")
+
+
+def _check_not_inputs(outputs, *, device=(), torch_spec=None, **inputs) -> None:
+    """An output that is an input would overwrite it (poet_opt.files.check_not_inputs). A device
+    or --torch module counts when it names a file: `--device rpi4` is a built-in name."""
+    from poet_opt.files import check_not_inputs
+
+    named = {"graph_file": "--graph", "onnx_file": "--onnx", "costs_file": "--costs", "schedule_file": "SCHEDULE_FILE"}
+    given = [(named[k], v) for k, v in inputs.items() if v is not None]
+    given += [("--device", d) for d in ([device] if isinstance(device, str) else device) if Path(d).is_file()]
+    if torch_spec and Path(torch_spec.rsplit(":", 1)[0]).is_file():
+        given.append(("--torch", torch_spec.rsplit(":", 1)[0]))
+    check_not_inputs(outputs, given)
 
 
 def _check_writable(out: str, field: str = "--out") -> None:
@@ -292,6 +357,8 @@ def _table(rows) -> str:
 @click.option("--runtime", default=None, help="runtime budget for every point: 1.2x (of plain training) or 2.5s")
 @click.option("--modes", default="joint", show_default=True, help="comma-separated: joint, remat, paging, none")
 @click.option("--time-limit", type=float, default=60.0, show_default=True, help="seconds per point")
+@click.option("--order", type=click.Choice(["auto", "given"]), default="auto", show_default=True,
+              help="execution order: auto also tries orders that hold less in RAM at once; given keeps the graph's")
 @click.option("--gap", type=float, default=1e-3, show_default=True, help="relative gap at which a point stops")
 @click.option("--jobs", type=int, default=None, help="points solved at once (default: one per CPU, or the Dask "
               "cluster's worker threads; 1: no pool)")
@@ -311,7 +378,7 @@ def _table(rows) -> str:
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="directory for the CSVs and plots")
 @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
 @_one_line_errors
-def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runtime, modes, time_limit, gap, jobs,
+def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runtime, modes, time_limit, order, gap, jobs,
            scheduler, warm, batch_size, torch_spec, onnx_file, input_shape, trainable, optimizer, costs_file, out_dir,
            quiet):
     """Sweep RAM budgets and plot the energy-memory Pareto front (docs/pareto.md)."""
@@ -352,6 +419,10 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
                    bytes_per_element=profiles[0].memory.bytes_per_element)  # fails here on a bad name
         subject, kwargs = model, {"batch_size": batch_size, "input_shape": input_shape}
     out = Path(out_dir)
+    _check_not_inputs([("-o", out), *(("-o", out / name) for name in
+                                      ("pareto.csv", "pareto_front.csv", "pareto.png", "pareto.svg"))],
+                      graph_file=graph_file, device=devices, torch_spec=torch_spec, onnx_file=onnx_file,
+                      costs_file=costs_file)
     if out.exists() and not out.is_dir():
         raise PoetError("exists and is not a directory", source=out_dir, field="-o")
     _check_writable(str(out / "pareto.csv"), field="-o")
@@ -377,6 +448,7 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
                        f"{row['status']}{energy} ({row['solve_s']:.1f} s)", err=True)
     try:
         rows = pf.sweep(subject, devices, rams, runtime=runtime, modes=mode_list, time_limit=time_limit, gap=gap,
+                        order=order,
                         jobs=jobs, progress=report, model_kwargs=kwargs, model_name=None if built_once else model,
                         warm=warm, scheduler=client)
     finally:
@@ -390,9 +462,9 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
         pf.write_csv(rows, out / "pareto.csv")
         pf.write_csv(pf.non_dominated(rows), out / "pareto_front.csv")
         written = ["pareto.csv", "pareto_front.csv"] + [p.name for p in plot_front(rows, out / "pareto")]
-    if rows.interrupted:
-        _fail(f"interrupted; {len(rows)} finished points written to {out}" if rows else "interrupted; nothing was written",
-              EXIT_INTERRUPTED)
+    if rows.interrupted:  # the sweep takes SIGTERM (_Terminated) as it takes Ctrl-C
+        how, code = ("terminated", EXIT_TERMINATED) if _TERMINATED.is_set() else ("interrupted", EXIT_INTERRUPTED)
+        _fail(f"{how}; {len(rows)} finished points written to {out}" if rows else f"{how}; nothing was written", code)
     table = [("device", "mode", "RAM budget", "status", "energy", "x plain", "peak RAM", "recomp", "page-in")]
     for r in rows:
         solved = r["energy_j"] is not None
@@ -407,6 +479,9 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
                 if (r["device"], r["mode"]) == (device, mode) and r["min_feasible_ram_bytes"]]
         if mins:
             click.echo(f"{device} ({mode}): smallest feasible budget {format_bytes(min(mins))}")
+    for why in dict.fromkeys(f"{r['device']} ({r['mode']}): infeasible: {r['error']}" for r in rows
+                             if r["status"] in pf.INFEASIBLE and r["error"]):
+        click.echo(why)  # e.g. a runtime budget below plain training on this device
     click.echo(f"wrote {', '.join(str(out / w) for w in written)}")
 
 
@@ -426,6 +501,8 @@ def plot(schedule_file, out):
         doc, _totals = load_and_validate(schedule_file)
     except ScheduleInvalid as exc:
         raise PoetError(f"not a valid schedule, nothing plotted: {exc.message}", source=schedule_file) from None
+    beside = [("-o", Path(out).with_suffix(".png"))] if Path(out).suffix.lower() == ".svg" else []  # written too
+    _check_not_inputs([("-o", out), *beside], schedule_file=schedule_file)
     _check_writable(out, field="-o")
     written = plot_timeline(doc, out)
     click.echo(f"wrote {', '.join(map(str, written))}")

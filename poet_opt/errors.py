@@ -26,15 +26,38 @@ class PoetError(Exception):
 
 
 class InfeasibleError(PoetError):
-    """No schedule exists under the given budgets; carries the smallest RAM budget that works, and a
-    proven lower bound on it (inf: no budget works; a sweep skips every budget below the bound)."""
+    """No schedule under the given budgets; carries the smallest RAM budget that works, and a proven
+    lower bound on it (inf: no budget works; a sweep skips every budget below the bound). ``proven``:
+    no schedule exists in any execution order; False: none in the orders tried (the budget and the
+    bound then speak of those orders only)."""
 
     def __init__(self, message: str, *, min_ram_bytes: float | None = None,
-                 min_ram_lower_bound: float | None = None, **kw):
+                 min_ram_lower_bound: float | None = None, proven: bool = True, **kw):
         self.min_ram_bytes = min_ram_bytes
         self.min_ram_lower_bound = min_ram_lower_bound
+        self.proven = proven
         super().__init__(message, **kw)
 
 
 class NoScheduleFound(PoetError):
     """The solver stopped (time limit, interrupt) before finding any valid schedule."""
+
+
+def shown(value, limit: int = 60) -> str:
+    """A value quoted in a message, cut short: input may be a 400-digit number or a structure that
+    YAML aliases blew up, and the message must stay one readable line."""
+    import reprlib
+
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**24:
+        return f"an integer of {len(str(abs(value)))} digits"
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = short.maxlong = limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 6
+    short.maxlevel = 3
+    return short.repr(value)
+
+
+class SolveInterrupted(NoScheduleFound):
+    """Ctrl-C stopped the solver before it found any valid schedule."""
+
+    exit_code = 130

@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 import re
 
-from poet_opt.errors import PoetError
+from poet_opt.errors import PoetError, shown
+
+# Sane limits for numbers read from files and flags: far beyond any real training step, close
+# enough that sums and products over a whole graph stay finite (no inf, no OverflowError) in
+# floats and in 64-bit integer arrays.
+MAX_BYTES = 2**63 - 1  # one size (a tensor, a RAM budget) and a graph's total: a signed 64-bit integer
+MAX_SECONDS = 1e12  # one node's time, about 31,700 years
+MAX_JOULES = 1e18  # one node's energy
 
 _SIZE_UNITS = {
     "": 1,
@@ -36,7 +43,9 @@ def parse_size(text: str | int | float, *, field: str = "size") -> int:
         raise PoetError(f"expected a size such as 1.5MB or 256KiB, got {text!r}", field=field)
     if isinstance(text, int):
         if text <= 0:
-            raise PoetError(f"must be a positive size, got {text!r}", field=field)
+            raise PoetError(f"must be a positive size, got {shown(text)}", field=field)
+        if text > MAX_BYTES:
+            raise PoetError(f"{shown(text)} is too large to be a size (at most 2^63 - 1 bytes)", field=field)
         return text
     if isinstance(text, float):
         value = text
@@ -52,8 +61,8 @@ def parse_size(text: str | int | float, *, field: str = "size") -> int:
         value = float(number) * _SIZE_UNITS[unit.lower()]
     if math.isnan(value) or value <= 0:
         raise PoetError(f"must be a positive size, got {text!r}", field=field)
-    if math.isinf(value):
-        raise PoetError(f"{text!r} is too large to be a size", field=field)
+    if value > MAX_BYTES:
+        raise PoetError(f"{shown(text)} is too large to be a size (at most 2^63 - 1 bytes)", field=field)
     if round(value) < 1:
         raise PoetError(f"{text!r} is less than one byte; sizes are whole bytes", field=field)
     return int(round(value))
@@ -75,6 +84,9 @@ def parse_runtime(text: str | int | float, plain_runtime_s: float, *, field: str
             )
         number, unit = float(match.group(1)), match.group(2).lower()
         if unit == "x":
+            if 0 < number < 1:
+                raise PoetError(f"{text!r} is below plain training (1x), which every schedule takes at least: "
+                                "each node is computed at least once; give 1x or more", field=field)
             if number > 0 and not plain_runtime_s > 0:
                 raise PoetError(f"{text!r} is a multiple of plain training, which takes no time here "
                                 "(every node costs 0 s); give a time such as 2.5s", field=field)

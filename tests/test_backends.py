@@ -19,7 +19,7 @@ def test_cbc_and_highs_find_the_same_optimum(test_device, mode):
         schedule = solve(graph, test_device, ram=ram, runtime="2x", mode=mode, backend=backend, gap=0,
                          time_limit=60)
         validate(schedule.to_dict())
-        assert schedule.solver["backend"] == backend and schedule.solver["status"] == "optimal"
+        assert schedule.solver["backend"] == backend and schedule.solver["status"] in ("optimal", "optimal_for_order")
         by_backend[backend] = schedule.totals["energy_j"]
     assert math.isclose(by_backend["highs"], by_backend["cbc"], rel_tol=1e-6)
 

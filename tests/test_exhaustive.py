@@ -2,7 +2,8 @@
 
 Tiny random training graphs (n_forward=3, 6 nodes; 8 nodes for the cheaper modes) x modes x RAM
 budgets from the smallest working set to the plain-training peak x runtime budgets: solve(...,
-gap=0) must find the exhaustive optimum's energy (1e-9 relative) and agree on infeasibility.
+gap=0, order="given") must find the exhaustive optimum's energy (1e-9 relative) and agree on
+infeasibility: both search the formulation's space for the graph's own execution order.
 The search is exponential: about 1 s per joint case at 6 nodes, over a minute at 8.
 """
 
@@ -101,7 +102,8 @@ def test_milp_optimum_matches_exhaustive_search(gid, dev, mode, ram_label, rt_la
     runtime_s = math.inf if factor is None else factor * costs.plain_runtime_s
     want = exhaustive_optimum(graph, costs, ram, runtime_s, mode)
     try:
-        schedule = solve(graph, device, ram=ram, runtime=None if factor is None else f"{factor}x", mode=mode, gap=0)
+        schedule = solve(graph, device, ram=ram, runtime=None if factor is None else f"{factor}x", mode=mode, gap=0,
+                         order="given")
     except InfeasibleError as exc:
         assert want is None, f"the MILP finds no schedule, but exhaustive search finds one of {want!r} J"
         assert exc.min_ram_bytes is None or exc.min_ram_bytes > ram
@@ -140,7 +142,7 @@ def test_a_runtime_budget_just_below_the_optimum_matches_exhaustive_search(gid, 
     costs = node_costs(graph, device)
     ram = _budgets(graph)[ram_label]
     try:
-        free = solve(graph, device, ram=ram, mode=mode, gap=0)
+        free = solve(graph, device, ram=ram, mode=mode, gap=0, order="given")
     except InfeasibleError:
         assert exhaustive_optimum(graph, costs, ram, math.inf, mode) is None
         return
@@ -149,7 +151,7 @@ def test_a_runtime_budget_just_below_the_optimum_matches_exhaustive_search(gid, 
     runtime_s = free.totals["runtime_s"] - 1e-9  # ~1e-6 relative on these graphs
     want = exhaustive_optimum(graph, costs, ram, runtime_s, mode)
     try:
-        schedule = solve(graph, device, ram=ram, runtime=runtime_s, mode=mode, gap=0)
+        schedule = solve(graph, device, ram=ram, runtime=runtime_s, mode=mode, gap=0, order="given")
     except InfeasibleError:
         assert want is None, f"the MILP finds no schedule, but exhaustive search finds one of {want!r} J"
         return

@@ -334,4 +334,4 @@ def test_export_bad_prefix_and_missing_file(tmp_path, skip_doc):
     assert_one_line_error(cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", MLP_RAM, "--export", out,
                               "--prefix", "a b"), "--prefix", out=out)
     assert_one_line_error(cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", MLP_RAM, "--export", out,
-                              "--out", tmp_path / "." / "out.h"), "--export", "also the --out file", out=out)
+                              "--out", tmp_path / "." / "out.h"), "--export", "same file as --out", out=out)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from poet_opt.device.profiles import DeviceProfile
+from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
 
 
@@ -64,4 +65,20 @@ def node_costs(graph: TrainingGraph, profile: DeviceProfile) -> NodeCosts:
     block = profile.storage.erase_block_bytes
     storage_bytes = np.ceil(nbytes / block) * block
     assert compute_s.shape == (n,)
-    return NodeCosts(compute_s, compute_j, page_out_s, page_out_j, page_in_s, page_in_j, storage_bytes)
+    costs = NodeCosts(compute_s, compute_j, page_out_s, page_out_j, page_in_s, page_in_j, storage_bytes)
+    _check_finite(costs, graph, profile)
+    return costs
+
+
+def _check_finite(costs: NodeCosts, graph: TrainingGraph, profile: DeviceProfile) -> None:
+    """The loaders bound every figure (docs/graphs.md, docs/profiles.md), so this should never fire;
+    if a new importer or profile field slips past them, a total of inf must be bad input naming
+    where it came from, not an OverflowError deep in the solver."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name in ("compute_s", "compute_j", "page_out_s", "page_out_j", "page_in_s", "page_in_j"):
+            values = getattr(costs, name)
+            # a schedule may run every node in every stage: len(values) times the sum at worst
+            if not np.isfinite(np.sum(values) * max(len(values), 1)) or not np.isfinite(values).all():
+                raise PoetError(f"the {name} of {graph.name}'s nodes on {profile.name} overflow to infinity; "
+                                "check the graph's sizes, FLOPs and times against the profile's rates",
+                                source=graph.meta.get("source") or profile.source, field=f"costs.{name}")

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from poet_opt.errors import PoetError
-from poet_opt.units import parse_size
+from poet_opt.errors import PoetError, shown
+from poet_opt.files import YAMLLimitError, load_yaml
+from poet_opt.units import MAX_BYTES, parse_size
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "hardware_profiles"
 
@@ -38,6 +39,8 @@ def _number(value):
         raise ValueError(f"expected a number, got {value!r}")
     if isinstance(value, float) and math.isnan(value):  # YAML .nan; pydantic would say "greater than 0"
         raise ValueError("expected a finite number, got .nan")
+    if isinstance(value, int) and abs(value) > 1e300:  # pydantic cannot even make it a float
+        raise ValueError(f"{shown(value)} is far too large")
     if isinstance(value, str):
         try:
             number = float(value)
@@ -47,10 +50,31 @@ def _number(value):
     return value
 
 
-Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0)]
-Positive = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False)]
-NonNegative = Annotated[float, BeforeValidator(_number), Field(ge=0, allow_inf_nan=False)]
-Count = Annotated[int, BeforeValidator(_number), Field(gt=0)]
+def _within(low: float | None, high: float, unit: str):
+    """Sane limits beyond the sign (docs/profiles.md): every cost is a product or quotient of these
+    figures and a graph's sizes and times, and must stay finite summed over a whole graph."""
+    def check(value):
+        if value > high:
+            raise ValueError(f"must be at most {high:g} {unit}, got {shown(value)}")
+        if low is not None and value < low:
+            raise ValueError(f"must be at least {low:g} {unit}, got {shown(value)}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _power_of_two(value: int) -> int:
+    if value & (value - 1):
+        raise ValueError(f"must be a power of two (1, 2, 4, 8, 16, ...), got {value}")
+    return value
+
+
+Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0), _within(None, MAX_BYTES, "bytes (2^63 - 1)")]
+Count = Annotated[int, BeforeValidator(_number), Field(gt=0), _within(None, MAX_BYTES, "(2^63 - 1)")]
+Rate = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False), _within(1, 1e21, "per second")]
+Watts = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False), _within(None, 1e6, "W")]
+JoulesPerFlop = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False), _within(None, 1.0, "J")]
+Latency = Annotated[float, BeforeValidator(_number), Field(ge=0, allow_inf_nan=False), _within(None, 3600.0, "s")]
 
 
 class _Strict(BaseModel):
@@ -58,9 +82,9 @@ class _Strict(BaseModel):
 
 
 class Compute(_Strict):
-    flops_per_second: Positive  # sustained training throughput, not the peak datasheet figure
-    active_power_w: Optional[Positive] = None  # board power while computing
-    energy_per_flop_j: Optional[Positive] = None
+    flops_per_second: Rate  # sustained training throughput, not the peak datasheet figure
+    active_power_w: Optional[Watts] = None  # board power while computing
+    energy_per_flop_j: Optional[JoulesPerFlop] = None
 
     @model_validator(mode="after")
     def _one_energy_figure(self):
@@ -84,13 +108,13 @@ class Compute(_Strict):
 class Memory(_Strict):
     ram_bytes: Bytes
     bytes_per_element: Literal[1, 2, 4, 8] = 4
-    alignment_bytes: Bytes = 4
+    alignment_bytes: Annotated[Bytes, AfterValidator(_power_of_two)] = 4  # arena offsets are rounded up to it
 
 
 class Transfer(_Strict):
-    latency_s: NonNegative  # fixed cost per transfer (command, seek, block setup)
-    bytes_per_second: Positive
-    power_w: Positive  # board power while the transfer runs
+    latency_s: Latency  # fixed cost per transfer (command, seek, block setup)
+    bytes_per_second: Rate
+    power_w: Watts  # board power while the transfer runs
 
 
 class Storage(_Strict):
@@ -166,7 +190,7 @@ def _load_profile_file(path: str) -> DeviceProfile:
 def _load_profile_cached(path: str, stamp) -> DeviceProfile:
     source = path
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = load_yaml(Path(path).read_text())
     except FileNotFoundError:
         raise PoetError("no such profile file", source=source) from None
     except IsADirectoryError:
@@ -175,6 +199,10 @@ def _load_profile_cached(path: str, stamp) -> DeviceProfile:
         raise PoetError("not a text file (a YAML profile is UTF-8 text)", source=source) from None
     except OSError as exc:
         raise PoetError(f"cannot read profile file: {exc.strerror or exc}", source=source) from None
+    except YAMLLimitError as exc:  # valid YAML, perhaps, but built to exhaust the reader
+        mark = exc.problem_mark
+        raise PoetError(f"refused: {exc.problem}", source=source,
+                        field=f"line {mark.line + 1}" if mark else "(file)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -199,7 +227,7 @@ def _load_profile_cached(path: str, stamp) -> DeviceProfile:
         elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
             message = str(err["ctx"]["error"])  # our own validators' messages, without "Value error, "
         elif "input" in err and not isinstance(err["input"], dict):
-            message = f"{message} (got {err['input']!r})"
+            message = f"{message} (got {shown(err['input'])})"
         raise PoetError(message, source=source, field=field) from None
     except PoetError as exc:  # a size string that does not parse
         raise PoetError(exc.message, source=source, field=exc.field) from None

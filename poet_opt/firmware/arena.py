@@ -12,11 +12,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from poet_opt.errors import PoetError
+from poet_opt.errors import PoetError, shown
 
 
 def align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment if alignment > 1 else value
+
+
+MAX_DEVICE_INT = 2**63 - 1  # as a profile allows (docs/profiles.md)
 
 
 def device_int(doc: dict, key: str, *, minimum: int = 1) -> int:
@@ -26,9 +29,12 @@ def device_int(doc: dict, key: str, *, minimum: int = 1) -> int:
         raise PoetError("the schedule has no 'device' section; the export needs its alignment and flash figures")
     value = device.get(key)
     whole = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
-    if not whole or value < minimum:
-        raise PoetError(f"device.{key} is {value!r}; expected an integer >= {minimum}")
-    return int(value)
+    if not whole or not minimum <= value <= MAX_DEVICE_INT:
+        raise PoetError(f"device.{key} is {shown(value)}; expected an integer from {minimum} to 2^63 - 1")
+    value = int(value)
+    if key == "alignment_bytes" and value & (value - 1):  # offsets are rounded up to it with a mask in C
+        raise PoetError(f"device.alignment_bytes is {value}; expected a power of two (1, 2, 4, 8, 16, ...)")
+    return value
 
 
 @dataclass(frozen=True)

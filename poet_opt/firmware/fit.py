@@ -91,8 +91,8 @@ def _restate_budget(schedule: Schedule, budget: int, solved_at: int, first_bound
     bound = None if first_bound is None else min(first_bound, objective)
     gap = relative_gap(objective, bound)
     status = schedule.solver["status"]
-    if status in ("optimal", "gap_limit"):
-        status = "optimal" if gap is not None and gap <= 1e-9 else "gap_limit"
+    if status in ("optimal_for_order", "gap_limit"):
+        status = "optimal_for_order" if gap is not None and gap <= 1e-9 else "gap_limit"
     solver = {**schedule.solver, "status": status, "bound": bound, "gap": gap, "ram_bytes_solved": solved_at}
     restated = replace(schedule, budgets=replace(schedule.budgets, ram_bytes=budget), solver=solver)
     validator.validate(restated.to_dict())  # peak <= solved_at < budget: holds unless there is a bug

@@ -25,8 +25,21 @@ def _uint(limit: int) -> str:
 
 
 def _comment(text) -> str:
-    # A name containing "*/" would end the comment early.
-    return " ".join(str(text).split()).replace("*/", "* /")
+    """Text from the schedule (model, graph, device names) inside a /* */ comment: printable ASCII
+    only, with whatever could end the comment ("*/"), open a nested one ("/*", -Wcomment), form a
+    trigraph ("??/" is a backslash under -std=c99) or splice lines (a trailing backslash) written as
+    \\xNN / \\uNNNN escapes, so the header compiles warning-free whatever a name holds."""
+    text = " ".join(str(text).split())
+    out = []
+    for k, ch in enumerate(text):
+        before, after = text[k - 1:k], text[k + 1:k + 2]
+        risky = ch == "\\" or (ch == "/" and "*" in (before, after)) or (ch == "?" and after == "?")
+        if risky or not " " <= ch <= "~":
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def _c_string(text: str) -> str:
@@ -37,7 +50,8 @@ def _c_string(text: str) -> str:
         elif " " <= ch <= "~":
             out.append(ch)
         else:  # non-ASCII as UTF-8 octal escapes: octal never swallows a following digit beyond 3
-            out.extend(f"\\{b:03o}" for b in ch.encode("utf-8"))
+            # surrogatepass: JSON may carry a lone surrogate, which has no UTF-8; keep its code unit
+            out.extend(f"\\{b:03o}" for b in ch.encode("utf-8", "surrogatepass"))
     return '"' + "".join(out) + '"'
 
 

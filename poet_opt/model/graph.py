@@ -11,7 +11,8 @@ import heapq
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
-from poet_opt.errors import PoetError
+from poet_opt.errors import PoetError, shown
+from poet_opt.units import MAX_BYTES
 
 KINDS = ("forward", "loss", "backward")
 
@@ -89,6 +90,21 @@ class TrainingGraph:
         """No schedule can go below this: some node and all its inputs must be resident at once."""
         return max(n.bytes + sum(self.nodes[d].bytes for d in set(n.deps)) for n in self.nodes)
 
+    def reordered(self, order) -> "TrainingGraph":
+        """The same graph with node k being node ``order[k]`` of this one (a topological order:
+        every node after its inputs); names, sizes and costs move with their nodes."""
+        new_id = {old: k for k, old in enumerate(order)}
+        if len(new_id) != len(self.nodes) or sorted(new_id) != list(range(len(self.nodes))):
+            raise ValueError("an order must list every node once")
+        nodes = []
+        for k, old in enumerate(order):
+            node = self.nodes[old]
+            deps = tuple(sorted({new_id[d] for d in node.deps}))
+            if any(d >= k for d in deps):
+                raise ValueError(f"node {node.name} comes before one of its inputs in this order")
+            nodes.append(replace(node, id=k, deps=deps))
+        return TrainingGraph(name=self.name, nodes=tuple(nodes), meta=dict(self.meta))
+
     @staticmethod
     def build(name: str, nodes: Iterable[Node], *, source: str | None = None, meta: dict | None = None) -> "TrainingGraph":
         """Check the structure (unique ids, known deps, no cycle, sane sizes), then renumber into a
@@ -115,6 +131,10 @@ class TrainingGraph:
             if node.compute_j is not None and not (node.compute_j >= 0):
                 raise PoetError(f"node {node.id} ({node.name}) has a compute energy of {node.compute_j}; must be >= 0",
                                 source=source, field="nodes.compute_j")
+        total = sum(n.bytes for n in nodes)
+        if total > MAX_BYTES:  # sums of sizes (peaks, budgets) must stay within 64-bit integers
+            raise PoetError(f"the nodes' output sizes add up to {shown(total)} bytes, more than 2^63 - 1",
+                            source=source, field="nodes.bytes")
         for node in nodes:
             for d in node.deps:
                 if d not in by_id:

@@ -27,11 +27,14 @@ from pathlib import Path
 
 import yaml
 
-from poet_opt.errors import PoetError
+from poet_opt.errors import PoetError, shown
+from poet_opt.files import YAMLLimitError, load_yaml
 from poet_opt.model.graph import TrainingGraph
+from poet_opt.units import MAX_JOULES, MAX_SECONDS
 
 FIELD = "--costs"
 COLUMNS = ("time_s", "energy_j")
+LIMITS = {"time_s": (MAX_SECONDS, "s"), "energy_j": (MAX_JOULES, "J")}
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,9 @@ def load_costs(path) -> MeasuredCosts:
             raise PoetError(f"{name!r} is given twice", source=source, field=f"{where}.name")
         unknown = set(values) - set(COLUMNS)
         if unknown:
-            raise PoetError(f"unknown column {sorted(unknown)[0]!r}; columns are name, {', '.join(COLUMNS)}",
-                            source=source, field=where)
+            first = shown(sorted(map(str, unknown))[0])
+            raise PoetError(f"unknown column {first}; columns are name, {', '.join(COLUMNS)}", source=source,
+                            field=where)
         parsed = {}
         for key in COLUMNS:
             value = values.get(key)
@@ -79,7 +83,11 @@ def load_costs(path) -> MeasuredCosts:
                 continue
             number = _number(value)
             if number is None or not math.isfinite(number) or number < 0:
-                raise PoetError(f"must be a finite number >= 0 (SI units), got {value!r}", source=source,
+                raise PoetError(f"must be a finite number >= 0 (SI units), got {shown(value)}", source=source,
+                                field=f"{where}.{key}")
+            most, unit = LIMITS[key]
+            if number > most:
+                raise PoetError(f"must be at most {most:g} {unit}, got {shown(value)}", source=source,
                                 field=f"{where}.{key}")
             parsed[key] = number
         if not parsed:
@@ -95,7 +103,7 @@ def _number(value):
         return None
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
         return None
 
 
@@ -118,17 +126,17 @@ def _csv_rows(text: str, source: str):
 
 def _yaml_rows(text: str, source: str):
     try:
-        doc = yaml.safe_load(text)
+        doc = load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "(file)"
-        raise PoetError(f"not valid YAML: {getattr(exc, 'problem', None) or exc}", source=source, field=where) \
-            from None
+        what = "refused" if isinstance(exc, YAMLLimitError) else "not valid YAML"
+        raise PoetError(f"{what}: {getattr(exc, 'problem', None) or exc}", source=source, field=where) from None
     out = []
     if isinstance(doc, dict):
         for name, values in doc.items():
             if not isinstance(values, dict):
-                raise PoetError(f"expected time_s and/or energy_j under it, got {values!r}", source=source,
+                raise PoetError(f"expected time_s and/or energy_j under it, got {shown(values)}", source=source,
                                 field=str(name))
             out.append((str(name), str(name), values))
     elif isinstance(doc, list):

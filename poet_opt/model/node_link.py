@@ -11,8 +11,9 @@ import json
 import math
 from pathlib import Path
 
-from poet_opt.errors import PoetError
+from poet_opt.errors import PoetError, shown
 from poet_opt.model.graph import Node, TrainingGraph
+from poet_opt.units import MAX_BYTES, MAX_SECONDS
 
 
 def load_node_link(path) -> TrainingGraph:
@@ -44,20 +45,20 @@ def load_node_link(path) -> TrainingGraph:
             fail("missing", f"{where}.id")
         node_id = item["id"]
         if isinstance(node_id, bool) or not isinstance(node_id, (int, str)):
-            fail(f"must be an integer or a string, got {node_id!r}", f"{where}.id")
+            fail(f"must be an integer or a string, got {shown(node_id)}", f"{where}.id")
         if node_id in position:
-            fail(f"duplicate id {node_id!r} (also nodes[{position[node_id]}])", f"{where}.id")
+            fail(f"duplicate id {shown(node_id)} (also nodes[{position[node_id]}])", f"{where}.id")
         position[node_id] = k
         name = item.get("name", node_id)
         name = str(node_id) if name is None else str(name)
         if "cost_ram" not in item:
-            fail(f"missing (node {node_id!r}: its output size in bytes)", f"{where}.cost_ram")
-        size = _cost(item["cost_ram"], f"{where}.cost_ram", node_id, fail)
-        seconds = _cost(item["cost_cpu"], f"{where}.cost_cpu", node_id, fail) if item.get("cost_cpu") is not None \
-            else None
+            fail(f"missing (node {shown(node_id)}: its output size in bytes)", f"{where}.cost_ram")
+        size = _cost(item["cost_ram"], f"{where}.cost_ram", node_id, fail, MAX_BYTES, "2^63 - 1 bytes")
+        seconds = _cost(item["cost_cpu"], f"{where}.cost_cpu", node_id, fail, MAX_SECONDS, f"{MAX_SECONDS:g} s") \
+            if item.get("cost_cpu") is not None else None
         backward = item.get("backward", False)
         if backward not in (True, False):  # 0 and 1 pass too
-            fail(f"must be true or false, got {backward!r}", f"{where}.backward")
+            fail(f"must be true or false, got {shown(backward)}", f"{where}.backward")
         kind = "backward" if backward else "loss" if name.lower() == "loss" else "forward"
         op = item.get("op", "")
         entries.append((node_id, name, kind, math.ceil(size), seconds, op if isinstance(op, str) else ""))
@@ -76,11 +77,11 @@ def load_node_link(path) -> TrainingGraph:
                 fail("missing", f"{where}.{end}")
             value = link[end]
             if isinstance(value, bool) or not isinstance(value, (int, str)) or value not in position:
-                fail(f"refers to node {value!r}, which is not in nodes", f"{where}.{end}")
+                fail(f"refers to node {shown(value)}, which is not in nodes", f"{where}.{end}")
             ends.append(value)
         src, dst = ends
         if src == dst:
-            fail(f"is a self-loop on node {src!r}", where)
+            fail(f"is a self-loop on node {shown(src)}", where)
         deps[position[dst]].add(key[src])
 
     nodes = [Node(id=key[e[0]], name=e[1], kind=e[2], bytes=e[3], deps=tuple(sorted(d)), op=e[5], compute_s=e[4])
@@ -109,11 +110,16 @@ def _read_json(source: str):
                         field=f"line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
         raise PoetError("not valid JSON: nested too deeply", source=source, field="(file)") from None
+    except ValueError as exc:  # Python refuses integers of over 4300 digits
+        raise PoetError(f"not a graph: {str(exc).split(';')[0]}", source=source, field="(file)") from None
 
 
-def _cost(value, field: str, node_id, fail) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        fail(f"must be a finite number, got {value!r} (node {node_id!r})", field)
+def _cost(value, field: str, node_id, fail, most, most_text: str) -> float:
+    # Compared as given (an int may have 400 digits, too large for a float), before any arithmetic.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        fail(f"must be a finite number, got {shown(value)} (node {shown(node_id)})", field)
     if value < 0:
-        fail(f"must be >= 0, got {value} (node {node_id!r})", field)
+        fail(f"must be >= 0, got {shown(value)} (node {shown(node_id)})", field)
+    if value > most:
+        fail(f"must be at most {most_text}, got {shown(value)} (node {shown(node_id)})", field)
     return value

@@ -4,7 +4,7 @@ process pool or a Dask cluster, and keep the energy-memory front (plots live in 
 from poet_opt.pareto.executors import dask_client
 from poet_opt.pareto.front import non_dominated, parse_ram_list, ram_range, sweep
 from poet_opt.pareto.points import loosen
-from poet_opt.pareto.table import COLUMNS, SOLVED, STATUSES, SweepResult, read_csv, write_csv
+from poet_opt.pareto.table import COLUMNS, INFEASIBLE, SOLVED, STATUSES, SweepResult, read_csv, write_csv
 
-__all__ = ["COLUMNS", "SOLVED", "STATUSES", "SweepResult", "dask_client", "loosen", "non_dominated",
+__all__ = ["COLUMNS", "INFEASIBLE", "SOLVED", "STATUSES", "SweepResult", "dask_client", "loosen", "non_dominated",
            "parse_ram_list", "ram_range", "read_csv", "sweep", "write_csv"]

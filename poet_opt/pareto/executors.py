@@ -10,7 +10,7 @@ from typing import Optional
 
 from poet_opt.errors import PoetError
 from poet_opt.pareto.points import error_row, run_point, skipped_row
-from poet_opt.pareto.table import SweepResult
+from poet_opt.pareto.table import INFEASIBLE, SweepResult
 
 
 class Driver:
@@ -61,7 +61,7 @@ class Driver:
         self.busy.discard(task["chain"])
         if decisions is not None:
             self.plans[task["chain"]] = decisions
-        if row["status"] == "infeasible":
+        if row["status"] in INFEASIBLE:
             floor = max(row["ram_bytes"] + 1, lower_bound or 0)
             if floor > self.floor.get(task["series"], (0, None))[0]:
                 self.floor[task["series"]] = (floor, row)
@@ -82,6 +82,8 @@ def _worker_init() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a forked worker inherits the CLI's SIGTERM handler; the sweep's terminate() must end it outright
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_here(driver: Driver) -> None:

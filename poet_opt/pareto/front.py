@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from poet_opt.errors import PoetError
 from poet_opt.pareto.executors import Driver, dask_client, run_alone, run_here, run_on_dask, run_on_pool
 from poet_opt.pareto.points import graph_for
-from poet_opt.pareto.table import SOLVED, SweepResult
+from poet_opt.pareto.table import INFEASIBLE, SOLVED, SweepResult
 from poet_opt.units import format_bytes, parse_size
 
 
@@ -57,7 +57,8 @@ def parse_ram_list(text: str | Iterable) -> list[int]:
 def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] = ("joint",),
           time_limit: Optional[float] = 60.0, gap: float = 1e-3, jobs: Optional[int] = None,
           progress: Optional[Callable[[int, int, dict], None]] = None, model_kwargs: Optional[dict] = None,
-          model_name: Optional[str] = None, warm: bool = True, scheduler: Optional[str] = None) -> SweepResult:
+          model_name: Optional[str] = None, warm: bool = True, scheduler: Optional[str] = None,
+          order: str = "auto") -> SweepResult:
     """Solve every (device, mode, RAM budget) and return one row per point (``COLUMNS``), sorted by
     device, mode and budget in the order given.
 
@@ -98,6 +99,8 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
         name = model_name or model_or_graph
     else:
         name = model_name or model_or_graph.name
+    if runtime is not None:
+        _check_runtime(model_or_graph, model_kwargs, profiles, runtime)
 
     series = []  # (device, mode) in the order given; each runs from its smallest budget up
     for profile in profiles:
@@ -106,7 +109,7 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
                 "model": model_or_graph, "model_kwargs": model_kwargs, "model_name": name,
                 "device": profile,  # loaded here: a Dask worker need not see the user's YAML file
                 "device_name": profile.name, "mode": mode, "ram": ram, "runtime": runtime,
-                "time_limit": time_limit, "gap": gap, "series": len(series), "warm": warm,
+                "time_limit": time_limit, "gap": gap, "series": len(series), "warm": warm, "order": order,
             } for ram in budgets])
     total = sum(map(len, series))
 
@@ -133,6 +136,23 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
         if owned:
             client.close()
     return _sorted(driver.rows, devices, profiles, modes)
+
+
+def _check_runtime(model_or_graph, model_kwargs: dict, profiles, runtime) -> None:
+    """A runtime budget that no device can meet is bad input, refused before any solve (an 'x'
+    multiple below 1 never can: every node runs at least once). One that only some devices cannot
+    meet makes their points infeasible, each row saying why (points.run_point)."""
+    from poet_opt.device.costs import node_costs
+    from poet_opt.units import format_seconds, parse_runtime
+
+    short = []
+    for profile in profiles:
+        costs = node_costs(graph_for(model_or_graph, model_kwargs, profile), profile)
+        if parse_runtime(runtime, costs.plain_runtime_s, field="--runtime") < costs.plain_runtime_s * (1 - 1e-9):
+            short.append(f"{profile.name} {format_seconds(costs.plain_runtime_s)}")
+    if len(short) == len(profiles):
+        raise PoetError(f"the runtime budget {runtime} is below plain training on every device ({', '.join(short)}); "
+                        "every node must run at least once", field="--runtime")
 
 
 def _chains(series: list[list[dict]], capacity: int, warm: bool) -> list[list[dict]]:
@@ -175,7 +195,7 @@ def _sorted(rows: SweepResult, devices, profiles, modes) -> SweepResult:
             smallest_peak[key] = min(smallest_peak.get(key, r["peak_ram_bytes"]), r["peak_ram_bytes"])
     for r in out:
         peak = smallest_peak.get((r["device"], r["mode"]))
-        if r["status"] == "infeasible" and peak is not None:
+        if r["status"] in INFEASIBLE and peak is not None:
             found = r["min_feasible_ram_bytes"]
             r["min_feasible_ram_bytes"] = peak if found is None else min(found, peak)
     out.interrupted = rows.interrupted

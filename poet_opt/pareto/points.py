@@ -47,7 +47,7 @@ def _solve_point(task: dict, row: dict) -> dict:
     from poet_opt.device.costs import node_costs
     from poet_opt.device.profiles import load_profile
     from poet_opt.solver.driver import plain_summary, resolve_budgets, solve
-    from poet_opt.units import parse_runtime
+    from poet_opt.units import format_seconds, parse_runtime
 
     try:
         device = task["device"]
@@ -58,17 +58,26 @@ def _solve_point(task: dict, row: dict) -> dict:
         row.update(plain_energy_j=plain["energy_j"], plain_peak_bytes=plain["peak_ram_bytes"])
         if task["runtime"] is not None:
             row["runtime_budget_s"] = parse_runtime(task["runtime"], costs.plain_runtime_s, field="--runtime")
+            if row["runtime_budget_s"] < costs.plain_runtime_s * (1 - 1e-9):  # no RAM budget helps: no solve
+                row.update(status="infeasible", error=f"--runtime: the runtime budget "
+                           f"{format_seconds(row['runtime_budget_s'])} is below plain training on this device "
+                           f"({format_seconds(costs.plain_runtime_s)}); every node must run at least once")
+                return row
         start = task.get("start")
         if start is not None:  # the budget below's plan fits; with the extra RAM it can do less work
             budgets = resolve_budgets(graph, profile, costs, task["ram"], task["runtime"])
-            start = loosen(graph, costs, start, budgets.ram_bytes, budgets.runtime_s)
+            order, decisions = start  # made in that execution order: loosened in it
+            ordered = graph if list(order) == list(range(len(graph))) else graph.reordered(order)
+            ordered_costs = costs if ordered is graph else node_costs(ordered, profile)
+            start = (order, loosen(ordered, ordered_costs, decisions, budgets.ram_bytes, budgets.runtime_s))
         schedule = solve(graph, profile, ram=task["ram"], runtime=task["runtime"], mode=task["mode"],
                          time_limit=task["time_limit"], gap=task["gap"], model_name=task["model_name"],
-                         start=start)
+                         start=start, order=task.get("order", "auto"))
     except InfeasibleError as exc:
         # no message: a point skipped below it would say something else, and rows must not depend
         # on which points a pool happened to solve
-        row.update(status="infeasible", min_feasible_ram_bytes=exc.min_ram_bytes,
+        row.update(status="infeasible" if exc.proven else "infeasible_for_order",
+                   min_feasible_ram_bytes=exc.min_ram_bytes,
                    _min_ram_lower_bound=exc.min_ram_lower_bound)
         return row
     except NoScheduleFound as exc:
@@ -90,7 +99,7 @@ def _solve_point(task: dict, row: dict) -> dict:
     if _math.isfinite(schedule.budgets.runtime_s):
         row["runtime_budget_s"] = float(schedule.budgets.runtime_s)
     if task.get("warm"):  # the start of the next budget up; the sweep takes it out of the row
-        row["_decisions"] = schedule.decisions
+        row["_decisions"] = (schedule.order or tuple(range(len(schedule.graph))), schedule.decisions)
     return row
 
 
@@ -130,7 +139,7 @@ def skipped_row(task: dict, cause: dict) -> dict:
     row = empty_row(task["model_name"], task["device_name"], task["mode"], task["ram"])
     for key in ("runtime_budget_s", "plain_energy_j", "plain_peak_bytes", "min_feasible_ram_bytes"):
         row[key] = cause[key]
-    row.update(status="infeasible", solve_s=0.0)
+    row.update(status=cause["status"], solve_s=0.0)
     return row
 
 

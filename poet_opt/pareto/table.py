@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import csv
-import os
-from pathlib import Path
 from typing import Iterable
+
+from poet_opt.schedule.document import STATUSES as SCHEDULE_STATUSES
 
 COLUMNS = [
     "model", "device", "mode", "ram_bytes", "runtime_budget_s", "status",
@@ -14,8 +14,10 @@ COLUMNS = [
     "plain_energy_j", "plain_peak_bytes", "min_feasible_ram_bytes", "error",
 ]
 # statuses of a row that carries a schedule (and so an energy)
-SOLVED = ("optimal", "gap_limit", "time_limit")
-STATUSES = SOLVED + ("infeasible", "no_schedule", "error")
+SOLVED = tuple(s for s in SCHEDULE_STATUSES if s != "interrupted")
+# infeasible: no schedule in any order; infeasible_for_order: none in the execution orders tried
+INFEASIBLE = ("infeasible", "infeasible_for_order")
+STATUSES = SOLVED + INFEASIBLE + ("no_schedule", "error")
 
 _INT_COLUMNS = {"ram_bytes", "peak_ram_bytes", "recomputes", "page_ins", "page_outs", "plain_peak_bytes",
                 "min_feasible_ram_bytes"}
@@ -37,20 +39,17 @@ def empty_row(model_name: str, device_name: str, mode: str, ram: int) -> dict:
 
 
 def write_csv(rows: Iterable[dict], path) -> None:
-    """Rows as CSV with the ``COLUMNS`` header; empty cells for missing values."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS})
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Rows as CSV with the ``COLUMNS`` header; empty cells for missing values. Written whole or not
+    at all (poet_opt.files.write_atomic)."""
+    from poet_opt.files import write_atomic
+
+    def write(fh):
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS})
+
+    write_atomic(path, write, field="-o", newline="")
 
 
 def read_csv(path) -> list[dict]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from poet_opt.pareto.table import SOLVED
+from poet_opt.pareto.table import INFEASIBLE, SOLVED
 from poet_opt.plots.style import bytes_axis, energy_unit, pyplot, save_figure
+from poet_opt.schedule.document import PROVEN_STATUSES
 from poet_opt.units import format_bytes
 
 
@@ -39,11 +40,11 @@ def plot_front(rows: Sequence[dict], path) -> list[Path]:
             ys = [r["energy_j"] / scale for r in solved]
             ax.plot(xs, ys, "-", color=color, label=label)
             for r, x, y in zip(solved, xs, ys):
-                proven = r["status"] in ("optimal", "gap_limit")  # hollow: stopped by the time limit
+                proven = r["status"] in PROVEN_STATUSES  # hollow: stopped before the requested gap
                 ax.plot([x], [y], "o", color=color, markerfacecolor=color if proven else "white")
         else:
             ax.plot([], [], "-", color=color, label=label)
-        infeasible = [r for r in members if r["status"] == "infeasible"]
+        infeasible = [r for r in members if r["status"] in INFEASIBLE]
         if infeasible:
             xs = [r["ram_bytes"] for r in infeasible]
             ax.plot(xs, [floor] * len(xs), "x", color=color, markersize=8)
@@ -64,7 +65,7 @@ def plot_front(rows: Sequence[dict], path) -> list[Path]:
                     markeredgecolor="black", markeredgewidth=0.5)
     if rows:
         ax.plot([], [], "*", color="grey", markeredgecolor="black", label="plain training (peak RAM)")
-        if any(r["status"] == "infeasible" for r in rows):
+        if any(r["status"] in INFEASIBLE for r in rows):
             ax.plot([], [], "x", color="grey", label="infeasible budget")
     model = rows[0]["model"] if rows else ""
     runtime = next((r["runtime_budget_s"] for r in rows if r.get("runtime_budget_s") is not None), None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from poet_opt.files import write_atomic
 from poet_opt.units import format_bytes
 
 
@@ -43,5 +44,6 @@ def save_figure(fig, path) -> list[Path]:
     else:
         targets = [path.with_suffix(".png"), path.with_suffix(".svg")]
     for target in targets:
-        fig.savefig(target, dpi=150, bbox_inches="tight")
+        write_atomic(target, lambda fh: fig.savefig(fh, format=target.suffix[1:].lower(), dpi=150,
+                                                    bbox_inches="tight"), field="-o", binary=True)
     return targets

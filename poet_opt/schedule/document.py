@@ -14,6 +14,12 @@ from poet_opt.schedule.decisions import Budgets, Decisions
 
 FORMAT = "poet-opt/schedule@1"
 
+# solver.status, strongest claim first (docs/schedule-format.md): proven optimal over every valid
+# step sequence in any order; optimal for the execution order used; within the requested gap of
+# that order's bound; then stopped without that proof (the gap says how far it got)
+PROVEN_STATUSES = ("optimal", "optimal_for_order", "gap_limit")
+STATUSES = PROVEN_STATUSES + ("time_limit", "interrupted", "stopped")
+
 
 @dataclass
 class Schedule:
@@ -30,6 +36,8 @@ class Schedule:
     totals: dict
     plain: dict
     solver: dict
+    # node k of ``graph`` is node ``order[k]`` of the graph as it was given (empty: the same order)
+    order: tuple = ()
 
     def memory(self) -> dict:
         params, grads = self.graph.param_bytes, self.graph.param_grad_bytes
@@ -76,7 +84,8 @@ class Schedule:
                 "storage_kind": p.storage.kind, "storage_capacity_bytes": p.storage.capacity_bytes,
                 "erase_block_bytes": p.storage.erase_block_bytes, "endurance_cycles": p.storage.endurance_cycles,
             },
-            "graph": {"name": self.graph.name, "nodes": nodes},
+            "graph": {"name": self.graph.name, "nodes": nodes,
+                      "given_ids": list(self.order) if self.order else list(range(len(nodes)))},
             "budgets": {
                 "ram_bytes": int(self.budgets.ram_bytes),
                 # null: no runtime limit (JSON has no infinity)

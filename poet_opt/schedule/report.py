@@ -73,11 +73,35 @@ def summary_text(s: Schedule) -> str:
     bound_text = "-" if low["bound_j"] is None else format_joules(low["bound_j"])
     lines.append(f"  bound    energy {format_joules(low['energy_j'])}, bound {bound_text} (gap {gap_text}), "
                  f"plain-training floor {format_joules(low['plain_floor_j'])}")
+    lines.append(f"  claim    {claim(s)}")
     lines.append(f"  solver   {solver['backend']} {solver['status']}, "
                  f"build {solver['build_s']:.2f} s, solve {solver['solve_s']:.2f} s "
                  + (f"({solver['variables']} variables, {solver['constraints']} constraints)"
                     if solver.get("variables") is not None else f"(full MILP {solver.get('full_milp')})"))
     return "\n".join(lines)
+
+
+def claim(s: Schedule) -> str:
+    """What was proven about this schedule, in words, for which execution order and under which
+    model of the device: the sentence a user may quote."""
+    solver = s.solver
+    status, gap = solver.get("status"), solver.get("gap")
+    model = f"under {s.profile.name}'s cost model"
+    order = solver.get("execution_order", "given")
+    tried = solver.get("orders_tried", 1)
+    where = f"in the {order} execution order" + (f" (best of {tried} orders tried)" if tried > 1 else "")
+    gap_text = "-" if gap is None else f"{100 * gap:.3g}%"
+    if status == "optimal":
+        return (f"optimal {model}: it needs only plain training's energy, which no valid step sequence in any "
+                "order can go below")
+    if status == "optimal_for_order":
+        return (f"optimal {where} {model}; another execution order, or steps outside the stage model "
+                f"(docs/formulation.md), might use less, by at most {100 * (solver.get('gap_any_order') or 0):.3g}%")
+    if status == "gap_limit":
+        return f"within {gap_text} of the least energy {where} {model}"
+    reason = {"time_limit": "the time limit ran out", "interrupted": "interrupted",
+              "stopped": "the solver stopped at its tolerances"}.get(status, status)
+    return f"not proven optimal ({reason}); within {gap_text} of the least energy {where} {model}"
 
 
 def _names(names: list[str], ids: list[int], limit: int = 8) -> str:

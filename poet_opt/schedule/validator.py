@@ -27,6 +27,10 @@ TOTAL_KEYS = {
 }
 MEMORY_KEYS = ("param_bytes", "param_grad_bytes", "working_peak_bytes", "total_bytes")
 REL_TOL, ABS_TOL = 1e-6, 1e-12
+# Sane limits, so that every sum over the steps stays finite (docs/schedule-format.md): sizes and
+# counts fit a signed 64-bit integer; times and energies, one node's or a total, at most 1e30.
+MAX_INTEGER = 2**63 - 1
+MAX_QUANTITY = 1e30
 # Solvers hit the runtime budget with equality; this absorbs their floating-point noise.
 RUNTIME_SLACK = 1e-9
 
@@ -37,17 +41,31 @@ class ScheduleInvalid(PoetError):
     exit_code = 1
 
 
-def _number(value, where: str, source, *, integer=False, signed=False):
+def _number(value, where: str, source, *, integer=False, signed=False, most=None):
     kind = "integer" if integer else "number"
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # An int is compared as it is: one of 400 digits has no float (math.isfinite would raise).
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        (isinstance(value, int) or math.isfinite(value))
     if ok and integer:
-        ok = float(value).is_integer()
+        ok = isinstance(value, int) or value.is_integer()
     if ok and not signed:
         ok = value >= 0
     if not ok:
         need = kind if signed else f"non-negative {kind}"
-        raise PoetError(f"{where} is {value!r}; expected a {need}", source=source)
+        raise PoetError(f"{where} is {_shown(value)}; expected a {need}", source=source)
+    most = most or (MAX_INTEGER if integer else MAX_QUANTITY)
+    if abs(value) > most:
+        limit = "2^63 - 1" if most == MAX_INTEGER else f"{most:g}"
+        raise PoetError(f"{where} is {_shown(value)}; expected at most {limit}", source=source)
     return int(value) if integer else float(value)
+
+
+def _shown(value) -> str:
+    """A value from the file, quoted short enough for a one-line message."""
+    if isinstance(value, int) and abs(value) >= 10**24:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + "..."
 
 
 def _section(doc: dict, key: str, kind: type, source):
@@ -68,9 +86,9 @@ def _read_plan(doc, source) -> dict:
         if "format" not in doc:
             problem = "not a poet-opt schedule: it has no 'format' field"
         elif version:
-            problem = f"format {fmt!r} is schedule version {version[1]!r}, which this poet-opt cannot read"
+            problem = f"format {_shown(fmt)} is schedule version {_shown(version[1])}, which this poet-opt cannot read"
         else:
-            problem = f"not a poet-opt schedule: format is {fmt!r}"
+            problem = f"not a poet-opt schedule: format is {_shown(fmt)}"
         raise PoetError(f"{problem}; the supported format is {FORMAT!r}", source=source)
 
     nodes = _section(doc, "graph", dict, source).get("nodes")
@@ -82,21 +100,21 @@ def _read_plan(doc, source) -> dict:
         if not isinstance(node, dict):
             raise PoetError(f"{where} is not a JSON object", source=source)
         if node.get("id") != i or isinstance(node.get("id"), bool):
-            raise PoetError(f"{where} has id {node.get('id')!r}; nodes must be listed in topological order "
+            raise PoetError(f"{where} has id {_shown(node.get('id'))}; nodes must be listed in topological order "
                             f"with id equal to their index", source=source)
         if not isinstance(node.get("name"), str):
-            raise PoetError(f"{where}.name is {node.get('name')!r}; expected a string", source=source)
+            raise PoetError(f"{where}.name is {_shown(node.get('name'))}; expected a string", source=source)
         names.append(node["name"])
-        where = f"node {i} {node['name']!r}"
+        where = f"node {i} {_shown(node['name'])}"
         size.append(_number(node.get("bytes"), f"{where}: bytes", source, integer=True))
         for key in COST_KEYS:
             cost[key].append(_number(node.get(key), f"{where}: {key}", source))
         node_deps = node.get("deps")
         if not isinstance(node_deps, list):
-            raise PoetError(f"{where}: deps is {node_deps!r}; expected a list of node ids", source=source)
+            raise PoetError(f"{where}: deps is {_shown(node_deps)}; expected a list of node ids", source=source)
         for d in node_deps:
             if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-                raise PoetError(f"{where}: deps contains {d!r}; expected node ids", source=source)
+                raise PoetError(f"{where}: deps contains {_shown(d)}; expected node ids", source=source)
             if d >= i:
                 raise PoetError(f"{where} depends on node {d}; the graph is not in topological order "
                                 f"(every dep must be smaller than the node's id)", source=source)
@@ -107,17 +125,19 @@ def _read_plan(doc, source) -> dict:
         if key not in budgets:
             raise PoetError(f"budgets has no {key!r}", source=source)
     # null: no such budget was set (e.g. no runtime limit), so there is nothing to enforce.
-    limits = {k: None if budgets[k] is None else _number(budgets[k], f"budgets.{k}", source) for k in BUDGET_KEYS}
+    limits = {k: None if budgets[k] is None else
+              _number(budgets[k], f"budgets.{k}", source, most=None if k == "runtime_s" else MAX_INTEGER)
+              for k in BUDGET_KEYS}
 
     steps = []
     for k, step in enumerate(_section(doc, "steps", list, source)):
         if not isinstance(step, dict) or "op" not in step or "node" not in step:
-            raise PoetError(f"step {k} is {step!r}; expected {{\"op\": ..., \"node\": id}}", source=source)
+            raise PoetError(f"step {k} is {_shown(step)}; expected {{\"op\": ..., \"node\": id}}", source=source)
         op, n = step["op"], step["node"]
         if op not in OPS:
-            raise PoetError(f"step {k} has unknown op {op!r}; expected one of {', '.join(OPS)}", source=source)
+            raise PoetError(f"step {k} has unknown op {_shown(op)}; expected one of {', '.join(OPS)}", source=source)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < len(nodes):
-            raise PoetError(f"step {k} ({op}) refers to node {n!r}, but the graph has nodes 0..{len(nodes) - 1}",
+            raise PoetError(f"step {k} ({op}) refers to node {_shown(n)}, but the graph has nodes 0..{len(nodes) - 1}",
                             source=source)
         steps.append((op, n))
     return {"names": names, "size": size, "deps": deps, "cost": cost, "limits": limits, "steps": steps}
@@ -154,12 +174,12 @@ def _replay(plan: dict, source) -> dict:
 
     for k, (op, n) in enumerate(plan["steps"]):
         def invalid(what: str):
-            return ScheduleInvalid(f"step {k} ({op} node {n} {names[n]!r}): {what}", source=source)
+            return ScheduleInvalid(f"step {k} ({op} node {n} {_shown(names[n])}): {what}", source=source)
 
         if op == "compute":
             for d in deps[n]:
                 if d not in resident:
-                    raise invalid(f"input {d} {names[d]!r} is not resident")
+                    raise invalid(f"input {d} {_shown(names[d])} is not resident")
             if n in resident:
                 raise invalid("the node is already resident; free it before computing it again")
             computed[n] = True
@@ -193,7 +213,7 @@ def _replay(plan: dict, source) -> dict:
 
     for n, done in enumerate(computed):
         if not done:
-            raise ScheduleInvalid(f"node {n} {names[n]!r} is never computed", source=source)
+            raise ScheduleInvalid(f"node {n} {_shown(names[n])} is never computed", source=source)
     runtime = math.fsum(spent["compute_s"] + spent["page_in_s"] + spent["page_out_s"])
     if limits["runtime_s"] is not None and runtime > limits["runtime_s"] * (1 + RUNTIME_SLACK):
         raise ScheduleInvalid(f"runtime {runtime:.12g} s (sum of all steps) exceeds the budget runtime_s "
@@ -255,4 +275,6 @@ def load_and_validate(path) -> tuple[dict, dict]:
         raise PoetError(f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}", source=source) from None
     except RecursionError:
         raise PoetError("not valid JSON for a schedule: nested too deeply", source=source) from None
+    except ValueError as exc:  # Python refuses integers of over 4300 digits
+        raise PoetError(f"not a schedule: {str(exc).split(';')[0]}", source=source) from None
     return doc, validate(doc, source=source)

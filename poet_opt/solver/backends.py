@@ -31,6 +31,7 @@ class Progress:
     incumbent: Optional[float]
     bound: Optional[float]
     gap: Optional[float]
+    phase: str = "branch and bound"
 
 
 @dataclass
@@ -56,9 +57,23 @@ def relative_gap(objective: Optional[float], bound: Optional[float]) -> Optional
     return max(0.0, (objective - bound) / abs(objective))
 
 
+_ACTIVE_FLAG: Optional[threading.Event] = None
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C arrived in the current interrupt scope (see ``interrupt_scope``)."""
+    return _ACTIVE_FLAG is not None and _ACTIVE_FLAG.is_set()
+
+
 @contextmanager
-def _interrupt_flag():
-    """Ctrl-C asks the solver to stop and keep its incumbent instead of killing the process."""
+def interrupt_scope():
+    """Ctrl-C asks the solver to stop and keep its incumbent instead of killing the process. One
+    scope spans a whole solve: a Ctrl-C during one phase (a restricted MILP, a heuristic) is not
+    forgotten by the next, which then stops at once. Nested scopes share the outer flag."""
+    global _ACTIVE_FLAG
+    if _ACTIVE_FLAG is not None:
+        yield _ACTIVE_FLAG
+        return
     flag = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield flag
@@ -72,9 +87,11 @@ def _interrupt_flag():
         flag.set()
 
     signal.signal(signal.SIGINT, handler)
+    _ACTIVE_FLAG = flag
     try:
         yield flag
     finally:
+        _ACTIVE_FLAG = None
         signal.signal(signal.SIGINT, previous)
 
 
@@ -93,7 +110,7 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
         report = progress
 
         def progress(p: Progress):
-            report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap))
+            report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap, p.phase))
 
     if backend == "highs":
         result = _solve_highs(scaled, time_limit, gap, threads, progress, start)
@@ -156,7 +173,9 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
         h.setSolution(milp.num_vars, idx, np.asarray(start, dtype=float))
 
     started = time.perf_counter()
-    with _interrupt_flag() as stop:
+    with interrupt_scope() as stop:
+        if stop.is_set():  # interrupted in an earlier phase: do not start a search
+            return SolveResult("interrupted", None, None, None, 0.0, "highs")
         last_report = [0.0]
 
         def on_interrupt(event):
@@ -172,7 +191,19 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
                     g = out.mip_gap if inc is not None and math.isfinite(out.mip_gap) else None
                     progress(Progress(now, inc, bnd, g))
 
+        def on_lp_interrupt(event):
+            # the root LP of a large model can run for minutes before branch and bound calls back
+            if stop.is_set():
+                event.data_in.user_interrupt = True
+            if progress is not None:
+                now = time.perf_counter() - started
+                if now - last_report[0] >= 1.0:
+                    last_report[0] = now
+                    progress(Progress(now, None, None, None, "LP relaxation"))
+
         h.cbMipInterrupt.subscribe(on_interrupt)
+        h.cbSimplexInterrupt.subscribe(on_lp_interrupt)
+        h.cbIpmInterrupt.subscribe(on_lp_interrupt)
         h.run()
         interrupted = stop.is_set()
     solve_s = time.perf_counter() - started
@@ -278,4 +309,4 @@ def print_progress(p: Progress) -> None:
     inc = "-" if p.incumbent is None else f"{p.incumbent:.6g} J"
     bnd = "-" if p.bound is None else f"{p.bound:.6g} J"
     gap = "-" if p.gap is None else f"{100 * p.gap:.2f}%"
-    print(f"  [{p.elapsed_s:6.1f}s] incumbent {inc}  bound {bnd}  gap {gap}", file=sys.stderr, flush=True)
+    print(f"  [{p.elapsed_s:6.1f}s] {p.phase}: incumbent {inc}  bound {bnd}  gap {gap}", file=sys.stderr, flush=True)

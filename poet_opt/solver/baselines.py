@@ -21,6 +21,11 @@ validator, so the benchmark compares like with like.
   current stage are locked, as DTR locks the operands of the running operator, and gradients are
   never evicted (remat only: nothing could recompute them). Fails when the locked tensors alone
   overflow the budget.
+
+Node-link graphs may feed a gradient into a forward node (a ``backward`` node read by a forward
+one). Gradients are never recomputed, so neither is a forward node that reads one, directly or
+through other forward nodes (``needs_gradient``): DTR never evicts it and sqrt(n) keeps it as a
+checkpoint, so both baselines still apply, with those tensors held like gradients.
 """
 
 from __future__ import annotations
@@ -60,14 +65,26 @@ def bottlenecks(graph: TrainingGraph) -> list[int]:
     return out
 
 
+def needs_gradient(graph: TrainingGraph) -> set[int]:
+    """Forward nodes that read a gradient, directly or through other forward nodes: recomputing one
+    would need that gradient again, and gradients are never recomputed."""
+    out: set[int] = set()
+    for node in graph.nodes:  # topological order: every dep is decided before its reader
+        if not node.is_backward and any(graph.nodes[d].is_backward or d in out for d in node.deps):
+            out.add(node.id)
+    return out
+
+
 def sqrt_n_checkpoints(graph: TrainingGraph) -> set[int]:
     """Segment boundaries: the input(s), the loss, and the first bottleneck after every
     ceil(sqrt(n)) forward nodes, or the node 2 ceil(sqrt(n)) after the last boundary if no
-    bottleneck comes by then (random graphs with long skips have almost none)."""
+    bottleneck comes by then (random graphs with long skips have almost none); and every forward
+    node that cannot be recomputed because it reads a gradient."""
     forward = [n.id for n in graph.nodes if not n.is_backward]
     seg = max(1, math.ceil(math.sqrt(len(forward))))
     cuts = set(bottlenecks(graph))
     kept = {n.id for n in graph.nodes if not n.is_backward and (n.op == "input" or n.kind == "loss")}
+    kept |= needs_gradient(graph)
     since = 0
     for v in forward:
         since += 1
@@ -100,6 +117,10 @@ def dtr_decisions(graph: TrainingGraph, costs: NodeCosts, ram_bytes: float) -> O
     nodes, T = graph.nodes, len(graph)
     size = [n.bytes for n in nodes]
     last = graph.last_use()
+    # held like gradients: evicting one would need a gradient, which nothing recomputes, again
+    pinned = [n.is_backward for n in nodes]
+    for i in needs_gradient(graph):
+        pinned[i] = True
     resident: set[int] = set()
     last_access = [0] * T
     clock = 0
@@ -110,7 +131,7 @@ def dtr_decisions(graph: TrainingGraph, costs: NodeCosts, ram_bytes: float) -> O
             i = stack.pop()
             if i in needed:
                 continue
-            if nodes[i].is_backward:  # never evicted, so never missing: a bug if it happens
+            if pinned[i]:  # never evicted, so never missing: a bug if it happens
                 raise RuntimeError(f"dtr lost gradient {i}")
             needed.add(i)
             stack.extend(d for d in nodes[i].deps if d not in resident and d not in needed)
@@ -125,7 +146,7 @@ def dtr_decisions(graph: TrainingGraph, costs: NodeCosts, ram_bytes: float) -> O
         live = sum(size[i] for i in resident)
         for k in computed:
             while live + size[k] > ram_bytes:
-                victims = [i for i in resident if not nodes[i].is_backward and last_touch.get(i, -1) < k]
+                victims = [i for i in resident if not pinned[i] and last_touch.get(i, -1) < k]
                 if not victims:
                     return None
 

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from poet_opt.device.costs import NodeCosts, node_costs
 from poet_opt.device.profiles import DeviceProfile, load_profile
-from poet_opt.errors import InfeasibleError, NoScheduleFound, PoetError
+from poet_opt.errors import InfeasibleError, NoScheduleFound, PoetError, SolveInterrupted
 from poet_opt.model.graph import TrainingGraph
+from poet_opt.model.orders import candidate_orders, min_peak_order
 from poet_opt.schedule import validator
-from poet_opt.schedule.decisions import Budgets, build_steps, plain_decisions, totals_of
+from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of
 from poet_opt.schedule.document import Schedule
-from poet_opt.solver.backends import Progress, SolveResult, relative_gap, solve_milp
+from poet_opt.solver.backends import Progress, SolveResult, interrupt_scope, interrupted, relative_gap, solve_milp
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
 from poet_opt.solver.heuristics import starting_points
@@ -68,21 +69,42 @@ def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     return found, max(bound, graph.min_working_set_bytes())
 
 
+ORDERS = ("auto", "given")
+# Graphs this small have few topological orders, and each solve takes milliseconds: try them all.
+ENUMERATE_ORDERS_MAX_NODES = 24
+ENUMERATE_ORDERS_MAX = 24
+
+
 def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=None, mode: str = "joint",
           backend: str = "highs", time_limit: Optional[float] = None, gap: float = 1e-3,
           threads: Optional[int] = None, progress: Optional[Callable[[Progress], None]] = None,
-          model_name: Optional[str] = None, start=None) -> Schedule:
-    """Find the energy-optimal schedule (or the best one within the time limit) and validate it.
+          model_name: Optional[str] = None, start=None, order: str = "auto") -> Schedule:
+    """Find the least-energy schedule (or the best one within the time limit) and validate it.
 
-    start: a Schedule or formulation Decisions to start the search from (a Pareto sweep passes the
-    plan of a smaller budget, which fits this one); ignored where it breaks this problem's budgets.
+    order: ``"given"`` solves in the graph's own node order; ``"auto"`` (default) also solves in
+    orders that hold less in RAM at once (``poet_opt.model.orders``), every order when the graph is
+    small, and keeps the best; the time limit is shared between the orders. The schedule's graph
+    is in the execution order chosen (``Schedule.order`` maps it back to the given graph).
 
-    Raises InfeasibleError (with the smallest feasible RAM budget) when no schedule exists,
-    NoScheduleFound when the solver stopped before finding one, PoetError for bad input.
+    start: a Schedule, or (order, Decisions), or Decisions in the given order, to start the search
+    from (a Pareto sweep passes the plan of a smaller budget, which fits this one); ignored where
+    it breaks this problem's budgets.
+
+    ``solver.status`` says what was proven: ``optimal`` (no valid step sequence of the graph in
+    any order uses less energy: the plan reaches plain training's energy), ``optimal_for_order``
+    (none in this execution order under the formulation's stage model, docs/formulation.md),
+    ``gap_limit`` (within the requested gap of that order's bound), ``time_limit``, ``interrupted``
+    or ``stopped`` (the solver ended above the requested gap; ``gap`` says how far).
+
+    Raises InfeasibleError (with the smallest feasible RAM budget) when no schedule exists, or none
+    in the orders tried (``proven`` False), NoScheduleFound when the solver stopped before finding
+    one, PoetError for bad input.
     """
     profile = device if isinstance(device, DeviceProfile) else load_profile(device)
     if mode not in MODES:
         raise PoetError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", field="--mode")
+    if order not in ORDERS:
+        raise PoetError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}", field="--order")
     if not (gap >= 0):
         raise PoetError(f"the relative gap must be >= 0, got {gap}", field="--gap")
     if time_limit is not None and not (time_limit > 0):
@@ -90,11 +112,131 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     began = time.perf_counter()  # the time limit covers the starts and the build too, not just the MILP
     costs = node_costs(graph, profile)
     budgets = resolve_budgets(graph, profile, costs, ram, runtime)
-
+    if mode == "none":  # exact, and never below the working set
+        _check_plain_fits_some_order(graph, budgets, order)
     if budgets.ram_bytes < graph.min_working_set_bytes():
-        _raise_infeasible(graph, costs, budgets, mode, backend, reason="some node and its inputs alone need more",
-                          time_limit=time_limit)
+        _raise_below_working_set(graph, costs, budgets, mode)
+    with interrupt_scope():
+        return _solve_orders(graph, profile, costs, budgets, mode, order=order, backend=backend, began=began,
+                             time_limit=time_limit, gap=gap, threads=threads, progress=progress,
+                             model_name=model_name, start=start)
 
+
+def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began, time_limit, gap, threads,
+                  progress, model_name, start) -> Schedule:
+    """Solve in each candidate execution order in turn, sharing the time limit, and keep the best."""
+
+    orders = [("given", list(range(len(graph))))]
+    if order == "auto":
+        orders = candidate_orders(graph, enumerate_up_to=ENUMERATE_ORDERS_MAX
+                                  if len(graph) <= ENUMERATE_ORDERS_MAX_NODES else 0)
+    floor = costs.plain_energy_j
+    outcomes: list[_Outcome] = []
+    for k, (label, ids) in enumerate(orders):
+        share = None
+        if time_limit is not None:
+            # an equal share of what is left: orders that finish early leave their time to the rest
+            share = max(0.05, (time_limit - (time.perf_counter() - began)) / (len(orders) - k))
+        here = graph if label == "given" else graph.reordered(ids)
+        outcome = _solve_in_order(here, node_costs(here, profile) if here is not graph else costs, profile, budgets,
+                                  mode,
+                                  backend=backend, time_limit=share, gap=gap, threads=threads, progress=progress,
+                                  start=_start_for(start, ids))
+        outcome.label, outcome.order = label, tuple(ids)
+        outcomes.append(outcome)
+        if outcome.status == "interrupted" or interrupted():
+            break  # the user asked to stop: keep what was found so far
+        if outcome.energy is not None and outcome.energy <= floor * (1 + 1e-12):
+            break  # plain training's energy: no order can do better
+
+    found = [o for o in outcomes if o.decisions is not None]
+    if not found:
+        if all(o.status == "infeasible" for o in outcomes):
+            tried = min(outcomes, key=lambda o: o.graph.plain_peak_bytes())
+            left = None if time_limit is None else max(0.2, time_limit - (time.perf_counter() - began))
+            _raise_infeasible(tried.graph, tried.costs, budgets, mode, backend, time_limit=left,
+                              orders_tried=len(outcomes))
+        if outcomes[-1].status == "interrupted" or interrupted():
+            raise SolveInterrupted("the solve was interrupted before any schedule within the budgets was found")
+        what = {"time_limit": "the time limit ran out"}.get(outcomes[-1].status,
+                                                           f"the solver stopped ({outcomes[-1].status})")
+        raise NoScheduleFound(f"{what} before any schedule within the budgets was found; "
+                              "give more time (--time-limit) or a looser budget")
+    best = min(found, key=lambda o: o.energy)  # ties keep the earlier: the given order first
+    steps = build_steps(best.graph, best.decisions)
+    totals = totals_of(best.graph, best.costs, steps)
+    objective = totals["energy_j"]
+    requested_gap, order_gap = gap, relative_gap(objective, best.bound)
+    if objective <= floor * (1 + 1e-9):
+        status = "optimal"
+    elif order_gap is not None and order_gap <= 1e-9:
+        status = "optimal_for_order"
+    elif order_gap is not None and order_gap <= requested_gap:
+        status = "gap_limit"
+    elif best.status in ("time_limit", "interrupted"):
+        status = best.status
+    else:
+        status = "stopped"
+    schedule = Schedule(
+        model=model_name or graph.name, mode=mode, graph=best.graph, profile=profile, costs=best.costs,
+        budgets=budgets, decisions=best.decisions, steps=steps, totals=totals, plain=plain_summary(graph, costs),
+        order=best.order,
+        solver={
+            "backend": best.backend, "status": status,
+            "objective": objective, "bound": best.bound, "gap": order_gap, "plain_floor_j": floor,
+            # plain training's energy bounds every valid step sequence in every order
+            "bound_any_order": floor, "gap_any_order": relative_gap(objective, floor),
+            "order": order, "execution_order": best.label, "orders_tried": len(outcomes),
+            "build_s": sum(o.build_s for o in outcomes), "solve_s": sum(o.solve_s for o in outcomes),
+            "variables": best.variables, "constraints": best.constraints, "full_milp": best.full_note,
+        },
+    )
+    try:
+        validator.validate(schedule.to_dict())
+    except validator.ScheduleInvalid as exc:
+        # A bug on our side, not the user's: never hand out a plan that fails its own check.
+        raise PoetError(f"internal error: the solver's schedule fails validation ({exc.message}); "
+                        "please report this with the command line you used") from None
+    return schedule
+
+
+@dataclass
+class _Outcome:
+    """What the solve in one execution order found and proved."""
+
+    graph: TrainingGraph
+    costs: NodeCosts
+    status: str
+    decisions: Optional[Decisions] = None
+    energy: Optional[float] = None
+    bound: Optional[float] = None  # for this order, under the stage model
+    backend: str = "highs"
+    build_s: float = 0.0
+    solve_s: float = 0.0
+    variables: Optional[int] = None
+    constraints: Optional[int] = None
+    full_note: str = ""
+    label: str = "given"
+    order: tuple = ()
+
+
+def _start_for(start, ids: list[int]):
+    """The caller's start plan if it was made in this execution order, else None."""
+    if start is None:
+        return None
+    if isinstance(start, tuple):
+        start_order, decisions = start
+    elif isinstance(start, Schedule):
+        start_order, decisions = start.order, start.decisions
+    else:
+        start_order, decisions = tuple(range(len(ids))), start
+    return decisions if tuple(start_order) == tuple(ids) else None
+
+
+def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfile, budgets: Budgets, mode: str,
+                    *, backend: str, time_limit: Optional[float], gap: float, threads, progress, start) -> _Outcome:
+    """Heuristic starts, the restricted MILP, then the full MILP, in the graph's own node order."""
+    began = time.perf_counter()
     candidates = starting_points(graph, costs, budgets, mode)
     solve_s = 0.0
     # Past this size the full MILP's root LP is out of reach of any interactive time limit (ResNet-50's
@@ -119,7 +261,7 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         solve_s += time.perf_counter() - started
     # The caller's plan (a Pareto sweep passes the budget below's) is one more candidate, so every
     # path below can take it: the full MILP's start, the floor check, and the plan kept on a skip.
-    warm = _fitting_plan(graph, costs, budgets, mode, profile, getattr(start, "decisions", start))
+    warm = _fitting_plan(graph, costs, budgets, mode, profile, start)
     if warm is not None:
         candidates = sorted([warm, *candidates], key=lambda d: _energy(graph, costs, d))
     first = decisions = form = None
@@ -145,11 +287,11 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         started = time.perf_counter()
         form = Formulation(graph, costs, budgets, mode, runtime_margin=margin, cost_cap=cost_cap)
         build_s = time.perf_counter() - started
-        start = next((x for x in map(form.encode, candidates) if x is not None), None)
+        mip_start = next((x for x in map(form.encode, candidates) if x is not None), None)
         # the re-solve shares the one time limit the user gave
-        remaining = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - began))
+        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - began))
         result = solve_milp(form.milp, backend=backend, time_limit=remaining, gap=gap, threads=threads,
-                            progress=progress, start=start)
+                            progress=progress, start=mip_start)
         first = first or result  # the exact budget's bound stays valid whatever happens next
         solve_s += result.solve_s
         if result.x is None:
@@ -160,55 +302,36 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
             break
         # The solver's tolerances let the plan overshoot the runtime budget by a hair: solve again
         # with the budget tightened by a millionth.
+    if decisions is None and first.status in ("interrupted", "time_limit"):
+        # stopped before the MILP had a plan of its own: the best start is valid and within budget
+        decisions = next((d for d in candidates if _fits_runtime(graph, costs, d, budgets)), None)
     if decisions is None and first.x is not None:
         # Even the tightened solve gave nothing within budget: the optimum sits on the budget's
         # edge, where only the heuristic schedules (checked by replay) are known to be exact.
         decisions = next((d for d in candidates if _fits_runtime(graph, costs, d, budgets)), None)
-    if first.status == "infeasible" or (decisions is None and first.x is not None):
-        # The second case: the only plans the solver found overshoot the runtime budget by less
-        # than its tolerance, and none fits once the budget is tightened by a millionth.
-        _raise_infeasible(graph, costs, budgets, mode, backend, time_limit=time_limit)
     if first.status == "error":
         raise PoetError("the solver failed on this model (numerical trouble); check the graph's sizes and costs "
                         "are sane, or try --solver cbc")
-    if decisions is None:
-        what = {"time_limit": "the time limit ran out", "interrupted": "the solve was interrupted"}.get(
-            first.status, f"the solver stopped ({first.status})")
-        raise NoScheduleFound(f"{what} before any schedule within the budgets was found; "
-                              "give more time (--time-limit) or a looser budget")
-
-    steps = build_steps(graph, decisions)
-    totals = totals_of(graph, costs, steps)
-    objective = totals["energy_j"]
+    outcome = _Outcome(graph=graph, costs=costs, status=first.status, backend=first.backend, build_s=build_s,
+                       solve_s=solve_s, full_note=full_note,
+                       variables=form.milp.num_vars if form else None,
+                       constraints=form.milp.num_rows if form else None)
+    if first.status == "infeasible" or decisions is None:
+        # With a solution that overshoots the runtime budget by less than the solver's tolerance and
+        # none left once the budget is tightened by a millionth, no plan in this order fits either.
+        if first.x is not None:
+            outcome.status = "infeasible"
+        return outcome
+    energy = totals_of(graph, costs, build_steps(graph, decisions))["energy_j"]
     # Plain training's energy is a floor for every schedule (each node runs at least once, nothing else
     # is free); it is the bound left when the solver stops before its root relaxation does better.
-    bound = min(floor if first.bound is None else max(first.bound, floor), objective)
+    bound = min(floor if first.bound is None else max(first.bound, floor), energy)
     if head is not None:
         # With actions dearer than the start's extra energy left out, the MILP's bound covers only the
         # plans at least as good as the start: the start's energy caps the bound for the rest.
         bound = min(bound, head)
-    requested_gap, gap = gap, relative_gap(objective, bound)
-    status = first.status
-    if status in ("optimal", "gap_limit") or (skip_full and gap is not None and gap <= requested_gap):
-        status = "optimal" if gap is not None and gap <= 1e-9 else "gap_limit"
-    schedule = Schedule(
-        model=model_name or graph.name, mode=mode, graph=graph, profile=profile, costs=costs, budgets=budgets,
-        decisions=decisions, steps=steps, totals=totals, plain=plain_summary(graph, costs),
-        solver={
-            "backend": first.backend, "status": status,
-            "objective": objective, "bound": bound, "gap": gap, "plain_floor_j": floor,
-            "build_s": build_s, "solve_s": solve_s,
-            "variables": form.milp.num_vars if form else None, "constraints": form.milp.num_rows if form else None,
-            "full_milp": full_note,
-        },
-    )
-    try:
-        validator.validate(schedule.to_dict())
-    except validator.ScheduleInvalid as exc:
-        # A bug on our side, not the user's: never hand out a plan that fails its own check.
-        raise PoetError(f"internal error: the solver's schedule fails validation ({exc.message}); "
-                        "please report this with the command line you used") from None
-    return schedule
+    outcome.decisions, outcome.energy, outcome.bound = decisions, energy, bound
+    return outcome
 
 
 GAP_MILP_TIME_S = 10.0
@@ -253,17 +376,55 @@ def _without_unread_page_outs(decisions):
     return replace(decisions, page_out=frozenset(i for i in decisions.page_out if i in read_back))
 
 
-def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "", time_limit=None) -> None:
+def _raise_below_working_set(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str) -> None:
+    """A budget below the largest working set of one step fails in every order, and the graph alone
+    says by how much: answered at once, without a solver."""
+    need = graph.min_working_set_bytes()
+    node = max(graph.nodes, key=lambda n: n.bytes + sum(graph.nodes[d].bytes for d in set(n.deps)))
+    head = (f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM: computing {node.name} holds its inputs and "
+            f"its output, {format_bytes(need)} ({need} B), at once, in any order")
+    # Paging everything out and back in one input at a time needs no more than that working set, so
+    # with paging, unlimited time and room on storage it is exactly the smallest feasible budget.
+    enough = (mode in ("joint", "paging") and math.isinf(budgets.runtime_s)
+              and sum(n.bytes for n in graph.nodes) <= budgets.storage_bytes)
+    if enough:
+        raise InfeasibleError(f"{head}; the smallest feasible budget is {format_bytes(need)} ({need} B)",
+                              min_ram_bytes=need, min_ram_lower_bound=need, field="--ram")
+    raise InfeasibleError(f"{head}; the smallest feasible budget is at least that", min_ram_lower_bound=need,
+                          field="--ram")
+
+
+def _check_plain_fits_some_order(graph: TrainingGraph, budgets: Budgets, order: str) -> None:
+    """Without recomputation or paging every tensor stays until its last reader, so the least RAM
+    plain training needs over every order is exactly the minimum-peak order's peak: below it, no
+    order fits (the dynamic program is exact where it finishes)."""
+    ids = list(range(len(graph))) if order == "given" else min_peak_order(graph)
+    if ids is None:
+        return  # too many node sets for the exact program: the solves below decide, per order
+    peak = graph.reordered(ids).plain_peak_bytes()
+    if budgets.ram_bytes >= peak:
+        return
+    where = "in the given execution order" if order == "given" else "in any execution order"
+    raise InfeasibleError(f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM in mode none: plain training "
+                          f"holds {format_bytes(peak)} ({peak} B) at its peak {where}; the smallest feasible budget "
+                          f"is {format_bytes(peak)} ({peak} B)", min_ram_bytes=peak, min_ram_lower_bound=peak,
+                          field="--ram", proven=order != "given")
+
+
+def _raise_infeasible(graph, costs, budgets, mode, backend, time_limit=None, orders_tried: int = 1) -> None:
+    """No plan in the orders tried: how much RAM would do, in the one whose plain training holds least."""
     limit = 30.0 if time_limit is None else min(30.0, time_limit)
     found, bound = min_feasible_ram(graph, costs, budgets, mode, backend=backend, time_limit=limit)
     runtime_note = "" if math.isinf(budgets.runtime_s) else f" and runtime {format_seconds(budgets.runtime_s)}"
-    head = f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM{runtime_note} in mode {mode}"
-    if reason:
-        head += f" ({reason})"
+    orders = "this execution order" if orders_tried == 1 else f"any of the {orders_tried} execution orders tried"
+    head = f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM{runtime_note} in mode {mode} in {orders}"
+    if orders_tried > 1:
+        # the search below ran in one order: its bound does not cover the others
+        bound = None if bound is None else min(bound, budgets.ram_bytes + 1)
     if found is None and bound is not None:
-        raise InfeasibleError(f"{head}; the smallest feasible budget is at least {format_bytes(bound)}, but no "
+        raise InfeasibleError(f"{head}; there the smallest feasible budget is at least {format_bytes(bound)}, but no "
                               "schedule was found within the time limit to say how much more",
-                              min_ram_lower_bound=bound, field="--ram")
+                              min_ram_lower_bound=bound, field="--ram", proven=False)
     if found is None:
         advice = []
         if math.isfinite(budgets.runtime_s):
@@ -271,15 +432,17 @@ def _raise_infeasible(graph, costs, budgets, mode, backend, reason: str = "", ti
         if mode != "joint":
             advice.append("use --mode joint")
         hint = f" ({' or '.join(advice)})" if advice else ""
-        raise InfeasibleError(f"{head}; no RAM budget is enough in this mode under these budgets{hint}",
-                              min_ram_lower_bound=math.inf, field="--ram")
+        raise InfeasibleError(f"{head}; no RAM budget is enough in this order under these budgets{hint}",
+                              min_ram_lower_bound=math.inf if orders_tried == 1 else budgets.ram_bytes + 1,
+                              field="--ram", proven=False)
     if found <= budgets.ram_bytes:
         # RAM is not what binds: the runtime budget is (to within a millionth) below every plan.
-        raise InfeasibleError(f"{head}; at this RAM budget every schedule needs more time than "
+        raise InfeasibleError(f"{head}; at this RAM budget every schedule in it needs more time than "
                               f"{format_seconds(budgets.runtime_s)}: loosen --runtime", min_ram_lower_bound=bound,
-                              field="--runtime")
+                              field="--runtime", proven=False)
     if bound is not None and bound < found:
-        tail = f"the smallest feasible budget is between {format_bytes(bound)} and {format_bytes(found)}"
+        tail = f"there the smallest feasible budget is between {format_bytes(bound)} and {format_bytes(found)}"
     else:
-        tail = f"the smallest feasible budget is {format_bytes(found)} ({found} B)"
-    raise InfeasibleError(f"{head}; {tail}", min_ram_bytes=found, min_ram_lower_bound=bound, field="--ram")
+        tail = f"there the smallest feasible budget is {format_bytes(found)} ({found} B)"
+    raise InfeasibleError(f"{head}; {tail}", min_ram_bytes=found, min_ram_lower_bound=bound, field="--ram",
+                          proven=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of
+from poet_opt.solver.backends import interrupted
 from poet_opt.solver.baselines import dtr_decisions, sqrt_n_decisions, without_idle_keeps
 from poet_opt.solver.checkpointing import checkpoint_decisions
 
@@ -58,6 +59,8 @@ def _relieve_peak(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, deci
     stage holds nothing movable, or the plan breaks the runtime or storage budget."""
     chosen: set[int] = set()
     while True:
+        if interrupted():  # Ctrl-C: the MILP phase after this one reports what was found
+            return None
         decisions = decisions_for(chosen)
         steps = build_steps(graph, decisions)
         totals = totals_of(graph, costs, steps)
@@ -101,10 +104,10 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
                                   allow_remat=mode in ("joint", "remat")))
         # The replaying greedy loops re-run the whole plan per step (their keep sets grow with the
         # square of the graph): minutes at 1000 nodes, where gap_plan alone takes seconds.
-        small = len(graph) <= REPLAYING_GREEDY_MAX_NODES
+        small = len(graph) <= REPLAYING_GREEDY_MAX_NODES and not interrupted()
         if mode in ("joint", "paging") and small:
             found.append(greedy_paging(graph, costs, budgets))
-        if mode in ("joint", "remat"):
+        if mode in ("joint", "remat") and not interrupted():
             if small:
                 found.append(greedy_checkpointing(graph, costs, budgets))
             found += _fitting_baselines(graph, costs, budgets)
