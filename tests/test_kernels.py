@@ -617,8 +617,9 @@ def symbols(obj) -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("cpu", sorted(toolchain.CPU_FLAGS))
 def test_kernels_cross_compile_without_libraries(tmp_path, cpu):
     """With an FPU, the kernels need nothing at link time: no libm, no libc (no memset/memcpy a
-    loop could have become), no double-precision helpers. On the M0+ every float operation is a
-    compiler-rt __aeabi_* call, which zig links into any image; nothing else may be missing."""
+    loop could have become), no double-precision helpers. Without one (M0, M0+, and the M3, M4
+    and M7 built soft-float) every float operation is a compiler-rt __aeabi_* call, which zig
+    links into any image; nothing else may be missing."""
     defined, undefined = set(), set()
     for obj in toolchain.compile_objects(cpu, tmp_path):
         d, u = symbols(obj)
@@ -626,7 +627,7 @@ def test_kernels_cross_compile_without_libraries(tmp_path, cpu):
         undefined |= u
     missing = undefined - defined
     assert "poet_conv2d_forward" in defined and "poet_adam_step" in defined
-    if cpu == "cortex-m0plus":
+    if not toolchain.hard_float(cpu):
         assert all(s.startswith("__aeabi_") for s in missing), sorted(missing)
         assert not [s for s in missing if s.startswith("__aeabi_d")], "double arithmetic crept in"
     else:
