@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from poet_opt.device.profiles import DeviceProfile
@@ -34,3 +36,11 @@ def make_test_device(**storage_overrides) -> DeviceProfile:
 @pytest.fixture(scope="session")
 def test_device() -> DeviceProfile:
     return make_test_device()
+
+
+def assert_no_output(out: Path) -> None:
+    """Nothing at ``out``, and none of the temporaries an atomic write makes beside it."""
+    assert not out.exists(), f"{out} was written"
+    if out.parent.is_dir():
+        leftovers = list(out.parent.glob(f".{out.name}.*"))
+        assert not leftovers, f"temporary files left behind: {leftovers}"

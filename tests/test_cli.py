@@ -21,6 +21,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from conftest import assert_no_output
 from poet_opt.cli import main
 from poet_opt.model.node_link import load_node_link
 from poet_opt.device.profiles import PROFILE_DIR, builtin_profile_names
@@ -66,13 +67,6 @@ def assert_one_line_error(result, *needles: str, code: int = 2, out: Path | None
     if out is not None:
         assert_no_output(out)
     return line
-
-
-def assert_no_output(out: Path) -> None:
-    assert not out.exists(), f"{out} was written"
-    if out.parent.is_dir():
-        leftovers = list(out.parent.glob(f".{out.name}.*"))
-        assert not leftovers, f"temporary files left behind: {leftovers}"
 
 
 def assert_usage_error(result, *needles: str) -> None:

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from conftest import assert_no_output
 from poet_opt.cli import main
 from poet_opt.device.profiles import PROFILE_DIR
 
@@ -60,15 +61,8 @@ def assert_refused(result, *needles: str, out: Path | None = None, code: int = 2
     assert result.stdout == "", result.stdout[:500]
     assert result.seconds < SECONDS, f"took {result.seconds:.2f} s"
     if out is not None:
-        assert_nothing_at(out)
+        assert_no_output(out)
     return line
-
-
-def assert_nothing_at(out: Path) -> None:
-    assert not out.exists(), f"{out} was written"
-    if out.parent.is_dir():
-        leftovers = list(out.parent.glob(f".{out.name}.*"))
-        assert not leftovers, f"temporary files left behind: {leftovers}"
 
 
 def chain_graph(n_forward: int = 4, **first_node) -> dict:
@@ -255,7 +249,7 @@ def test_alias_bomb_profile_is_refused_not_a_hang(tmp_path):
     done, seconds = run_cli_process(tmp_path, "solve", "--model", "mlp", "--device", path, "--ram", "1MB",
                                     "--out", tmp_path / "s.json")
     assert_process_refused(done, seconds, "board.yaml", "line", "alias")
-    assert_nothing_at(tmp_path / "s.json")
+    assert_no_output(tmp_path / "s.json")
 
 
 def test_alias_bomb_cost_file_is_refused_not_a_hang(tmp_path):
@@ -521,7 +515,7 @@ def test_sigterm_while_writing_the_schedule_leaves_nothing(tmp_path):
                               "-q", "--out", out)
     assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr)
     assert done.stderr.splitlines() == ["poet-opt: terminated; nothing was written"]
-    assert_nothing_at(out)
+    assert_no_output(out)
 
 
 def test_sigterm_while_writing_the_pareto_csv_leaves_nothing(tmp_path):
@@ -530,7 +524,7 @@ def test_sigterm_while_writing_the_pareto_csv_leaves_nothing(tmp_path):
                               "--jobs", "1", "-q", "-o", sweep)
     assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr)
     assert len(done.stderr.splitlines()) == 1 and "terminated" in done.stderr
-    assert_nothing_at(sweep / "pareto.csv")
+    assert_no_output(sweep / "pareto.csv")
 
 
 # ---------------------------------------------------------------- 9. a gradient read by a forward node
