@@ -178,28 +178,24 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
             return SolveResult("interrupted", None, None, None, 0.0, "highs")
         last_report = [0.0]
 
-        def on_interrupt(event):
-            out = event.data_out
+        def on_interrupt(event, mip: bool = True):
             if stop.is_set():
                 event.data_in.user_interrupt = True
-            if progress is not None:
-                now = time.perf_counter() - started
-                if now - last_report[0] >= 1.0:
-                    last_report[0] = now
-                    inc = out.mip_primal_bound if abs(out.mip_primal_bound) < 1e300 else None
-                    bnd = out.mip_dual_bound if abs(out.mip_dual_bound) < 1e300 else None
-                    g = out.mip_gap if inc is not None and math.isfinite(out.mip_gap) else None
-                    progress(Progress(now, inc, bnd, g))
+            now = time.perf_counter() - started
+            if progress is None or now - last_report[0] < 1.0:
+                return
+            last_report[0] = now
+            if not mip:  # the root LP of a large model can run for minutes before branch and bound calls back
+                progress(Progress(now, None, None, None, "LP relaxation"))
+                return
+            out = event.data_out
+            inc = out.mip_primal_bound if abs(out.mip_primal_bound) < 1e300 else None
+            bnd = out.mip_dual_bound if abs(out.mip_dual_bound) < 1e300 else None
+            g = out.mip_gap if inc is not None and math.isfinite(out.mip_gap) else None
+            progress(Progress(now, inc, bnd, g))
 
         def on_lp_interrupt(event):
-            # the root LP of a large model can run for minutes before branch and bound calls back
-            if stop.is_set():
-                event.data_in.user_interrupt = True
-            if progress is not None:
-                now = time.perf_counter() - started
-                if now - last_report[0] >= 1.0:
-                    last_report[0] = now
-                    progress(Progress(now, None, None, None, "LP relaxation"))
+            on_interrupt(event, mip=False)
 
         h.cbMipInterrupt.subscribe(on_interrupt)
         h.cbSimplexInterrupt.subscribe(on_lp_interrupt)
