@@ -345,11 +345,8 @@ def _dying_run_point(task):
 
 
 def test_a_dead_worker_costs_its_points_not_the_sweep(monkeypatch):
-    # the pool's workers are forked from this process, so they run the patched function
-    import multiprocessing
-
-    if multiprocessing.get_start_method() != "fork":
-        pytest.skip("needs forked workers to see the patched function")
+    # the pool pickles the function it runs by name, so its workers import this module and run the
+    # patched one
     monkeypatch.setattr(executors, "run_point", _dying_run_point)
     rows = pareto.sweep("mlp", [make_test_device()], MLP_RAMS, modes=("joint",), jobs=2, **FAST)
     assert not rows.interrupted

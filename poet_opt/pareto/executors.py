@@ -86,6 +86,20 @@ def _worker_init() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def _process_pool(workers: int) -> cf.ProcessPoolExecutor:
+    """A pool whose workers start from a clean interpreter, not a fork of this one: a fork copies
+    the memory of HiGHS's thread scheduler but not its threads, and the first solve in such a
+    worker waits for them forever (seen with highspy 1.16 after any solve in the parent)."""
+    import multiprocessing
+
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if context.get_start_method() == "forkserver":
+        # each worker forks from a server that has already imported the solver, not from scratch
+        context.set_forkserver_preload(["poet_opt.pareto.points"])
+    return cf.ProcessPoolExecutor(max_workers=workers, initializer=_worker_init, mp_context=context)
+
+
 def run_here(driver: Driver) -> None:
     try:
         while (task := driver.take()) is not None:
@@ -131,7 +145,7 @@ def _drain(driver: Driver, submit, capacity: int, futures: dict, lost) -> bool:
 
 def run_on_pool(driver: Driver, jobs: int) -> bool:
     """Run the points on a local process pool; True if the pool broke (a worker died)."""
-    pool = cf.ProcessPoolExecutor(max_workers=min(jobs, driver.total), initializer=_worker_init)
+    pool = _process_pool(min(jobs, driver.total))
 
     def lost(task, exc):
         if isinstance(exc, cf.process.BrokenProcessPool):
@@ -165,7 +179,7 @@ def run_alone(driver: Driver) -> None:
 
 def _run_on_pool_once(driver: Driver, task: dict) -> bool:
     """One point on a one-worker pool; True if the worker died."""
-    pool = cf.ProcessPoolExecutor(max_workers=1, initializer=_worker_init)
+    pool = _process_pool(1)
     try:
         row = pool.submit(run_point, task).result()
         if row["status"] == "interrupted":
