@@ -211,6 +211,64 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
         sys.exit(EXIT_INTERRUPTED)
 
 
+@main.command()
+@click.option("--model", help="zoo model name with a firmware build (mcu-vww, mlp)")
+@click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
+@click.option("--input-shape", default=None, help="--torch: the whole input, batch first, e.g. 2,3,32,32")
+@click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
+@click.option("--ram", required=True, help="RAM budget for activations and gradients, as for `poet-opt solve`")
+@click.option("--steps", type=int, required=True, help="training steps to run on the emulated board")
+@click.option("--lr", type=float, required=True, help="SGD learning rate")
+@click.option("--data", required=True, type=click.Path(dir_okay=False),
+              help="BATCH.npz with x (float32, batch first) and y (int64 class labels)")
+@click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
+@click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
+              help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
+@click.option("--time-limit", type=float, default=60.0, show_default=True, help="seconds for the solver")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+@click.option("-o", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="keep the generated sources and the linked image (DIR/*.elf) here")
+@click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
+@_one_line_errors
+def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, trainable, weights_out, time_limit,
+            as_json, out_dir, quiet):
+    """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M."""
+    import numpy as np
+
+    from poet_opt.files import write_atomic
+    from poet_opt.firmware.trainer import emulate_training
+
+    if (model is None) == (torch_spec is None):
+        raise click.UsageError("give --model NAME or --torch FILE.py:FACTORY (with --input-shape)")
+    if weights_out is not None:
+        _check_writable(weights_out, field="--weights-out")
+    _check_not_inputs([("--weights-out", weights_out), ("-o", out_dir)], device=device, torch_spec=torch_spec,
+                      data=data)
+    say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
+    result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
+                              steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
+                              time_limit=time_limit, progress=say)
+    if weights_out is not None:
+        write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
+    summary = result.summary()
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+        return
+    losses = ", ".join(f"{v:.6g}" for v in summary["loss"])
+    status = result.schedule.solver["status"]
+    click.echo("\n".join([
+        f"{result.network.name} on the emulated {device}: {summary['steps']} SGD step(s), schedule {status}",
+        f"  loss     {losses}",
+        f"  RAM      {summary['ram_used_bytes'] / 1024:.1f} KiB used of {summary['ram_device_bytes'] / 1024:.0f} KiB "
+        f"(arena {result.arena_bytes / 1024:.1f} KiB, stack {result.stack_bytes} B)",
+        f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
+        f"{summary['flash_erases_max_block']} erase(s) of one block",
+        f"  executed {summary['instructions']:,} instructions",
+        *([f"  wrote    {weights_out}"] if weights_out else []),
+        *([f"  kept     {out_dir}/ (sources, poet_train.elf)"] if out_dir else []),
+    ]))
+
+
 def _check_prefix(prefix: str) -> None:
     """Before a long solve, not after it."""
     from poet_opt.firmware.header import check_prefix
@@ -263,7 +321,8 @@ def _check_not_inputs(outputs, *, device=(), torch_spec=None, **inputs) -> None:
     or --torch module counts when it names a file: `--device rpi4` is a built-in name."""
     from poet_opt.files import check_not_inputs
 
-    named = {"graph_file": "--graph", "onnx_file": "--onnx", "costs_file": "--costs", "schedule_file": "SCHEDULE_FILE"}
+    named = {"graph_file": "--graph", "onnx_file": "--onnx", "costs_file": "--costs", "schedule_file": "SCHEDULE_FILE",
+             "data": "--data"}
     given = [(named[k], v) for k, v in inputs.items() if v is not None]
     given += [("--device", d) for d in ([device] if isinstance(device, str) else device) if Path(d).is_file()]
     if torch_spec and Path(torch_spec.rsplit(":", 1)[0]).is_file():

@@ -144,3 +144,34 @@ def mobilenetv2() -> nn.Module:
 
 def transformer_block() -> nn.Module:
     return EncoderBlock()
+
+
+class TinyCnn(nn.Module):
+    """A microcontroller-sized CNN with every operator the firmware kernels train: convolution,
+    depthwise convolution, batch norm, ReLU6, a residual add, max and global average pooling and a
+    linear head (input 1x3x32x32 or any batch of 3-channel images)."""
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.stem, self.stem_bn = _conv_bn(3, 8, 3, 2)
+        self.stem_relu = nn.ReLU6()
+        self.pool = nn.MaxPool2d(2, 2)
+        self.dw, self.dw_bn = _conv_bn(8, 8, 3, groups=8)
+        self.dw_relu = nn.ReLU6()
+        self.pw, self.pw_bn = _conv_bn(8, 8, 1)
+        self.head, self.head_bn = _conv_bn(8, 16, 3, 2)
+        self.head_relu = nn.ReLU()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = self.pool(self.stem_relu(self.stem_bn(self.stem(x))))
+        y = self.pw_bn(self.pw(self.dw_relu(self.dw_bn(self.dw(x)))))
+        x = x + y
+        x = self.head_relu(self.head_bn(self.head(x)))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def tiny_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyCnn()

@@ -61,6 +61,9 @@ class OpList:
     def __init__(self, input_shape: Sequence[int], input_name: str = "input"):
         self.ops: list[ForwardOp] = [ForwardOp(input_name, "input", tuple(input_shape), (), 0.0)]
         self._names = {input_name}
+        # op name -> what the importer lowered it from (a torch.fx node): the firmware generator
+        # reads each operator's attributes and parameters there
+        self.origins: dict[str, object] = {}
 
     def add(self, name: str, op: str, inputs: Iterable[int], shape: Sequence[int], flops: float,
             params: int = 0, saves: str = "") -> int:

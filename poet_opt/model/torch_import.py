@@ -106,6 +106,17 @@ def import_torch(model, input_shape, *, bytes_per_element: int = 4, trainable="a
     file) times them."""
     torch = _torch()
     shape = parse_full_shape(input_shape)
+    module, default_name = resolve_module(model)
+    ops, output = _lower(torch, module, shape, frozenset(known_costs))
+    meta = {"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
+            "input_shape": list(shape), "batch_size": shape[0]}
+    return finish(name or default_name, ops.ops, output, bytes_per_element=bytes_per_element,
+                  trainable=trainable, meta=meta, field=FIELD)
+
+
+def resolve_module(model):
+    """(the nn.Module, its default name) from a module, a factory or ``FILE.py:FACTORY``."""
+    torch = _torch()
     if isinstance(model, str):
         factory, default_name = load_factory(model)
     elif isinstance(model, torch.nn.Module):
@@ -123,11 +134,14 @@ def import_torch(model, input_shape, *, bytes_per_element: int = 4, trainable="a
             raise PoetError(f"{default_name}() failed: {_one_line(exc)}", field=FIELD) from None
     if not isinstance(module, torch.nn.Module):
         raise PoetError(f"{default_name} returned a {type(module).__name__}, not a torch.nn.Module", field=FIELD)
-    ops, output = _lower(torch, module, shape, frozenset(known_costs))
-    meta = {"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
-            "input_shape": list(shape), "batch_size": shape[0]}
-    return finish(name or default_name, ops.ops, output, bytes_per_element=bytes_per_element,
-                  trainable=trainable, meta=meta, field=FIELD)
+    return module, default_name
+
+
+def lower_module(module, input_shape, *, known_costs=frozenset()):
+    """The forward operators of ``module`` on an input of ``input_shape`` and the index of the one it
+    returns; ``ops.origins`` maps each operator's name to the torch.fx node it came from."""
+    torch = _torch()
+    return _lower(torch, module, parse_full_shape(input_shape), frozenset(known_costs))
 
 
 # -- tracing -----------------------------------------------------------------------------------------
@@ -239,6 +253,7 @@ def _lower(torch, module, shape, known_costs) -> tuple[OpList, int]:
                             "follows single-tensor operators", field=FIELD)
         inputs = [producer[a] for a in act_inputs]
         producer[n] = ops.add(_name(n), op, inputs, value.shape, flops, params, saves)
+        ops.origins[ops.ops[producer[n]].name] = n
     if output is None:
         raise PoetError("the traced module has no output", field=FIELD)
     return ops, output

@@ -1,0 +1,252 @@
+"""The network the firmware executes: each forward operator of the training graph with what its
+kernel needs (geometry, operand order, parameters with their PyTorch names and initial values).
+
+The training graph knows sizes and dependencies only. The generated C needs more: a convolution's
+stride and padding, which operand of a product comes first, the weights to start from. This module
+reads them from the same torch.fx trace the importer lowered the graph from, so every graph node
+has exactly one layer here, under the same name. What no kernel executes exactly as PyTorch would
+(a transposing view, dropout, a dilated convolution, ...) is an error naming the node, never an
+approximation.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from poet_opt.errors import PoetError
+from poet_opt.model.graph import TrainingGraph
+from poet_opt.model.operators import finish
+from poet_opt.model.torch_import import lower_module, resolve_module
+
+FIELD = "--torch"
+
+# Views that leave a contiguous tensor's bytes where they are: the consumer reads the producer's
+# buffer as it is. Any other view (a transpose, a slice) would need a kernel of its own.
+_FLAT_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous", "detach",
+               "view_as", "reshape_as", "float", "to", "type_as"}
+_ADD = {"add", "iadd", "radd"}
+
+
+@dataclass
+class Parameter:
+    torch_name: str  # as named_parameters() (or named_buffers()) calls it
+    value: np.ndarray  # float32, PyTorch's shape
+
+
+@dataclass
+class Layer:
+    name: str
+    op: str  # input, conv2d, batchnorm, relu, relu6, gelu, maxpool, avgpool, linear, add, matmul, softmax,
+    #          layernorm, copy
+    shape: tuple[int, ...]  # output, batch first
+    operands: list[str]  # producers of the kernel's tensor operands, in argument order (repeats kept)
+    operand_shapes: list[tuple[int, ...]]
+    attrs: dict = field(default_factory=dict)
+    params: dict[str, Parameter] = field(default_factory=dict)  # weight, bias (gamma, beta for norms)
+    buffers: dict[str, Parameter] = field(default_factory=dict)  # running_mean, running_var
+    trainable: bool = False
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Network:
+    name: str
+    module: object  # the torch.nn.Module, untouched: the reference the firmware is checked against
+    input_shape: tuple[int, ...]
+    layers: dict[str, Layer]  # by graph node name, in forward order
+    graph: TrainingGraph
+    output: str  # the layer whose output is the logits
+
+    @property
+    def trainable_parameters(self) -> list[Parameter]:
+        return [p for layer in self.layers.values() if layer.trainable for p in layer.params.values()]
+
+
+def lower_network(model, input_shape, *, trainable="all", name: str | None = None) -> Network:
+    """The training graph of a torch module (or factory, or ``FILE.py:FACTORY``) and the layer of
+    each of its forward nodes."""
+    module, default_name = resolve_module(model)
+    ops, output = lower_module(module, input_shape)
+    graph = finish(name or default_name, ops.ops, output, bytes_per_element=4, trainable=trainable,
+                   meta={"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
+                         "input_shape": list(ops.ops[0].shape), "batch_size": ops.ops[0].shape[0]},
+                   field=FIELD)
+    kept = {n.name for n in graph.nodes if n.kind == "forward"}
+    producers = {ops.origins[o.name]: o.name for o in ops.ops if o.name in ops.origins}
+    placeholder = next(n for n in _fx_nodes(ops) if n.op == "placeholder")
+    producers[placeholder] = ops.ops[0].name
+    shapes = {o.name: tuple(int(d) for d in o.shape) for o in ops.ops}
+    modules = dict(module.named_modules())
+    param_names = {id(p): n for n, p in module.named_parameters()}
+    buffer_names = {id(b): n for n, b in module.named_buffers()}
+    trainable_nodes = {n.name for n in graph.nodes if n.trainable}
+    layers: dict[str, Layer] = {}
+    used_params: dict[int, str] = {}
+    for o in ops.ops:
+        if o.name not in kept:
+            continue
+        if o.op == "input":
+            layers[o.name] = Layer(o.name, "input", shapes[o.name], [], [])
+            continue
+        n = ops.origins[o.name]
+        layer = _layer(n, o, shapes, producers, modules)
+        for p in _module_params(n, modules):
+            if id(p) in used_params:
+                raise PoetError(f"node {o.name!r} shares a parameter with {used_params[id(p)]!r}; the firmware "
+                                "generator keeps one copy per layer (untie the weights)", field=FIELD)
+            used_params[id(p)] = o.name
+        layer.params = {role: Parameter(param_names[id(t)], _array(t)) for role, t in _roles(n, modules).items()
+                        if t is not None and id(t) in param_names}
+        layer.buffers = {role: Parameter(buffer_names[id(t)], _array(t)) for role, t in _roles(n, modules).items()
+                         if t is not None and id(t) in buffer_names}
+        layer.trainable = o.name in trainable_nodes
+        layers[o.name] = layer
+    out_name = next(n.name for n in reversed(graph.nodes) if n.kind == "forward")
+    return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name)
+
+
+def _fx_nodes(ops):
+    origin = next(iter(ops.origins.values()), None)
+    if origin is None:
+        raise PoetError("the module has no operators", field=FIELD)
+    return origin.graph.nodes
+
+
+def _array(t) -> np.ndarray:
+    return t.detach().to("cpu").float().numpy().copy()
+
+
+def _module_params(n, modules) -> list:
+    if n.op == "call_module":
+        return list(modules[n.target].parameters())
+    return []
+
+
+def _roles(n, modules) -> dict:
+    if n.op != "call_module":
+        return {}
+    m = modules[n.target]
+    return {"weight": getattr(m, "weight", None), "bias": getattr(m, "bias", None),
+            "running_mean": getattr(m, "running_mean", None), "running_var": getattr(m, "running_var", None)}
+
+
+def _unsupported(node: str, what: str) -> PoetError:
+    return PoetError(f"node {node!r}: {what}; the firmware generator has no kernel for it", field=FIELD)
+
+
+def _source(arg, producers, modules, node: str) -> str:
+    """The operator whose buffer an fx argument reads, through views that keep its layout."""
+    seen = arg
+    while seen not in producers:
+        if seen.op == "get_attr":
+            raise _unsupported(node, f"it reads the tensor {seen.target} directly rather than through a layer")
+        fn = _fx_callable(seen)
+        kind = type(modules[seen.target]).__name__ if seen.op == "call_module" else ""
+        if not (fn in _FLAT_VIEWS or kind in ("Flatten", "Unflatten", "Identity")):
+            if fn == "dropout" or kind.startswith("Dropout"):
+                raise _unsupported(node, "its input passes through dropout, whose random mask firmware cannot "
+                                         "reproduce")
+            raise _unsupported(node, f"its input is a {fn or kind} view of another tensor, which moves elements")
+        seen = seen.args[0]
+    return producers[seen]
+
+
+def _fx_callable(n) -> str:
+    if n.op == "call_method":
+        return str(n.target)
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target)).strip("_")
+    return ""
+
+
+def _tensor_args(n, producers, modules, node: str) -> list[str]:
+    import torch.fx
+
+    if any(not isinstance(a, torch.fx.Node) for a in n.args):
+        raise _unsupported(node, "an operator with a constant operand")
+    return [_source(a, producers, modules, node) for a in n.args]
+
+
+def _layer(n, o, shapes, producers, modules) -> Layer:
+    import torch
+    nn = torch.nn
+
+    name, shape = o.name, tuple(int(d) for d in o.shape)
+    fn = _fx_callable(n)
+    m = modules.get(n.target) if n.op == "call_module" else None
+
+    def make(op, operands, **attrs):
+        return Layer(name, op, shape, operands, [shapes[p] for p in operands], attrs)
+
+    if m is not None:
+        x = [_source(n.args[0], producers, modules, name)]
+        xs = shapes[x[0]]
+        if isinstance(m, nn.Conv2d):
+            if m.dilation != (1, 1) or m.padding_mode != "zeros" or isinstance(m.padding, str):
+                raise _unsupported(name, "a dilated, non-zero-padded or 'same'-padded convolution")
+            return make("conv2d", x, kernel=m.kernel_size, stride=m.stride, padding=m.padding, groups=m.groups)
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            if m.momentum is None:
+                raise _unsupported(name, "batch norm with a cumulative moving average (momentum=None)")
+            return make("batchnorm", x, eps=float(m.eps), momentum=float(m.momentum))
+        if isinstance(m, nn.LayerNorm):
+            if len(m.normalized_shape) != 1:
+                raise _unsupported(name, "layer norm over more than the last dimension")
+            return make("layernorm", x, eps=float(m.eps))
+        if isinstance(m, nn.Linear):
+            return make("linear", x, features_in=m.in_features, features_out=m.out_features)
+        if isinstance(m, (nn.ReLU, nn.ReLU6)):
+            return make("relu" if type(m) is nn.ReLU else "relu6", x)
+        if isinstance(m, nn.GELU):
+            if m.approximate != "none":
+                raise _unsupported(name, "GELU's tanh approximation")
+            return make("gelu", x)
+        if isinstance(m, nn.Softmax):
+            if m.dim not in (-1, len(xs) - 1):
+                raise _unsupported(name, "a softmax over a dimension other than the last")
+            return make("softmax", x)
+        if isinstance(m, nn.MaxPool2d):
+            if m.dilation not in (1, (1, 1)) or m.ceil_mode or m.return_indices:
+                raise _unsupported(name, "a dilated or ceil-mode max pooling")
+            return make("maxpool", x, kernel=_pair(m.kernel_size), stride=_pair(m.stride or m.kernel_size),
+                        padding=_pair(m.padding))
+        if isinstance(m, nn.AvgPool2d):
+            if m.ceil_mode or not m.count_include_pad or m.divisor_override:
+                raise _unsupported(name, "an average pooling with ceil mode, count_include_pad=False or a divisor")
+            return make("avgpool", x, kernel=_pair(m.kernel_size), stride=_pair(m.stride or m.kernel_size),
+                        padding=_pair(m.padding))
+        if isinstance(m, nn.AdaptiveAvgPool2d) and math.prod(shape) == xs[0] * xs[1]:
+            return make("global_avgpool", x)
+        raise _unsupported(name, f"module {type(m).__name__}")
+    if fn in _ADD:
+        operands = _tensor_args(n, producers, modules, name)
+        if len(operands) != 2 or n.kwargs.get("alpha", 1) != 1 or shapes[operands[0]] != shapes[operands[1]]:
+            raise _unsupported(name, "an addition that is not of two tensors of the same shape")
+        return make("add", operands)
+    if fn in ("relu", "relu6") or n.target is torch.nn.functional.relu6:
+        return make("relu6" if fn == "relu6" else "relu", [_source(n.args[0], producers, modules, name)])
+    if fn in ("matmul", "bmm") and n.target in (torch.matmul, torch.bmm, operator.matmul) or fn == "matmul":
+        operands = _tensor_args(n, producers, modules, name)
+        a, b = (shapes[p] for p in operands)
+        if len(operands) != 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+            raise _unsupported(name, "a matrix product with broadcasting")
+        return make("matmul", operands)
+    if fn in ("mean", "adaptive_avg_pool2d", "avg_pool2d"):
+        x = [_source(n.args[0], producers, modules, name)]
+        xs = shapes[x[0]]
+        if len(xs) == 4 and math.prod(shape) == xs[0] * xs[1] and (fn != "avg_pool2d"):
+            return make("global_avgpool", x)
+    if o.op == "copy":
+        return make("copy", [_source(n.args[0], producers, modules, name)])
+    raise _unsupported(name, f"operator {fn or n.target}")
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))

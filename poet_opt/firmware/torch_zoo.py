@@ -1,0 +1,83 @@
+"""PyTorch modules for the zoo models that firmware can train, layer for layer as the zoo builds
+them (same operators, shapes and names), with PyTorch's default initialisation under
+``torch.manual_seed(SEED)``: `poet-opt emulate --model NAME` starts from these weights, and a test
+trains the same module in PyTorch to compare."""
+
+from __future__ import annotations
+
+from poet_opt.errors import PoetError
+
+SEED = 0
+
+
+def _mcu_vww():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int):
+            super().__init__()
+            self.dw = nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False)
+            self.dw_bn = nn.BatchNorm2d(cin)
+            self.dw_relu = nn.ReLU()
+            self.pw = nn.Conv2d(cin, cout, 1, bias=False)
+            self.pw_bn = nn.BatchNorm2d(cout)
+            self.pw_relu = nn.ReLU()
+
+        def forward(self, x):
+            return self.pw_relu(self.pw_bn(self.pw(self.dw_relu(self.dw_bn(self.dw(x))))))
+
+    class McuVww(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv0 = nn.Conv2d(1, 4, 3, 2, 1, bias=False)
+            self.bn0 = nn.BatchNorm2d(4)
+            self.relu0 = nn.ReLU()
+            cin = 4
+            for i, (cout, stride) in enumerate(((8, 2), (16, 2), (32, 2), (32, 1), (64, 2), (64, 1)), 1):
+                setattr(self, f"ds{i}", Block(cin, cout, stride))
+                cin = cout
+            self.avgpool = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Linear(64, 2)
+
+        def forward(self, x):
+            x = self.relu0(self.bn0(self.conv0(x)))
+            for i in range(1, 7):
+                x = getattr(self, f"ds{i}")(x)
+            return self.fc(torch.flatten(self.avgpool(x), 1))
+
+    torch.manual_seed(SEED)
+    return McuVww()
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for i, width in ((1, 256), (2, 256), (3, 256)):
+                setattr(self, f"fc{i}", nn.Linear(784 if i == 1 else 256, width))
+                setattr(self, f"relu{i}", nn.ReLU())
+            self.fc4 = nn.Linear(256, 10)
+
+        def forward(self, x):
+            for i in (1, 2, 3):
+                x = getattr(self, f"relu{i}")(getattr(self, f"fc{i}")(x))
+            return self.fc4(x)
+
+    torch.manual_seed(SEED)
+    return Mlp()
+
+
+FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp}
+
+
+def zoo_module(name: str):
+    """The seeded PyTorch module of zoo model ``name``."""
+    key = str(name).strip().lower()
+    if key not in FACTORIES:
+        raise PoetError(f"no firmware build of zoo model {name!r} yet; emulate one of {', '.join(sorted(FACTORIES))}, "
+                        "or give --torch FILE.py:FACTORY", field="--model")
+    return FACTORIES[key]()

@@ -1,0 +1,207 @@
+"""Generated firmware trains on the emulated Cortex-M exactly as PyTorch does.
+
+Each case solves a schedule, generates the C training step, cross-compiles it with zig, runs three
+SGD steps in unicorn with exactly the device's RAM, and compares the trained weights with three
+steps of torch.optim.SGD on the same module and batch."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("unicorn")
+pytest.importorskip("ziglang")
+
+from conftest import assert_no_output  # noqa: E402
+from test_cli import assert_one_line_error, cli  # noqa: E402
+
+from poet_opt.examples.torch_models import tiny_cnn  # noqa: E402
+from poet_opt.firmware.torch_zoo import zoo_module  # noqa: E402
+from poet_opt.firmware.trainer import emulate_training  # noqa: E402
+
+STEPS, LR = 3, 0.05
+CNN = "poet_opt.examples.torch_models:tiny_cnn"
+
+
+def _batch(tmp_path_factory, name, shape, labels):
+    rng = np.random.default_rng(1)
+    path = tmp_path_factory.mktemp("data") / f"{name}.npz"
+    np.savez(path, x=rng.standard_normal(shape).astype(np.float32), y=np.asarray(labels, dtype=np.int64))
+    return path
+
+
+@pytest.fixture(scope="module")
+def vww_batch(tmp_path_factory):
+    return _batch(tmp_path_factory, "vww", (1, 1, 96, 96), [1])
+
+
+@pytest.fixture(scope="module")
+def cnn_batch(tmp_path_factory):
+    return _batch(tmp_path_factory, "cnn", (2, 3, 32, 32), [1, 3])
+
+
+def torch_sgd(module, data, trainable_names, steps=STEPS, lr=LR):
+    """The reference: plain PyTorch training of the same module on the same batch."""
+    with np.load(data) as d:
+        x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    module.train()
+    params = []
+    for name, p in module.named_parameters():
+        p.requires_grad_(name in trainable_names)
+        if name in trainable_names:
+            params.append(p)
+    opt = torch.optim.SGD(params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().numpy() for n, p in module.named_parameters() if n in trainable_names}
+
+
+def check_against_torch(result, reference_module, data):
+    assert result.weights, "nothing was trained"
+    losses, weights = torch_sgd(reference_module, data, set(result.weights))
+    assert set(weights) == set(result.weights)
+    largest = max(float(np.abs(w).max()) for w in weights.values())
+    worst = max(float(np.abs(result.weights[n] - w).max()) for n, w in weights.items())
+    print(f"\n{result.network.name}: max |firmware - torch| = {worst:.3g} ({worst / largest:.3g} of the largest weight)")
+    assert worst <= 1e-4 * largest
+    assert np.allclose(result.losses, losses, rtol=1e-4, atol=1e-6)
+    assert result.losses[-1] < result.losses[0]
+    assert all(b < a for a, b in zip(result.losses, result.losses[1:]))
+    assert result.ram_used_bytes <= result.ram_device_bytes
+    assert not result.flash_violations
+
+
+def step_counts(result) -> Counter:
+    return Counter(s["op"] for s in result.schedule.to_dict()["steps"])
+
+
+def test_mcu_vww_recomputes_on_nrf52840_and_matches_torch(vww_batch):
+    result = emulate_training(model="mcu-vww", device="nrf52840", ram="150KiB", steps=STEPS, lr=LR, data=vww_batch)
+    counts = step_counts(result)
+    nodes = len(result.schedule.to_dict()["graph"]["nodes"])
+    assert counts["compute"] > nodes, "the budget should force recomputation"
+    assert result.network.graph.plain_peak_bytes() > 150 * 1024
+    check_against_torch(result, zoo_module("mcu-vww"), vww_batch)
+    assert result.instructions > 0
+
+
+def test_mcu_vww_pages_to_the_sd_card_and_matches_torch(vww_batch):
+    result = emulate_training(model="mcu-vww", device="nrf52840", ram="150KiB", steps=STEPS, lr=LR, data=vww_batch,
+                              mode="paging")
+    counts = step_counts(result)
+    assert counts["page_out"] > 0 and counts["page_in"] > 0
+    assert result.flash_bytes_written > 0
+    check_against_torch(result, zoo_module("mcu-vww"), vww_batch)
+
+
+@pytest.mark.parametrize("mode", ["joint", "paging"])
+def test_a_torch_cnn_trains_on_stm32f746_as_in_torch(cnn_batch, mode):
+    result = emulate_training(torch_model=CNN, input_shape="2,3,32,32", device="stm32f746", ram="76KiB",
+                              steps=STEPS, lr=LR, data=cnn_batch, mode=mode)
+    ops = {layer.op for layer in result.network.layers.values()}
+    assert {"conv2d", "batchnorm", "relu6", "add", "maxpool", "global_avgpool", "linear"} <= ops
+    assert any(layer.op == "conv2d" and layer.attrs["groups"] > 1 for layer in result.network.layers.values())
+    counts = step_counts(result)
+    if mode == "joint":
+        assert counts["compute"] > len(result.schedule.to_dict()["graph"]["nodes"])
+    else:  # QSPI NOR flash: every page-out erases its blocks first, and no write hits a 0 bit
+        assert counts["page_out"] > 0 and result.flash_erases_max_block >= STEPS
+    check_against_torch(result, tiny_cnn(), cnn_batch)
+
+
+def test_cli_emulate_prints_json_and_keeps_what_it_was_asked_to(cnn_batch, tmp_path):
+    weights, out = tmp_path / "after.npz", tmp_path / "build"
+    result = cli("emulate", "--torch", CNN, "--input-shape", "2,3,32,32", "--device", "nrf52840", "--ram", "80KiB",
+                 "--steps", 2, "--lr", 0.1, "--data", cnn_batch, "--trainable", "last:2", "--weights-out", weights,
+                 "--json", "-o", out, "-q")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert set(summary) == {"steps", "loss", "ram_device_bytes", "ram_used_bytes", "flash_bytes_written",
+                            "flash_erases_max_block", "instructions"}
+    assert summary["steps"] == 2 and len(summary["loss"]) == 2 and summary["ram_device_bytes"] == 256 * 1024
+    with np.load(weights) as trained:
+        reference = dict(tiny_cnn().named_parameters())
+        assert sorted(trained.files) == ["fc.bias", "fc.weight", "head_bn.bias", "head_bn.weight"]
+        for name in trained.files:
+            assert trained[name].shape == tuple(reference[name].shape)
+    assert (out / "poet_train.elf").is_file() and (out / "poet_train.c").is_file()
+    assert (out / "poet_storage.h").is_file() and (out / "poet_kernels.h").is_file()
+
+
+def test_generated_sources_compile_strictly_for_the_host(cnn_batch, tmp_path):
+    """The cross build already uses -std=c99 -Wall -Wextra -Werror -pedantic; the kept sources
+    also compile so for another target (the host's), as a board project's compiler would."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "src"
+    emulate_training(torch_model=CNN, input_shape="2,3,32,32", device="stm32f746", ram="76KiB", steps=1, lr=LR,
+                     data=cnn_batch, mode="paging", out_dir=out)
+    cmd = [sys.executable, "-m", "ziglang", "cc", "-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic",
+           "-c", "-DPOET_STORAGE_CAPACITY_BYTES=16777216ULL", "-DPOET_STORAGE_ERASE_BLOCK_BYTES=65536u",
+           "-DPOET_STORAGE_WRITE_BLOCK_BYTES=1u", "-DPOET_STORAGE_ERASE_REQUIRED=1", f"-I{out}",
+           "-o", str(tmp_path / "step.o"), str(out / "poet_train.c")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "step.o").stat().st_size > 0
+
+
+# ---------------------------------------------------------------- bad input
+
+def _emulate(*extra, data, model=("--model", "mcu-vww"), ram="150KiB", device="nrf52840"):
+    return cli("emulate", *model, "--device", device, "--ram", ram, "--steps", 1, "--lr", 0.1, "--data", data, "-q",
+               *extra)
+
+
+def test_an_operator_without_a_kernel_names_the_operator_and_the_node(tmp_path):
+    model = tmp_path / "tanh_net.py"
+    model.write_text("import torch\nfrom torch import nn\n\n"
+                     "def factory():\n    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))\n")
+    data = tmp_path / "b.npz"
+    np.savez(data, x=np.ones((2, 4), np.float32), y=np.array([0, 1]))
+    out = tmp_path / "w.npz"
+    result = _emulate("--weights-out", out, "-o", tmp_path / "kept", data=data,
+                      model=("--torch", f"{model}:factory", "--input-shape", "2,4"), ram="1KiB")
+    assert_one_line_error(result, "Tanh", "'1'", "--torch", out=out)
+    assert not (tmp_path / "kept").exists()
+
+
+def test_a_batch_that_does_not_fit_the_model_is_refused(tmp_path):
+    data = tmp_path / "b.npz"
+    np.savez(data, x=np.ones((2, 3, 32, 32), np.float32), y=np.array([0, 1]))
+    result = _emulate(data=data, model=("--torch", CNN, "--input-shape", "2,3,16,16"))
+    assert_one_line_error(result, "--data", "2,3,32,32", "2,3,16,16")
+    np.savez(data, x=np.ones((2, 3, 32, 32), np.float64), y=np.array([0, 1]))
+    assert_one_line_error(_emulate(data=data, model=("--torch", CNN, "--input-shape", "2,3,32,32")),
+                          "--data", "float32")
+
+
+def test_a_budget_under_the_static_data_plus_stack_is_refused(vww_batch, tmp_path):
+    out = tmp_path / "w.npz"
+    # the arena alone fits the 256 KiB, but not with the weights, their gradients and a stack
+    result = _emulate("--weights-out", out, data=vww_batch, ram="240KiB")
+    assert_one_line_error(result, "--ram", "RAM", "stack", out=out)
+
+
+def test_a_device_the_emulator_has_no_core_for_is_refused(vww_batch, tmp_path):
+    out = tmp_path / "w.npz"
+    result = _emulate("--weights-out", out, data=vww_batch, device="rpi4")
+    assert_one_line_error(result, "--device", "Cortex-A72", out=out)
+
+
+def test_an_unknown_zoo_model_and_bad_labels_are_refused(vww_batch, tmp_path):
+    assert_one_line_error(_emulate(data=vww_batch, model=("--model", "resnet50")), "--model", "mcu-vww")
+    data = tmp_path / "b.npz"
+    np.savez(data, x=np.ones((1, 1, 96, 96), np.float32), y=np.array([7]))
+    assert_one_line_error(_emulate(data=data), "--data", "[0, 2)")
+    data.write_text("not a zip")
+    assert_one_line_error(_emulate(data=data), "--data")
