@@ -16,7 +16,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("unicorn")
 pytest.importorskip("ziglang")
 
-from conftest import assert_no_output  # noqa: E402
 from test_cli import assert_one_line_error, cli  # noqa: E402
 
 from poet_opt.examples.torch_models import tiny_cnn  # noqa: E402
@@ -205,3 +204,54 @@ def test_an_unknown_zoo_model_and_bad_labels_are_refused(vww_batch, tmp_path):
     assert_one_line_error(_emulate(data=data), "--data", "[0, 2)")
     data.write_text("not a zip")
     assert_one_line_error(_emulate(data=data), "--data")
+
+
+def test_ctrl_c_during_the_emulated_training_stops_it_at_once(vww_batch, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "kept"
+    proc = subprocess.Popen([sys.executable, "-m", "poet_opt.cli", "emulate", "--model", "mcu-vww", "--device",
+                             "nrf52840", "--ram", "150KiB", "--steps", "500", "--lr", "0.05", "--data", str(vww_batch),
+                             "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        seen = ""
+        while "training" not in seen and time.monotonic() < deadline:  # the emulation has begun
+            seen += proc.stderr.readline()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert waited < 3, f"took {waited:.1f} s to stop"
+    assert "interrupted; nothing was written" in stderr and stdout == ""
+    assert not out.exists()
+
+
+def test_the_commands_in_docs_firmware_md_run(tmp_path):
+    """Every line of docs/firmware.md's sh block, as written, in a scratch directory."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "firmware.md").read_text()
+    commands = [line for line in re.search(r"```sh\n(.*?)```", doc, re.S).group(1).splitlines() if line.strip()]
+    assert len(commands) == 3 and all(c.startswith(("python", "poet-opt")) for c in commands)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "cnn-batch.npz", x=rng.standard_normal((2, 3, 32, 32)).astype(np.float32), y=np.array([1, 3]))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in commands:
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (command, done.stderr)
+    assert (tmp_path / "build" / "poet_train.elf").is_file()
+    with np.load(tmp_path / "after.npz") as trained:
+        assert "fc.weight" in trained.files
+    assert json.loads(done.stdout)["steps"] == 3

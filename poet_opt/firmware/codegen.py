@@ -27,8 +27,9 @@ from poet_opt.errors import PoetError
 from poet_opt.firmware.arena import ArenaPlan, FlashPlan
 from poet_opt.firmware.network import Layer, Network
 
-KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_math.c",
-                "poet_paging.c")
+KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_math.c")
+# the page-out and page-in over a board's three storage functions (firmware/board/)
+PAGING_FILES = ("poet_paging.c",)
 
 
 @dataclass

@@ -452,7 +452,7 @@ class Emulator:
             if deadline is not None:
                 timeout_us = max(1, int((deadline - time.perf_counter()) * 1e6))
             try:
-                uc.emu_start(begin | 1, until, timeout=timeout_us, count=count)
+                _emu_interruptibly(uc, begin | 1, until, timeout_us, count)
             except UcError as exc:
                 if self._fault is not None:
                     raise self._fault from None
@@ -612,6 +612,33 @@ class _StorageController:
             return storage.device_erase(self.regs[self.BLOCK], pc)
         return storage.violation("op", offset, length, f"unknown storage controller operation {op}",
                                  pc, STORAGE_E_IO)
+
+
+def _emu_interruptibly(uc, begin: int, until: int, timeout_us: int, count: int) -> None:
+    """uc.emu_start on a worker thread: unicorn's loop runs in C (the binding releases the GIL), so
+    a Ctrl-C in the main thread would otherwise wait for the whole run. On KeyboardInterrupt the
+    emulation is stopped (emu_stop is safe from another thread) and the interrupt goes on."""
+    import threading
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            uc.emu_start(begin, until, timeout=timeout_us, count=count)
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name="poet-emulator", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+    except KeyboardInterrupt:
+        uc.emu_stop()
+        worker.join()
+        raise
+    if failure:
+        raise failure[0]
 
 
 def _kib(n: int) -> str:

@@ -95,7 +95,7 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
         raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
     profile = load_profile(device)
-    target = target_from_profile(profile)
+    target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
     x, y = load_batch(data, None)
     if model is not None:
         module, shape = zoo_module(model), x.shape
@@ -111,11 +111,25 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")
     say("solving")
     plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode)
-    doc = plan.schedule.to_dict()
-    generated = codegen.generate(network, doc, plan.arena, plan.flash, steps=steps, lr=float(lr), x=x, y=y)
-
     if out_dir is not None:
         check_not_inputs([("-o", Path(out_dir))], [("--data", Path(data))])
+    return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress)
+
+
+def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
+                 out_dir=None, progress=None) -> EmulatedTraining:
+    """Generate, build and run the training step of a schedule of ``network.graph``: ``plan`` is
+    a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here."""
+    from poet_opt.firmware import arena
+    from poet_opt.firmware.fit import FirmwarePlan
+
+    if not isinstance(plan, FirmwarePlan):
+        doc = plan.to_dict()
+        plan = FirmwarePlan(plan, arena.plan_arena(doc), arena.plan_flash(doc))
+    target = target_from_profile(profile)
+    generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps, lr=float(lr),
+                                 x=x, y=y)
+    say = progress or (lambda text: None)
     # built in a scratch directory and copied to out_dir only once training ran: a failure leaves
     # nothing half-written there
     work = Path(tempfile.mkdtemp(prefix="poet-emulate-"))
@@ -137,8 +151,8 @@ def _keep(work: Path, out_dir: Path) -> list[Path]:
                 shutil.copy2(path, out_dir / path.name)
                 kept.append(out_dir / path.name)
         # everything a board project needs besides its own poet_storage.c
-        for folder, name in [*((KERNEL_DIR, n) for n in codegen.KERNEL_FILES + ("poet_kernels.h", "poet_paging.h")),
-                             (BOARD_DIR, "poet_storage.h")]:
+        for folder, name in [*((KERNEL_DIR, n) for n in (*codegen.KERNEL_FILES, "poet_kernels.h")),
+                             *((BOARD_DIR, n) for n in (*codegen.PAGING_FILES, "poet_paging.h", "poet_storage.h"))]:
             shutil.copy2(folder / name, out_dir / name)
             kept.append(out_dir / name)
         return kept
@@ -153,17 +167,20 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     work.mkdir(parents=True, exist_ok=True)
     source = work / "poet_train.c"
     source.write_text(generated.source)
-    sources = [source, *(KERNEL_DIR / name for name in codegen.KERNEL_FILES)]
+    sources = [source, *(KERNEL_DIR / name for name in codegen.KERNEL_FILES),
+               *(BOARD_DIR / name for name in codegen.PAGING_FILES)]
     say("cross-compiling")
     try:
-        firmware = build_firmware(sources, target, work, name="poet_train", include_dirs=[KERNEL_DIR],
+        firmware = build_firmware(sources, target, work, name="poet_train", include_dirs=[KERNEL_DIR, BOARD_DIR],
                                   defines=target.storage_defines(), min_stack_bytes=STACK_BYTES)
     except FirmwareBuildError as exc:
         if "does not fit in the device's RAM" in str(exc):
-            raise PoetError(f"the firmware's static data (arena {plan.arena.arena_bytes:,} B, trainable weights, "
-                            f"their gradients, norm statistics) plus a {STACK_BYTES:,} B stack exceeds "
-                            f"{profile.name}'s {target.ram_bytes:,} B of RAM; give a smaller --ram or train "
-                            "fewer layers (--trainable)", field="--ram") from None
+            weights = sum(8 * p.value.size for p in network.trainable_parameters)  # each with its gradient
+            raise PoetError(f"the firmware needs {(plan.arena.arena_bytes + weights + STACK_BYTES) / 1024:,.1f} KiB of "
+                            f"RAM or more (arena {plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and their "
+                            f"gradients {weights / 1024:,.1f} KiB, a {STACK_BYTES // 1024} KiB stack, norm statistics) "
+                            f"and {profile.name} has {target.ram_bytes / 1024:,.0f} KiB; give a smaller --ram or "
+                            "train fewer layers (--trainable)", field="--ram") from None
         if "does not fit in flash" in str(exc):
             raise PoetError(f"the firmware image exceeds {profile.name}'s flash", field="--device") from None
         raise
