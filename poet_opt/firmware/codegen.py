@@ -25,7 +25,7 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.firmware.arena import ArenaPlan, FlashPlan
-from poet_opt.firmware.network import Layer, Network
+from poet_opt.model.network import Layer, Network
 
 KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_math.c")
 # the page-out and page-in over a board's three storage functions (firmware/board/)

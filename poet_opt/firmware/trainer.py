@@ -18,7 +18,7 @@ from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
-from poet_opt.firmware.network import Network, lower_network
+from poet_opt.model.network import Network, lower_network
 from poet_opt.firmware.targets import target_from_profile
 from poet_opt.files import check_not_inputs
 

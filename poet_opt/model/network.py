@@ -1,4 +1,4 @@
-"""The network the firmware executes: each forward operator of the training graph with what its
+"""The network as executed (firmware, PyTorch executor): each forward operator of the training graph with what its
 kernel needs (geometry, operand order, parameters with their PyTorch names and initial values).
 
 The training graph knows sizes and dependencies only. The generated C needs more: a convolution's
@@ -22,7 +22,7 @@ from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.operators import finish
 from poet_opt.model.torch_import import lower_module, resolve_module
 
-FIELD = "--torch"
+FIELD = "--torch"  # the layers come from a torch module, as that option names it
 
 # Views that leave a contiguous tensor's bytes where they are: the consumer reads the producer's
 # buffer as it is. Any other view (a transpose, a slice) would need a kernel of its own.
