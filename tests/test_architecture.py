@@ -17,7 +17,7 @@ import pytest
 import poet_opt
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("model", "device", "schedule", "solver", "firmware", "pareto", "plots")
+STAGES = ("model", "device", "schedule", "solver", "firmware", "executor", "pareto", "plots")
 
 
 def _modules() -> list[str]:

@@ -511,6 +511,22 @@ class Emulator:
 
     _ran = False
 
+    def close(self) -> None:
+        """Release unicorn now, while the RAM and flash arrays it maps and the counter's state are
+        still alive: left to interpreter shutdown (after a Ctrl-C, say), the order of teardown is
+        arbitrary and uc_close may touch freed memory."""
+        import gc
+
+        uc, self._uc = self._uc, None
+        if uc is not None:
+            try:
+                uc.emu_stop()
+            except Exception:  # not running: nothing to stop
+                pass
+            del uc
+            gc.collect()
+        self._icount = None
+
     def _raise_stack_into_statics(self, sp: int, pc: int) -> None:
         static_end = self.image.static_end
         raise StackOverflow(

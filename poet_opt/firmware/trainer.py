@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -18,6 +17,7 @@ from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
+from poet_opt.model.batch import load_batch
 from poet_opt.model.network import Network, lower_network
 from poet_opt.firmware.targets import target_from_profile
 from poet_opt.files import check_not_inputs
@@ -49,28 +49,6 @@ class EmulatedTraining:
                 "ram_device_bytes": self.ram_device_bytes, "ram_used_bytes": self.ram_used_bytes,
                 "flash_bytes_written": self.flash_bytes_written,
                 "flash_erases_max_block": self.flash_erases_max_block, "instructions": self.instructions}
-
-
-def load_batch(path, input_shape: Optional[tuple[int, ...]] = None) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` (float32, batch first) and ``y`` (integer class labels, one per sample) from an .npz."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            if "x" not in data or "y" not in data:
-                raise PoetError(f"{path} holds {sorted(data.files)}; expected arrays 'x' and 'y'", field="--data")
-            x, y = np.asarray(data["x"]), np.asarray(data["y"])
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise PoetError(f"cannot read {path} as .npz: {exc}", field="--data") from None
-    if x.dtype != np.float32:
-        raise PoetError(f"x is {x.dtype}; expected float32", field="--data")
-    if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1 or x.ndim < 2 or y.shape[0] != x.shape[0]:
-        raise PoetError(f"y has shape {y.shape} and type {y.dtype}; expected one integer label per sample of x "
-                        f"(batch {x.shape[0] if x.ndim else '?'})", field="--data")
-    if input_shape is not None and tuple(x.shape) != tuple(input_shape):
-        raise PoetError(f"x has shape {','.join(map(str, x.shape))}, the model takes "
-                        f"{','.join(map(str, input_shape))}", field="--data")
-    if not np.isfinite(x).all():
-        raise PoetError("x holds NaN or infinity", field="--data")
-    return x, y
 
 
 def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
@@ -188,15 +166,16 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     emulator = Emulator(firmware)
     try:
         result = emulator.run()
+        losses = emulator.read_symbol("poet_losses", np.float32).tolist()
+        trained = {p.torch_name: emulator.read_symbol(generated.param_symbols[p.torch_name], np.float32)[:p.value.size]
+                   for p in network.trainable_parameters}
     except EmulatorError as exc:
         raise PoetError(f"the firmware failed on the emulated {profile.name}: {str(exc).splitlines()[0]}") from None
+    finally:
+        emulator.close()
     if result.exit_code != 0:
         raise PoetError(f"the firmware stopped with storage error {result.exit_code} (poet_storage.h)")
-    losses = emulator.read_symbol("poet_losses", np.float32).tolist()
-    weights = {}
-    for p in network.trainable_parameters:
-        value = emulator.read_symbol(generated.param_symbols[p.torch_name], np.float32)[:p.value.size]
-        weights[p.torch_name] = value.reshape(p.value.shape).copy()
+    weights = {p.torch_name: trained[p.torch_name].reshape(p.value.shape).copy() for p in network.trainable_parameters}
     storage = result.storage
     return EmulatedTraining(
         network=network, schedule=plan.schedule, losses=losses, weights=weights,

@@ -29,6 +29,8 @@ FIELD = "--torch"  # the layers come from a torch module, as that option names i
 _FLAT_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous", "detach",
                "view_as", "reshape_as", "float", "to", "type_as"}
 _ADD = {"add", "iadd", "radd"}
+# Views that move elements (lower_network(views=True) only: the executor replays them, a C kernel could not)
+_MOVING_VIEWS = {"transpose", "permute", "t", "movedim", "swapaxes", "expand", "expand_as", "view", "reshape"}
 
 
 @dataclass
@@ -49,6 +51,10 @@ class Layer:
     params: dict[str, Parameter] = field(default_factory=dict)  # weight, bias (gamma, beta for norms)
     buffers: dict[str, Parameter] = field(default_factory=dict)  # running_mean, running_var
     trainable: bool = False
+    # lower_network(views=True), for the PyTorch executor: the fx node the layer runs, and per operand the
+    # views (transpose, head split, ...) between its producer and this layer, in the order they apply
+    origin: object = None
+    operand_views: list = field(default_factory=list)
 
     @property
     def elements(self) -> int:
@@ -69,9 +75,10 @@ class Network:
         return [p for layer in self.layers.values() if layer.trainable for p in layer.params.values()]
 
 
-def lower_network(model, input_shape, *, trainable="all", name: str | None = None) -> Network:
+def lower_network(model, input_shape, *, trainable="all", name: str | None = None, views: bool = False) -> Network:
     """The training graph of a torch module (or factory, or ``FILE.py:FACTORY``) and the layer of
-    each of its forward nodes."""
+    each of its forward nodes. ``views``: accept views that move elements and fused attention, which
+    the PyTorch executor replays (``Layer.operand_views``) and the firmware generator cannot."""
     module, default_name = resolve_module(model)
     ops, output = lower_module(module, input_shape)
     graph = finish(name or default_name, ops.ops, output, bytes_per_element=4, trainable=trainable,
@@ -96,7 +103,9 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
             layers[o.name] = Layer(o.name, "input", shapes[o.name], [], [])
             continue
         n = ops.origins[o.name]
-        layer = _layer(n, o, shapes, producers, modules)
+        chains: list | None = [] if views else None
+        layer = _layer(n, o, shapes, producers, modules, chains)
+        layer.origin, layer.operand_views = n, chains or [[] for _ in layer.operands]
         for p in _module_params(n, modules):
             if id(p) in used_params:
                 raise PoetError(f"node {o.name!r} shares a parameter with {used_params[id(p)]!r}; the firmware "
@@ -141,20 +150,25 @@ def _unsupported(node: str, what: str) -> PoetError:
     return PoetError(f"node {node!r}: {what}; the firmware generator has no kernel for it", field=FIELD)
 
 
-def _source(arg, producers, modules, node: str) -> str:
-    """The operator whose buffer an fx argument reads, through views that keep its layout."""
-    seen = arg
+def _source(arg, producers, modules, node: str, chains: list | None = None) -> str:
+    """The operator whose buffer an fx argument reads, through views that keep its layout (any view,
+    recorded in ``chains``, when that is a list)."""
+    seen, chain = arg, []
     while seen not in producers:
         if seen.op == "get_attr":
             raise _unsupported(node, f"it reads the tensor {seen.target} directly rather than through a layer")
         fn = _fx_callable(seen)
         kind = type(modules[seen.target]).__name__ if seen.op == "call_module" else ""
-        if not (fn in _FLAT_VIEWS or kind in ("Flatten", "Unflatten", "Identity")):
+        moving = chains is not None and fn in _MOVING_VIEWS
+        if not (fn in _FLAT_VIEWS or kind in ("Flatten", "Unflatten", "Identity") or moving):
             if fn == "dropout" or kind.startswith("Dropout"):
                 raise _unsupported(node, "its input passes through dropout, whose random mask firmware cannot "
                                          "reproduce")
             raise _unsupported(node, f"its input is a {fn or kind} view of another tensor, which moves elements")
+        chain.append(seen)
         seen = seen.args[0]
+    if chains is not None:
+        chains.append(chain[::-1])
     return producers[seen]
 
 
@@ -166,15 +180,15 @@ def _fx_callable(n) -> str:
     return ""
 
 
-def _tensor_args(n, producers, modules, node: str) -> list[str]:
+def _tensor_args(n, producers, modules, node: str, chains: list | None = None) -> list[str]:
     import torch.fx
 
     if any(not isinstance(a, torch.fx.Node) for a in n.args):
         raise _unsupported(node, "an operator with a constant operand")
-    return [_source(a, producers, modules, node) for a in n.args]
+    return [_source(a, producers, modules, node, chains) for a in n.args]
 
 
-def _layer(n, o, shapes, producers, modules) -> Layer:
+def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Layer:
     import torch
     nn = torch.nn
 
@@ -186,7 +200,7 @@ def _layer(n, o, shapes, producers, modules) -> Layer:
         return Layer(name, op, shape, operands, [shapes[p] for p in operands], attrs)
 
     if m is not None:
-        x = [_source(n.args[0], producers, modules, name)]
+        x = [_source(n.args[0], producers, modules, name, chains)]
         xs = shapes[x[0]]
         if isinstance(m, nn.Conv2d):
             if m.dilation != (1, 1) or m.padding_mode != "zeros" or isinstance(m.padding, str):
@@ -226,25 +240,28 @@ def _layer(n, o, shapes, producers, modules) -> Layer:
             return make("global_avgpool", x)
         raise _unsupported(name, f"module {type(m).__name__}")
     if fn in _ADD:
-        operands = _tensor_args(n, producers, modules, name)
+        operands = _tensor_args(n, producers, modules, name, chains)
         if len(operands) != 2 or n.kwargs.get("alpha", 1) != 1 or shapes[operands[0]] != shapes[operands[1]]:
             raise _unsupported(name, "an addition that is not of two tensors of the same shape")
         return make("add", operands)
     if fn in ("relu", "relu6") or n.target is torch.nn.functional.relu6:
-        return make("relu6" if fn == "relu6" else "relu", [_source(n.args[0], producers, modules, name)])
+        return make("relu6" if fn == "relu6" else "relu", [_source(n.args[0], producers, modules, name, chains)])
     if fn in ("matmul", "bmm") and n.target in (torch.matmul, torch.bmm, operator.matmul) or fn == "matmul":
-        operands = _tensor_args(n, producers, modules, name)
+        operands = _tensor_args(n, producers, modules, name, chains)
         a, b = (shapes[p] for p in operands)
-        if len(operands) != 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+        # (with views the operands' producer shapes are not the product's: the executor replays them)
+        if len(operands) != 2 or chains is None and (len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]):
             raise _unsupported(name, "a matrix product with broadcasting")
         return make("matmul", operands)
     if fn in ("mean", "adaptive_avg_pool2d", "avg_pool2d"):
-        x = [_source(n.args[0], producers, modules, name)]
+        x = [_source(n.args[0], producers, modules, name, chains)]
         xs = shapes[x[0]]
         if len(xs) == 4 and math.prod(shape) == xs[0] * xs[1] and (fn != "avg_pool2d"):
             return make("global_avgpool", x)
+    if fn == "scaled_dot_product_attention" and chains is not None and not n.kwargs and len(n.args) == 3:
+        return make("attention", _tensor_args(n, producers, modules, name, chains))
     if o.op == "copy":
-        return make("copy", [_source(n.args[0], producers, modules, name)])
+        return make("copy", [_source(n.args[0], producers, modules, name, chains)])
     raise _unsupported(name, f"operator {fn or n.target}")
 
 

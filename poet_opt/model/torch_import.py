@@ -189,6 +189,8 @@ def _run(torch, module, graph, shape):
         def run_node(self, n):
             out = super().run_node(n)
             values[n] = out
+            if not isinstance(out, torch.Tensor):  # sizes and other constants the executor replays views with
+                n.meta["poet_const"] = out
             return out
 
     was_training = module.training

@@ -1,0 +1,121 @@
+"""The click commands `poet-opt run` and `poet-opt measure`, added to the command group by poet_opt/cli.py.
+
+They live here rather than in cli.py (which keeps under the 700 lines a module may have): cli.py
+hands over its group and its helpers (one-line errors and exit codes, output checks), so that this
+module needs nothing from the command line's module and no import runs in a circle.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from poet_opt.errors import PoetError
+
+
+def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> None:
+    """Add `run` and `measure` to the click group ``main``."""
+    _check_writable, _check_not_inputs, _one_line_errors = check_writable, check_not_inputs, one_line_errors
+
+    @main.command()
+    @click.option("--torch", "torch_spec", required=True, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
+    @click.option("--input-shape", required=True, help="the whole input, batch first, e.g. 8,3,32,32")
+    @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
+    @click.option("--ram", required=True, help="RAM budget for activations and gradients, as for `poet-opt solve`")
+    @click.option("--steps", type=int, required=True, help="training steps to run")
+    @click.option("--lr", type=float, required=True, help="SGD learning rate")
+    @click.option("--data", required=True, type=click.Path(dir_okay=False),
+                  help="BATCH.npz: x (float32, the input's shape) and y (int64 class labels)")
+    @click.option("--storage", default=None, type=click.Path(file_okay=False),
+                  help="directory paged tensors go to (the SD card or SSD); default: the system's temporary directory")
+    @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
+                  help="write the trained parameters here (.npz, keyed by named_parameters() names)")
+    @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+    @_one_line_errors
+    def run(torch_spec, input_shape, device, ram, steps, lr, data, storage, weights_out, as_json):
+        """Solve the schedule for a torch module and train N steps with it in PyTorch."""
+        import numpy as np
+
+        from poet_opt.executor.train import run_training
+        from poet_opt.files import write_atomic
+
+        if weights_out is not None:
+            _check_writable(weights_out, field="--weights-out")
+        _check_not_inputs([("--weights-out", weights_out)], device=device, torch_spec=torch_spec, data=data)
+        # progress only to a terminal: a script reading stderr sees one line, the error, if any
+        say = None if as_json or not sys.stderr.isatty() else (lambda text: click.echo(f"poet-opt: {text}", err=True))
+        result = run_training(torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram, steps=steps,
+                              lr=lr, data=data, storage=storage, progress=say)
+        if weights_out is not None:
+            write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
+        summary = result.summary()
+        if as_json:
+            click.echo(json.dumps(summary, indent=1))
+            return
+        steps_s = summary["step_s"]
+        click.echo("\n".join([
+            f"{result.network.name} with the {device} schedule ({result.schedule.solver['status']}, "
+            f"{summary['recomputes']} recompute(s), {summary['page_outs']} page-out(s) per step) on {summary['torch_device']}: "
+            f"{summary['steps']} SGD step(s)",
+            f"  loss     {', '.join(f'{v:.6g}' for v in summary['loss'])}",
+            f"  peak     {summary['peak_live_bytes'] / 1024:,.1f} KiB of live tensors (plan "
+            f"{summary['planned_peak_bytes'] / 1024:,.1f} KiB)",
+            f"  storage  {summary['storage_bytes_written'] / 1024:,.1f} KiB written, "
+            f"{summary['storage_bytes_read'] / 1024:,.1f} KiB read",
+            f"  time     {sum(steps_s) / len(steps_s):.4f} s per step (first {steps_s[0]:.4f} s; the plan predicts "
+            f"{summary['planned_step_s']:.4f} s on {device})",
+            *([f"  wrote    {weights_out}"] if weights_out else []),
+        ]))
+
+
+    @main.command()
+    @click.option("--torch", "torch_spec", required=True, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
+    @click.option("--input-shape", required=True, help="the whole input, batch first, e.g. 8,3,32,32")
+    @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
+                  help="the measured-costs file to write (.csv), for `poet-opt solve --costs`")
+    @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="untimed runs per node")
+    @click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="timed runs per node")
+    @click.option("--watts", type=float, default=None,
+                  help="average power while training, to write energy_j = time x watts (default: time only)")
+    @click.option("--json", "as_json", is_flag=True, help="print every node's median and spread as JSON")
+    @_one_line_errors
+    def measure(torch_spec, input_shape, out, warmup, repeat, watts, as_json):
+        """Time every node's forward and backward on this machine; write a --costs file."""
+        from poet_opt.executor.measure import costs_csv, measure_costs
+        from poet_opt.executor.train import prepare
+        from poet_opt.files import write_text_atomic
+
+        if not out.lower().endswith(".csv"):
+            raise PoetError("give a .csv file name", source=out, field="--out")
+        _check_writable(out, field="--out")
+        _check_not_inputs([("--out", out)], torch_spec=torch_spec)
+        costs_csv([], watts)  # a bad --watts fails before the timing, not after it
+        network = prepare(torch_spec, input_shape)
+        nodes = network.graph.nodes
+        if as_json:
+            timings = measure_costs(network, warmup=warmup, repeat=repeat)
+        else:
+            with click.progressbar(length=len(nodes), label="poet-opt: timing nodes", file=sys.stderr,
+                                   show_pos=True, item_show_func=lambda name: name,
+                                   hidden=not sys.stderr.isatty()) as bar:
+                timings = measure_costs(network, warmup=warmup, repeat=repeat,
+                                        on_node=lambda name: bar.update(1, name))
+        write_text_atomic(costs_csv(timings, watts), out, field="--out")
+        if as_json:
+            click.echo(json.dumps({"out": out, "watts": watts, "nodes": [
+                {"name": t.name, "kind": t.kind, "median_s": t.median_s, "spread_s": t.spread_s, "runs": len(t.times_s)}
+                for t in timings]}, indent=1))
+            return
+        total = sum(t.median_s for t in timings)
+        by_kind = {k: sum(t.median_s for t in timings if t.kind == k) for k in ("forward", "loss", "backward")}
+        noisy = max(timings, key=lambda t: t.spread_s / t.median_s if t.median_s else 0.0)
+        click.echo("\n".join([
+            f"{network.name}: {len(timings)} nodes timed ({warmup} warm-up, {repeat} timed runs each)",
+            f"  one step  {total:.4f} s (forward {by_kind['forward']:.4f} s, loss {by_kind['loss']:.4f} s, "
+            f"backward {by_kind['backward']:.4f} s)" + (f", {total * watts:.4g} J at {watts:g} W" if watts else ""),
+            f"  spread    the widest: {noisy.name}, interquartile range {noisy.spread_s * 1e3:.3f} ms around a "
+            f"median of {noisy.median_s * 1e3:.3f} ms",
+            f"  wrote     {out}",
+        ]))

@@ -1,0 +1,271 @@
+"""A training step in PyTorch that follows a schedule exactly.
+
+``ScheduleExecutor(network, schedule, lr=...)`` walks the schedule's steps in order on every call:
+``compute`` runs a node (poet_opt.executor.kernels) and keeps its output, ``page_out`` writes a
+resident tensor to a file in the storage directory, ``page_in`` reads it back, ``free`` drops it.
+Weight gradients accumulate during the backward nodes; the SGD update (or the given optimizer's
+step) comes after the last step.
+
+What it measures, per step: the peak of the bytes of the tensors in its own table (the node outputs
+the schedule holds resident, counted after each compute and page-in, as the plan counts them; not
+the allocator, whose caches and the kernels' scratch space are PyTorch's), the bytes written to and
+read from storage, and the wall time.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from poet_opt.errors import PoetError
+from poet_opt.executor.kernels import Kernels
+from poet_opt.model.network import Network
+
+STORAGE_FIELD = "--storage"
+
+
+@dataclass
+class StepStats:
+    loss: float
+    peak_live_bytes: int
+    storage_bytes_written: int
+    storage_bytes_read: int
+    wall_s: float
+    computes: int
+    page_outs: int
+    page_ins: int
+
+
+class Storage:
+    """Paged tensors as raw files in a private folder under ``root`` (removed by :meth:`close`)."""
+
+    def __init__(self, root=None):
+        root = Path(root) if root is not None else Path(tempfile.gettempdir())
+        try:
+            if root.exists() and not root.is_dir():
+                raise PoetError("is a file, not a directory", source=str(root), field=STORAGE_FIELD)
+            root.mkdir(parents=True, exist_ok=True)
+            self.dir = Path(tempfile.mkdtemp(prefix="poet-run-", dir=root))
+        except OSError as exc:
+            raise PoetError(f"cannot write in the storage directory: {exc.strerror}", source=str(root),
+                            field=STORAGE_FIELD) from None
+        self.root = root
+        self.bytes_written = self.bytes_read = 0
+
+    def _path(self, node: int) -> Path:
+        return self.dir / f"node-{node}.bin"
+
+    def write(self, node: int, tensor) -> None:
+        data = tensor.detach().to("cpu").contiguous().numpy()
+        try:
+            with open(self._path(node), "wb") as fh:
+                fh.write(memoryview(data).cast("B"))
+        except OSError as exc:
+            what = "the storage directory is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else \
+                f"cannot write to the storage directory: {exc.strerror}"
+            raise PoetError(what, source=str(self.root), field=STORAGE_FIELD) from None
+        self.bytes_written += data.nbytes
+
+    def read(self, node: int, shape, device):
+        import torch
+
+        count = math.prod(shape)
+        try:
+            data = np.fromfile(self._path(node), dtype=np.float32)
+        except OSError as exc:
+            raise PoetError(f"cannot read back a paged tensor: {exc.strerror}", source=str(self.root),
+                            field=STORAGE_FIELD) from None
+        if data.size != count:
+            raise PoetError(f"a paged tensor came back with {data.size} values instead of {count}",
+                            source=str(self.root), field=STORAGE_FIELD)
+        self.bytes_read += data.nbytes
+        return torch.from_numpy(data).reshape(shape).to(device)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _document(schedule) -> dict:
+    return schedule.to_dict() if hasattr(schedule, "to_dict") else schedule
+
+
+def check_schedule(network: Network, doc: dict) -> None:
+    """A schedule is for this network when it has the same nodes (by name), sizes and dependencies."""
+    from poet_opt.schedule.validator import validate
+
+    if not isinstance(doc, dict) or doc.get("format") != "poet-opt/schedule@1":
+        raise PoetError("not a poet-opt/schedule@1 document", field="--schedule")
+    validate(doc)
+    nodes = doc["graph"]["nodes"]
+    mine = {n.name: n for n in network.graph.nodes}
+    names = [n["name"] for n in nodes]
+    if set(names) != set(mine) or len(names) != len(mine):
+        missing = sorted(set(mine) - set(names))[:3] or sorted(set(names) - set(mine))[:3]
+        raise PoetError(f"the schedule is for another model: its {len(names)} nodes are not this model's "
+                        f"{len(mine)} (e.g. {', '.join(missing)})", field="--schedule")
+    for n in nodes:
+        m = mine[n["name"]]
+        deps = sorted(names[d] for d in n["deps"])
+        if n["kind"] != m.kind or int(n["bytes"]) != m.bytes or deps != sorted(network.graph.nodes[d].name
+                                                                               for d in m.deps):
+            raise PoetError(f"the schedule is for another model: node {n['name']!r} differs (kind, bytes or "
+                            "inputs)", field="--schedule")
+
+
+class ScheduleExecutor:
+    """One training step per call, as ``schedule`` says: ``loss = step(x, y)``.
+
+    ``network`` comes from ``lower_network(module, shape, views=True)``; the module's own parameters
+    are trained in place. ``lr`` is plain SGD's learning rate, or give a torch ``optimizer`` over the
+    module's parameters (the executor fills ``.grad``, then calls its ``step()``). ``storage`` is the
+    directory paged tensors go to (default: the system's temporary directory); ``device`` a torch
+    device (default: CUDA when available, else CPU). After each call, ``last`` holds its StepStats."""
+
+    def __init__(self, network: Network, schedule, *, lr: float | None = None, optimizer=None, storage=None,
+                 device=None):
+        import torch
+
+        if (lr is None) == (optimizer is None):
+            raise PoetError("give a learning rate or an optimizer, not both or neither", field="--lr")
+        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
+        self.doc = _document(schedule)
+        check_schedule(network, self.doc)
+        self.network, self.lr, self.optimizer = network, lr, optimizer
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        network.module.to(self.device)
+        network.module.train()
+        self.kernels = Kernels(network, self.device)
+        self.nodes = self.doc["graph"]["nodes"]
+        self.steps = [(s["op"], int(s["node"])) for s in self.doc["steps"]]
+        self.shapes = {n.name: layer.shape for n in network.graph.nodes
+                       for layer in [network.layers.get(n.name)] if layer is not None}
+        for n in self.nodes:  # a gradient has its node's shape; the loss one value per sample
+            if n["kind"] == "backward":
+                self.shapes[n["name"]] = network.layers[n["name"][len("grad:"):]].shape
+            elif n["kind"] == "loss":
+                self.shapes[n["name"]] = (network.input_shape[0],)
+        paged = any(op in ("page_out", "page_in") for op, _ in self.steps)
+        self.storage = Storage(storage) if paged else None
+        self.last: StepStats | None = None
+
+    # -- plan figures ------------------------------------------------------------------------------
+
+    def planned_traffic(self) -> tuple[int, int]:
+        """Bytes the plan writes to and reads from storage in one step."""
+        out = sum(int(self.nodes[n]["bytes"]) for op, n in self.steps if op == "page_out")
+        back = sum(int(self.nodes[n]["bytes"]) for op, n in self.steps if op == "page_in")
+        return out, back
+
+    @property
+    def planned_peak_bytes(self) -> int:
+        return int(self.doc["totals"]["peak_ram_bytes"])
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def _check_batch(self, x, y):
+        import torch
+
+        x = torch.as_tensor(x)
+        y = torch.as_tensor(y)
+        want = tuple(self.network.input_shape)
+        if tuple(x.shape) != want or x.dtype != torch.float32:
+            raise PoetError(f"x has shape {','.join(map(str, x.shape))} ({x.dtype}), the schedule is for "
+                            f"{','.join(map(str, want))} (float32)", field="--data")
+        classes = self.network.layers[self.network.output].elements // want[0]
+        if y.dim() != 1 or y.shape[0] != want[0] or y.dtype not in (torch.int64, torch.int32):
+            raise PoetError(f"y must hold {want[0]} integer class labels, got shape {tuple(y.shape)} ({y.dtype})",
+                            field="--data")
+        if bool((y < 0).any()) or bool((y >= classes).any()):
+            raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")
+        return x.to(self.device), y.to(self.device, torch.int64)
+
+    def __call__(self, x, y) -> float:
+        import torch
+
+        k = self.kernels
+        k.x, k.y = self._check_batch(x, y)
+        table: dict = {}
+        grads: dict = {}
+        computed: set[int] = set()
+        live = peak = 0
+        written0 = self.storage.bytes_written if self.storage else 0
+        read0 = self.storage.bytes_read if self.storage else 0
+        loss = math.nan
+        counts = {"compute": 0, "page_out": 0, "page_in": 0}
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        try:
+            for op, node in self.steps:
+                info = self.nodes[node]
+                name = info["name"]
+                if op == "free":
+                    live -= _nbytes(table.pop(name))
+                    continue
+                if op == "page_out":
+                    self.storage.write(node, table[name])
+                    counts[op] += 1
+                    continue
+                if op == "page_in":
+                    t = self.storage.read(node, self.shapes[name], self.device)
+                else:
+                    first = node not in computed
+                    computed.add(node)
+                    if info["kind"] == "forward":
+                        t = k.forward(name, table, first=first)
+                    elif info["kind"] == "loss":
+                        t = k.loss(table)
+                        if first:
+                            loss = float(t.mean())
+                    else:
+                        t = k.backward(name, table, first=first, grads=grads)
+                counts[op] += 1
+                table[name] = t
+                live += _nbytes(t)
+                peak = max(peak, live)  # a compute holds its inputs and its output at once
+            table.clear()
+            self._update(grads)
+            sync()
+        finally:
+            table.clear()
+        wall = time.perf_counter() - start
+        self.last = StepStats(loss, peak, (self.storage.bytes_written - written0) if self.storage else 0,
+                              (self.storage.bytes_read - read0) if self.storage else 0, wall, counts["compute"],
+                              counts["page_out"], counts["page_in"])
+        return loss
+
+    def _update(self, grads: dict) -> None:
+        import torch
+
+        params = self.kernels.params
+        if self.optimizer is not None:
+            for name, p in params.items():
+                p.grad = grads.get(name)
+            self.optimizer.step()
+            return
+        with torch.no_grad():
+            for name, g in grads.items():
+                params[name].add_(g, alpha=-self.lr)  # torch.optim.SGD's update, to the bit
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
