@@ -10,6 +10,7 @@ An order is a list of node ids of the graph, each once, every node after its inp
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from poet_opt.model.graph import TrainingGraph
@@ -32,11 +33,12 @@ def plain_peak(graph: TrainingGraph, order) -> int:
     return graph.reordered(order).plain_peak_bytes()
 
 
-def low_memory_order(graph: TrainingGraph) -> list[int]:
+def low_memory_order(graph: TrainingGraph, deadline: Optional[float] = None) -> Optional[list[int]]:
     """A greedy list schedule: of the nodes whose inputs are all computed, run the one that leaves
     the fewest bytes live afterwards (its output, less the inputs it was the last reader of), the
     given order breaking ties. Gradients then run as soon as they can and release the activations
-    they were holding, and a branch that only makes memory is put off until it is needed."""
+    they were holding, and a branch that only makes memory is put off until it is needed. None when
+    ``time.perf_counter()`` passes ``deadline`` first (a wide graph makes this quadratic)."""
     n = len(graph)
     users = graph.users()
     waiting_users = [len(set(u)) for u in users]
@@ -44,6 +46,8 @@ def low_memory_order(graph: TrainingGraph) -> list[int]:
     ready = [i for i in range(n) if missing[i] == 0]
     order: list[int] = []
     while ready:
+        if deadline is not None and len(order) % 256 == 0 and time.perf_counter() > deadline:
+            return None
         # re-scored every time: what a node releases depends on what ran since it became ready
         i = min(ready, key=lambda j: (_growth(graph, j, waiting_users), j))
         ready.remove(i)
@@ -63,27 +67,36 @@ def _growth(graph: TrainingGraph, i: int, waiting_users: list[int]) -> int:
     return node.bytes - released
 
 
-def min_peak_order(graph: TrainingGraph, max_states: int = MAX_DP_STATES) -> Optional[list[int]]:
+def min_peak_order(graph: TrainingGraph, max_states: int = MAX_DP_STATES,
+                   deadline: Optional[float] = None) -> Optional[list[int]]:
     """An order with the least plain-training peak, exactly, by dynamic programming over the sets
     of computed nodes (each set's live bytes do not depend on the order that computed it); None when
-    the graph has more than ``max_states`` such sets."""
+    the graph has more than ``max_states`` such sets, or when ``time.perf_counter()`` passes
+    ``deadline``. Work and memory stay linear in the states times the nodes ready in each: a graph
+    has at least one set per node count, so one with more nodes than ``max_states`` is refused at
+    once (a 100,000-node graph would otherwise hold 20,000 sets of 100,000 bits)."""
     n = len(graph)
+    if n + 1 > max_states:
+        return None
     deps = [sorted(set(node.deps)) for node in graph.nodes]
     deps_mask = [sum(1 << d for d in deps[i]) for i in range(n)]
-    users_mask = [sum(1 << u for u in set(users)) for users in graph.users()]
+    users = [sorted(set(u)) for u in graph.users()]
+    users_mask = [sum(1 << u for u in us) for us in users]
     size = [node.bytes for node in graph.nodes]
 
     # set -> (peak, live bytes, previous set, last node); a computed tensor is live while some
     # reader has not run, and one that nobody reads goes at once
     best: dict[int, tuple[int, int, int, int]] = {0: (0, 0, -1, -1)}
-    frontier = [0]
-    for _ in range(n):
+    # the nodes ready after each set of the current level: only those are tried next
+    ready_of = {0: tuple(v for v in range(n) if not deps_mask[v])}
+    for level in range(n):
+        if deadline is not None and level % 64 == 0 and time.perf_counter() > deadline:
+            return None
         following: dict[int, tuple[int, int, int, int]] = {}
-        for done in frontier:
+        ready_next: dict[int, tuple[int, ...]] = {}
+        for done, ready in ready_of.items():
             peak, held = best[done][:2]
-            for v in range(n):
-                if done >> v & 1 or deps_mask[v] & ~done:
-                    continue
+            for v in ready:
                 nxt = done | 1 << v
                 step_peak = max(peak, held + size[v])
                 if nxt in following and (step_peak, v) >= (following[nxt][0], following[nxt][3]):
@@ -91,10 +104,13 @@ def min_peak_order(graph: TrainingGraph, max_states: int = MAX_DP_STATES) -> Opt
                 after = held + (size[v] if users_mask[v] else 0)
                 after -= sum(size[d] for d in deps[v] if not users_mask[d] & ~nxt)
                 following[nxt] = (step_peak, after, done, v)
+                if nxt not in ready_next:  # the same for every way of reaching the set
+                    ready_next[nxt] = tuple(r for r in ready if r != v) + tuple(
+                        u for u in users[v] if not deps_mask[u] & ~nxt)
         best.update(following)
         if len(best) > max_states:
             return None
-        frontier = list(following)
+        ready_of = ready_next
     order: list[int] = []
     done = (1 << n) - 1
     while done:
@@ -137,25 +153,60 @@ def topological_orders(graph: TrainingGraph, limit: int) -> Optional[list[list[i
     return found if extend(ready) else None
 
 
-def candidate_orders(graph: TrainingGraph, *, enumerate_up_to: int = 0) -> list[tuple[str, list[int]]]:
+def overflow(graph: TrainingGraph, order, ram_bytes: float) -> tuple[float, int, int]:
+    """How far plain training in this order goes over a RAM budget: the bytes above it summed over
+    the compute steps, the number of steps above it, and the peak. Each byte above the budget must
+    be paged out or recomputed around that step, so an order with less of it usually needs less
+    extra energy (a ranking, not a bound)."""
+    deps = [set(node.deps) for node in graph.nodes]
+    users = graph.users()
+    waiting = [len(set(u)) for u in users]
+    size = [node.bytes for node in graph.nodes]
+    held = peak = steps = 0
+    excess = 0.0
+    for v in order:
+        during = held + size[v]
+        peak = max(peak, during)
+        if during > ram_bytes:
+            excess += during - ram_bytes
+            steps += 1
+        held = during if waiting[v] else held
+        for d in deps[v]:
+            waiting[d] -= 1
+            if waiting[d] == 0:
+                held -= size[d]
+    return excess, steps, peak
+
+
+def candidate_orders(graph: TrainingGraph, *, enumerate_up_to: int = 0, ram_bytes: Optional[float] = None,
+                     rank_up_to: int = 0, deadline: Optional[float] = None) -> list[tuple[str, list[int]]]:
     """Orders worth solving in, each once, labelled: ``given`` first, then the least plain-training
     peak (exact where the graph is small enough) and ``low-memory``'s greedy where they hold less
     than the given order, and, when the graph has at most ``enumerate_up_to`` topological orders,
-    every one of them."""
+    every one of them. With ``ram_bytes``, when the graph has more orders than that but at most
+    ``rank_up_to``, the ``enumerate_up_to`` of them that go least over the budget in plain training
+    (``overflow``); and the enumerated ones come in that rank, the likeliest first. Past ``deadline``
+    (a ``time.perf_counter()`` value) the searches still running give up: fewer candidates, never a
+    late answer."""
     given = list(range(len(graph)))
     candidates = [("given", given)]
     # an order that holds no less than the given one at plain training's peak would only take time
     # from it: the zoo's orders are already the least-peak ones, and their large MILPs need the time
     given_peak = graph.plain_peak_bytes()
-    exact = min_peak_order(graph)
+    exact = min_peak_order(graph, deadline=deadline)
     if exact is not None and plain_peak(graph, exact) < given_peak:
         candidates.append(("min-peak", exact))
-    greedy = low_memory_order(graph)
-    if plain_peak(graph, greedy) < given_peak:
+    greedy = low_memory_order(graph, deadline=deadline)
+    if greedy is not None and plain_peak(graph, greedy) < given_peak:
         candidates.append(("low-memory", greedy))
     if enumerate_up_to > 0:
-        every = topological_orders(graph, enumerate_up_to)
-        if every is not None:
+        every = topological_orders(graph, max(enumerate_up_to, rank_up_to if ram_bytes is not None else 0))
+        if every is not None and ram_bytes is not None:
+            # a stable sort: ties keep the lexicographic order
+            ranked = sorted(range(len(every)), key=lambda k: overflow(graph, every[k], ram_bytes)[:2])
+            candidates += [(f"ranked {r + 1}/{len(every)}", every[k])
+                           for r, k in enumerate(ranked[:enumerate_up_to])]
+        elif every is not None:
             candidates += [(f"enumerated {k + 1}/{len(every)}", o) for k, o in enumerate(every)]
     seen: set[tuple[int, ...]] = set()
     unique = []

@@ -6,6 +6,9 @@ step builder, replay and validator apply to them as to the optimum.
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of
@@ -52,14 +55,17 @@ def _peak_stage(graph: TrainingGraph, steps: list[dict]) -> tuple[int, set[int]]
 
 
 def _relieve_peak(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, decisions_for, candidate,
-                  cost) -> Decisions | None:
+                  cost, deadline: Optional[float] = None) -> Decisions | None:
     """Shared greedy loop: from plain training, while RAM peaks over budget, move the largest
     tensor that sits idle in the peak stage (and passes `candidate`, cheapest `cost` first on ties)
     into the chosen set, then rebuild the plan with `decisions_for(chosen)`. Fails when the peak
-    stage holds nothing movable, or the plan breaks the runtime or storage budget."""
+    stage holds nothing movable, the plan breaks the runtime or storage budget, or
+    ``time.perf_counter()`` passes ``deadline`` (each round replays the whole plan)."""
     chosen: set[int] = set()
     while True:
         if interrupted():  # Ctrl-C: the MILP phase after this one reports what was found
+            return None
+        if deadline is not None and time.perf_counter() > deadline:
             return None
         decisions = decisions_for(chosen)
         steps = build_steps(graph, decisions)
@@ -77,23 +83,34 @@ def _relieve_peak(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, deci
     return decisions
 
 
-def greedy_paging(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Decisions | None:
+def greedy_paging(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
+                  deadline: Optional[float] = None) -> Decisions | None:
     """Page out the largest idle tensor at the RAM peak until the peak fits."""
     return _relieve_peak(graph, costs, budgets, lambda paged: paging_decisions(graph, paged),
-                         candidate=lambda i: True, cost=lambda i: costs.page_out_j[i] + costs.page_in_j[i])
+                         candidate=lambda i: True, cost=lambda i: costs.page_out_j[i] + costs.page_in_j[i],
+                         deadline=deadline)
 
 
-def greedy_checkpointing(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Decisions | None:
+def greedy_checkpointing(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
+                         deadline: Optional[float] = None) -> Decisions | None:
     """Drop the largest idle forward tensor at the RAM peak from the checkpoints until the peak fits."""
     return _relieve_peak(graph, costs, budgets, lambda dropped: checkpoint_decisions(graph, dropped),
-                         candidate=lambda i: not graph.nodes[i].is_backward, cost=lambda i: costs.compute_j[i])
+                         candidate=lambda i: not graph.nodes[i].is_backward, cost=lambda i: costs.compute_j[i],
+                         deadline=deadline)
 
 
 REPLAYING_GREEDY_MAX_NODES = 600
 
 
-def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str) -> list[Decisions]:
-    """Heuristic schedules valid for this mode and these budgets, cheapest first."""
+def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
+                    deadline: Optional[float] = None) -> list[Decisions]:
+    """Heuristic schedules valid for this mode and these budgets, cheapest first. Past ``deadline``
+    (a ``time.perf_counter()`` value) the slow greedy loops give up and are left out: a time limit
+    is a promise, and the MILP after them needs the time."""
+
+    def late() -> bool:
+        return interrupted() or (deadline is not None and time.perf_counter() > deadline)
+
     found = []
     plain = plain_decisions(graph)
     if graph.plain_peak_bytes() <= budgets.ram_bytes:
@@ -104,19 +121,30 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
                                   allow_remat=mode in ("joint", "remat")))
         # The replaying greedy loops re-run the whole plan per step (their keep sets grow with the
         # square of the graph): minutes at 1000 nodes, where gap_plan alone takes seconds.
-        small = len(graph) <= REPLAYING_GREEDY_MAX_NODES and not interrupted()
+        small = len(graph) <= REPLAYING_GREEDY_MAX_NODES and not late()
         if mode in ("joint", "paging") and small:
-            found.append(greedy_paging(graph, costs, budgets))
+            found.append(greedy_paging(graph, costs, budgets, deadline))
         if mode in ("joint", "remat") and not interrupted():
-            if small:
-                found.append(greedy_checkpointing(graph, costs, budgets))
+            if small and not late():
+                found.append(greedy_checkpointing(graph, costs, budgets, deadline))
+            # the baselines take one replay each, and the solver must never end above one that fits
+            # (tests/test_baselines.py): kept past the deadline
             found += _fitting_baselines(graph, costs, budgets)
-        found = [d for d in found if d is not None]
+        # the greedy pagers do not count storage: a plan over the storage budget (a wear budget
+        # makes it small) is no start at all
+        found = [d for d in found if d is not None and fits_storage(costs, budgets, d)]
 
     def energy(d):
         return totals_of(graph, costs, build_steps(graph, d))["energy_j"]
 
     return sorted(found, key=energy)
+
+
+def fits_storage(costs: NodeCosts, budgets: Budgets, decisions: Decisions) -> bool:
+    """The erase-block-aligned regions of the paged tensors within the storage budget, as the
+    formulation's row (8) counts them."""
+    used = sum(float(costs.storage_bytes[i]) for i in decisions.page_out)
+    return used <= float(budgets.storage_bytes) * (1 + 1e-12)
 
 
 def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> list[Decisions]:
