@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from poet_opt.plots.style import bytes_axis, pyplot, save_figure
-from poet_opt.units import format_bytes, format_joules
+from poet_opt.plots.style import bytes_axis, pyplot, save_figure, size_text
+from poet_opt.units import format_joules
 
 # stage x node matrix codes and their colours
 _CELLS = [("not resident", "#ffffff"), ("on storage", "#d9d2e9"), ("kept", "#9ecae1"), ("paged in", "#31a354"),
@@ -63,6 +63,15 @@ def plot_timeline(doc: dict, path) -> list[Path]:
     as lines and recomputations / page-ins / page-outs marked; and the stage x node matrix in the
     style of the Checkmate and POET papers. PNG at ``path``; with a .svg path, SVG and a PNG beside
     it; without a suffix both."""
+    fig = timeline_figure(doc)
+    try:
+        return save_figure(fig, path)
+    finally:
+        pyplot().close(fig)
+
+
+def timeline_figure(doc: dict):
+    """The figure ``plot_timeline`` saves (tests read its legends)."""
     import numpy as np
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
@@ -85,10 +94,10 @@ def plot_timeline(doc: dict, path) -> list[Path]:
     ax.step(steps, tl["total"], where="post", color="black", lw=0.8, label="RAM in use")
     budget = (doc.get("budgets") or {}).get("ram_bytes")
     if budget is not None:
-        ax.axhline(budget, color="red", ls="--", lw=1, label=f"budget {format_bytes(budget)}")
+        ax.axhline(budget, color="red", ls="--", lw=1, label=f"RAM budget {size_text(budget)}")
     plain_peak = (doc.get("plain") or {}).get("peak_ram_bytes")
     if plain_peak:
-        ax.axhline(plain_peak, color="grey", ls=":", lw=1, label=f"plain training peak {format_bytes(plain_peak)}")
+        ax.axhline(plain_peak, color="grey", ls=":", lw=1, label=f"plain training peak {size_text(plain_peak)}")
     top = max([*tl["total"], budget or 0, plain_peak or 0, 1])
     for key, marker, color, label in (("recompute", "v", "#e6550d", "recompute"), ("page_in", "^", "#31a354", "page-in"),
                                       ("page_out", "s", "#756bb1", "page-out")):
@@ -100,7 +109,13 @@ def plot_timeline(doc: dict, path) -> list[Path]:
     ax.set_xlabel("step")
     ax.set_ylabel("RAM in use (activations and gradients)")
     bytes_axis(ax, "y")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
+    handles, _ = ax.get_legend_handles_labels()
+    # the stacked bands: one shade per tensor, blues for forward activations, oranges for gradients
+    if any(nodes[i]["kind"] != "backward" for i in used):
+        handles.append(Patch(color=blues(0.6), label="forward activations (a band each)"))
+    if any(nodes[i]["kind"] == "backward" for i in used):
+        handles.append(Patch(color=oranges(0.6), label="gradients (a band each)"))
+    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
     totals = doc.get("totals") or {}
     energy = totals.get("energy_j")
     ax.set_title(f"{doc.get('model', '')} on {(doc.get('device') or {}).get('name', '')}, mode {doc.get('mode', '')}"
@@ -112,10 +127,7 @@ def plot_timeline(doc: dict, path) -> list[Path]:
     mx.set_xlabel("node (topological order)")
     mx.set_ylabel("stage")
     mx.set_title("what each stage computes, keeps and pages")
-    mx.legend(handles=[Patch(facecolor=c, edgecolor="grey", label=name) for name, c in _CELLS[1:]], fontsize=7,
+    mx.legend(handles=[Patch(facecolor=c, edgecolor="grey", label=name) for name, c in _CELLS], fontsize=7,
               loc="upper right")
     fig.tight_layout()
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return fig
