@@ -127,7 +127,8 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--runtime", default=None, help="runtime budget: a multiple of plain training (1.2x) or a time (2.5s); "
               "default: no limit")
 @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True)
-@click.option("--solver", "backend", type=click.Choice(["highs", "cbc", "gurobi"]), default="highs", show_default=True)
+@click.option("--solver", "backend", type=click.Choice(["highs", "cbc", "gurobi", "cpsat"]), default="highs", show_default=True,
+              help="cpsat: OR-Tools CP-SAT on a retention-interval model (docs/cpsat.md), pip extra [cpsat]")
 @click.option("--time-limit", type=float, default=None, help="seconds; the best schedule found so far is kept")
 @click.option("--order", type=click.Choice(["auto", "given"]), default="auto", show_default=True,
               help="execution order: auto also tries orders that hold less in RAM at once; given keeps the graph's")
@@ -146,7 +147,11 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
               help="add the weight update (and Adam's state) to the graph")
 @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
               help="measured per-layer time/energy, CSV or YAML, by node name or operator type")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the schedule JSON here")
+@click.option("-o", "--out", type=click.Path(dir_okay=False), default=None, help="write the schedule JSON here")
+@click.option("--allow-oversize", is_flag=True,
+              help="keep a plan whose weights, gradients, working peak and stack reserve exceed the device's RAM")
+@click.option("--min-lifetime-steps", type=click.IntRange(min=1), default=None,
+              help="training steps the storage must survive: caps the bytes paged out per step by its endurance")
 @click.option("--export", "export_file", type=click.Path(dir_okay=False), default=None,
               help="also write the schedule as a C header for firmware (see `poet-opt export`)")
 @click.option("--prefix", default="POET_", show_default=True, help="--export: prefix of the header's C names")
@@ -154,7 +159,8 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--quiet", "-q", is_flag=True, help="no solver progress on stderr")
 @_one_line_errors
 def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, order, gap, batch_size, torch_spec, onnx_file,
-          input_shape, trainable, optimizer, costs_file, out, export_file, prefix, as_json, quiet):
+          input_shape, trainable, optimizer, costs_file, out, allow_oversize, min_lifetime_steps, export_file, prefix,
+          as_json, quiet):
     """Solve for the energy-optimal training schedule under RAM and runtime budgets."""
     from poet_opt.device.profiles import load_profile
     from poet_opt.files import write_json_atomic, write_text_atomic
@@ -163,9 +169,12 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
     from poet_opt.solver.driver import solve as solve_schedule
 
     profile = load_profile(device)
+    _check_ram_within_device(ram, profile)
     graph, name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
                              bytes_per_element=profile.memory.bytes_per_element, torch=torch_spec, onnx=onnx_file,
                              trainable=trainable, costs=costs_file, optimizer=optimizer)
+    if not allow_oversize:
+        _check_weights_fit(graph, profile)
     _check_not_inputs([("--out", out), ("--export", export_file)], graph_file=graph_file, device=device,
                       torch_spec=torch_spec, onnx_file=onnx_file, costs_file=costs_file)
     if out is not None:
@@ -174,7 +183,8 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
         _check_writable(export_file, field="--export")
         _check_prefix(prefix)
     solve_kwargs = dict(runtime=runtime, mode=mode, backend=backend, time_limit=time_limit, gap=gap, order=order,
-                        model_name=name, progress=None if quiet else print_progress)
+                        model_name=name, progress=None if quiet else print_progress,
+                        min_lifetime_steps=min_lifetime_steps)
     firmware = None
     if export_file is None:
         schedule = solve_schedule(graph, profile, ram=ram, **solve_kwargs)
@@ -184,6 +194,8 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
         firmware = solve_for_export(graph, profile, ram=ram, **solve_kwargs)
         schedule = firmware.schedule
     # Everything that could fail comes before the write, so a failure leaves no file behind.
+    if not allow_oversize and schedule.solver["status"] != "interrupted":
+        _check_fits_device(schedule, firmware)
     if as_json:
         summary = summary_dict(schedule)
         if out is not None:
@@ -269,6 +281,51 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
     ]))
 
 
+def _check_ram_within_device(ram, profile) -> None:
+    from poet_opt.units import format_bytes, parse_size
+
+    budget = parse_size(ram, field="--ram")
+    if budget > profile.memory.ram_bytes:
+        raise PoetError(f"{format_bytes(budget)} is more than {profile.name}'s {format_bytes(profile.memory.ram_bytes)} "
+                        "of RAM", field="--ram")
+
+
+def _check_weights_fit(graph, profile) -> None:
+    """Before a long solve: when the weights, their gradients, the stack reserve and the smallest
+    working set any schedule needs already exceed the RAM, no plan can run on the device."""
+    from poet_opt.units import format_bytes
+
+    need = (graph.param_bytes + graph.param_grad_bytes + profile.memory.stack_reserve_bytes
+            + graph.min_working_set_bytes())
+    if need > profile.memory.ram_bytes:
+        raise PoetError(f"no plan can run on {profile.name}: weights {format_bytes(graph.param_bytes)}, gradients "
+                        f"{format_bytes(graph.param_grad_bytes)}, stack reserve "
+                        f"{format_bytes(profile.memory.stack_reserve_bytes)} and the smallest working set "
+                        f"{format_bytes(graph.min_working_set_bytes())} need {format_bytes(need)} of its "
+                        f"{format_bytes(profile.memory.ram_bytes)}; train fewer layers (--trainable), or plan anyway "
+                        "with --allow-oversize", field="--device")
+
+
+def _check_fits_device(schedule, firmware) -> None:
+    """A plan that cannot run on the device is not an answer: say by how much it misses."""
+    from poet_opt.units import format_bytes
+
+    mem = schedule.memory()
+    working = firmware.arena.arena_bytes if firmware is not None else mem["working_peak_bytes"]
+    need = mem["param_bytes"] + mem["param_grad_bytes"] + working + mem["stack_reserve_bytes"]
+    if need > mem["device_ram_bytes"]:
+        raise PoetError(f"the plan needs {format_bytes(need)} on {schedule.profile.name}, which has "
+                        f"{format_bytes(mem['device_ram_bytes'])}: weights {format_bytes(mem['param_bytes'])}, "
+                        f"gradients {format_bytes(mem['param_grad_bytes'])}, "
+                        f"{'arena' if firmware is not None else 'working peak'} {format_bytes(working)}, stack reserve "
+                        f"{format_bytes(mem['stack_reserve_bytes'])}; train fewer layers (--trainable), give a smaller "
+                        "--ram, or keep it anyway with --allow-oversize", field="--ram")
+    if not mem["fits_storage"]:
+        raise PoetError(f"the plan pages {format_bytes(schedule.totals['storage_bytes'])}, more than "
+                        f"{schedule.profile.name}'s {format_bytes(mem['storage_capacity_bytes'])} of storage",
+                        field="--ram")
+
+
 def _check_prefix(prefix: str) -> None:
     """Before a long solve, not after it."""
     from poet_opt.firmware.header import check_prefix
@@ -295,8 +352,9 @@ def _export_dict(plan, flash, path) -> dict:
 @click.argument("schedule_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="the C header to write")
 @click.option("--prefix", default="POET_", show_default=True, help="prefix of every C name in the header")
+@click.option("--json", "as_json", is_flag=True, help="print the arena and flash figures as JSON")
 @_one_line_errors
-def export(schedule_file, out, prefix):
+def export(schedule_file, out, prefix, as_json):
     """Export a schedule as a C99 header: static arena offsets, flash layout and the step table."""
     from poet_opt.files import write_text_atomic
     from poet_opt.firmware.header import export as export_header
@@ -312,6 +370,10 @@ def export(schedule_file, out, prefix):
         raise PoetError(f"not a valid schedule, nothing exported: {exc.message}", source=schedule_file) from None
     header, plan, flash = export_header(doc, prefix=prefix, source=schedule_file)
     write_text_atomic(header, out)
+    if as_json:
+        click.echo(json.dumps({"schedule": str(schedule_file), "steps": len(doc["steps"]),
+                               "tensors": len(doc["graph"]["nodes"]), **_export_dict(plan, flash, out)}, indent=1))
+        return
     click.echo(f"{schedule_file}: {len(doc['steps'])} steps, {len(doc['graph']['nodes'])} tensors\n"
                f"{export_summary(plan, flash)}\n  wrote    {out}")
 
@@ -354,26 +416,53 @@ def _check_writable(out: str, field: str = "--out") -> None:
 
 @main.command()
 @click.argument("schedule_file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the replayed totals and the device fit as JSON")
 @_one_line_errors
-def validate(schedule_file):
+def validate(schedule_file, as_json):
     """Replay a schedule and check it: exit 0 if valid, 1 naming the first violation."""
     from poet_opt.schedule.validator import load_and_validate
     from poet_opt.units import format_bytes, format_joules, format_seconds
 
     doc, totals = load_and_validate(schedule_file)
     ram_budget = doc["budgets"]["ram_bytes"]
+    fit = _device_fit(doc, totals)
+    if as_json:
+        click.echo(json.dumps({"schedule": str(schedule_file), "valid": True, "steps": len(doc["steps"]),
+                               **{k: totals[k] for k in ("energy_j", "runtime_s", "peak_ram_bytes", "storage_bytes")},
+                               "ram_budget_bytes": ram_budget, "device_fit": fit}, indent=1))
+        return
     click.echo(f"{schedule_file}: valid: {len(doc['steps'])} steps, energy {format_joules(totals['energy_j'])}, "
                f"runtime {format_seconds(totals['runtime_s'])}, peak RAM {format_bytes(totals['peak_ram_bytes'])} "
                + ("(no RAM budget)" if ram_budget is None else f"of {format_bytes(ram_budget)}"))
+    if fit is not None:
+        verdict = (f"fits, {format_bytes(fit['device_ram_bytes'] - fit['needed_bytes'])} to spare" if fit["fits"]
+                   else f"DOES NOT FIT, {format_bytes(fit['needed_bytes'] - fit['device_ram_bytes'])} over")
+        click.echo(f"  device   {doc['device'].get('name', '?')}: weights, gradients, working peak and stack reserve "
+                   f"need {format_bytes(fit['needed_bytes'])} of {format_bytes(fit['device_ram_bytes'])}: {verdict}")
+
+
+def _device_fit(doc: dict, totals: dict) -> dict | None:
+    """The device fit of a schedule file, from its own figures (None when it has no device RAM)."""
+    device, memory = doc.get("device") or {}, doc.get("memory") or {}
+    ram = device.get("ram_bytes")
+    if not isinstance(ram, int) or isinstance(ram, bool):
+        return None
+    need = sum(int(memory.get(k) or 0) for k in ("param_bytes", "param_grad_bytes", "stack_reserve_bytes"))
+    need += int(totals["peak_ram_bytes"])
+    return {"device_ram_bytes": ram, "needed_bytes": need, "fits": need <= ram}
 
 
 @main.command()
+@click.option("--json", "as_json", is_flag=True, help="print the profiles' key figures as JSON")
 @_one_line_errors
-def devices():
+def devices(as_json):
     """List the built-in device profiles with their key figures."""
     from poet_opt.device.profiles import list_profiles
     from poet_opt.units import format_bytes
 
+    if as_json:
+        click.echo(json.dumps([p.summary_row() for p in list_profiles()], indent=1))
+        return
     rows = [("name", "cpu", "RAM", "GFLOP/s", "pJ/FLOP", "storage", "read MB/s", "write MB/s")]
     for p in list_profiles():
         r = p.summary_row()
@@ -385,12 +474,19 @@ def devices():
 
 @main.command()
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print the models' figures as JSON")
 @_one_line_errors
-def models(batch_size):
+def models(batch_size, as_json):
     """List the model zoo with node counts and plain-training memory."""
     from poet_opt.model.zoo import MODELS, build_model
     from poet_opt.units import format_bytes
 
+    if as_json:
+        graphs = {name: build_model(name, batch_size=batch_size) for name in MODELS}
+        click.echo(json.dumps([{"name": name, "nodes": len(g), "param_bytes": g.param_bytes,
+                                "plain_peak_bytes": g.plain_peak_bytes(), "description": MODELS[name]}
+                               for name, g in graphs.items()], indent=1))
+        return
     rows = [("name", "nodes", "params", "plain peak", "description")]
     for name, description in MODELS.items():
         g = build_model(name, batch_size=batch_size)
@@ -435,11 +531,15 @@ def _table(rows) -> str:
 @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
               help="measured per-layer time/energy, CSV or YAML")
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="directory for the CSVs and plots")
+@click.option("--allow-oversize", is_flag=True, help="also solve budgets above a device's RAM")
+@click.option("--json", "as_json", is_flag=True, help="print the rows and the files written as JSON")
+@click.option("--min-lifetime-steps", type=click.IntRange(min=1), default=None,
+              help="training steps the storage must survive, for every point (a wear budget)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
 @_one_line_errors
 def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runtime, modes, time_limit, order, gap, jobs,
            scheduler, warm, batch_size, torch_spec, onnx_file, input_shape, trainable, optimizer, costs_file, out_dir,
-           quiet):
+           allow_oversize, as_json, min_lifetime_steps, quiet):
     """Sweep RAM budgets and plot the energy-memory Pareto front (docs/pareto.md)."""
     from poet_opt import pareto as pf
     from poet_opt.device.profiles import load_profile
@@ -509,7 +609,8 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
         rows = pf.sweep(subject, devices, rams, runtime=runtime, modes=mode_list, time_limit=time_limit, gap=gap,
                         order=order,
                         jobs=jobs, progress=report, model_kwargs=kwargs, model_name=None if built_once else model,
-                        warm=warm, scheduler=client)
+                        warm=warm, scheduler=client, allow_oversize=allow_oversize,
+                        min_lifetime_steps=min_lifetime_steps)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
@@ -524,6 +625,10 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
     if rows.interrupted:  # the sweep takes SIGTERM (_Terminated) as it takes Ctrl-C
         how, code = ("terminated", EXIT_TERMINATED) if _TERMINATED.is_set() else ("interrupted", EXIT_INTERRUPTED)
         _fail(f"{how}; {len(rows)} finished points written to {out}" if rows else f"{how}; nothing was written", code)
+    if as_json:
+        click.echo(json.dumps({"rows": [dict(r) for r in rows], "written": [str(out / w) for w in written]},
+                              indent=1, default=str))
+        return
     table = [("device", "mode", "RAM budget", "status", "energy", "x plain", "peak RAM", "recomp", "page-in")]
     for r in rows:
         solved = r["energy_j"] is not None
@@ -548,8 +653,9 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
 @click.argument("schedule_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
               help="image to write: .png, or .svg (a .png is written beside it)")
+@click.option("--json", "as_json", is_flag=True, help="print the files written as JSON")
 @_one_line_errors
-def plot(schedule_file, out):
+def plot(schedule_file, out, as_json):
     """Plot one schedule: RAM over the steps, and the stage x node compute/keep matrix."""
     from poet_opt.plots.timeline import plot_timeline
     from poet_opt.schedule.validator import ScheduleInvalid, load_and_validate
@@ -564,8 +670,16 @@ def plot(schedule_file, out):
     _check_not_inputs([("-o", out), *beside], schedule_file=schedule_file)
     _check_writable(out, field="-o")
     written = plot_timeline(doc, out)
+    if as_json:
+        click.echo(json.dumps({"schedule": str(schedule_file), "written": [str(w) for w in written]}, indent=1))
+        return
     click.echo(f"wrote {', '.join(map(str, written))}")
 
+
+# `run` and `measure` (poet_opt/executor/commands.py): defined there, kept out of this module's length
+from poet_opt.executor.commands import add_commands as _add_executor_commands  # noqa: E402
+
+_add_executor_commands(main, _one_line_errors, _check_writable, _check_not_inputs)
 
 if __name__ == "__main__":
     main()

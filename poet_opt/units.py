@@ -65,6 +65,11 @@ def parse_size(text: str | int | float, *, field: str = "size") -> int:
         raise PoetError(f"{shown(text)} is too large to be a size (at most 2^63 - 1 bytes)", field=field)
     if round(value) < 1:
         raise PoetError(f"{text!r} is less than one byte; sizes are whole bytes", field=field)
+    if isinstance(text, str) and not match.group(2):
+        # a bare number is too easily meant as KB or MB: ask for the unit rather than guess bytes
+        number = text.strip()
+        raise PoetError(f"{number!r} has no unit; write {number}B for bytes, or e.g. {number}KiB or {number}MB",
+                        field=field)
     return int(round(value))
 
 
@@ -114,8 +119,8 @@ def _scaled(value: float, steps, digits: int) -> str:
     raise AssertionError("unreachable")
 
 
-def format_bytes(n: float, *, binary: bool = False) -> str:
-    """1536000 -> '1.54 MB' (or '1.46 MiB' with binary=True)."""
+def format_bytes(n: float, *, binary: bool = True) -> str:
+    """1536000 -> "1.46 MiB" (or "1.54 MB" with binary=False): binary units in everything the tool prints."""
     base, units = (1024.0, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000.0, ["B", "KB", "MB", "GB", "TB"])
     value = float(n)
     if value == 0 or not math.isfinite(value):

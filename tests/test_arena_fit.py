@@ -145,7 +145,7 @@ def test_solve_export_cli_reports_the_resolve_and_export_reproduces_the_header(t
     runner = CliRunner()
     out, header = tmp_path / "s.json", tmp_path / "s.h"
     result = runner.invoke(main, ["solve", "--graph", str(tmp_path / "g.json"), "--device", str(tmp_path / "board.yaml"),
-                                  "--ram", str(g.plain_peak_bytes()), "--time-limit", "20", "-q",
+                                  "--ram", f"{g.plain_peak_bytes()}B", "--time-limit", "20", "-q",
                                   "--out", str(out), "--export", str(header)])
     assert result.exit_code == 0, result.output
     assert "re-solve" in result.output and "solved again at" in result.output

@@ -47,7 +47,7 @@ def cli(*args: str):
 
 
 def solve_args(*extra, ram=BELOW_PLAIN, model="mlp", device="rpi4"):
-    return ["solve", "--model", model, "--device", device, "--ram", str(ram), *FAST, *extra]
+    return ["solve", "--model", model, "--device", device, "--ram", f"{ram}B" if isinstance(ram, int) else str(ram), *FAST, *extra]
 
 
 def assert_one_line_error(result, *needles: str, code: int = 2, out: Path | None = None) -> str:
@@ -195,7 +195,7 @@ def test_graph_file_solves(tmp_path):
     graph = load_node_link(SMALL_GRAPH)
     ram = (graph.plain_peak_bytes() + graph.min_working_set_bytes()) // 2
     out = tmp_path / "g.json"
-    result = cli("solve", "--graph", SMALL_GRAPH, "--device", "rpi4", "--ram", ram, "--runtime", "1.5x",
+    result = cli("solve", "--graph", SMALL_GRAPH, "--device", "rpi4", "--ram", f"{ram}B", "--runtime", "1.5x",
                  "--out", out, "-q", *FAST)
     assert result.exit_code == 0, result.stderr
     doc = json.loads(out.read_text())

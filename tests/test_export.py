@@ -263,7 +263,7 @@ def test_export_command_writes_a_header_that_compiles(tmp_path, skip_doc):
 
 def test_solve_export_writes_schedule_and_header(tmp_path):
     out, header = tmp_path / "s.json", tmp_path / "s.h"
-    result = cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", MLP_RAM, "--time-limit", "20", "-q",
+    result = cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", f"{MLP_RAM}B", "--time-limit", "20", "-q",
                  "--out", out, "--export", header, "--prefix", "MLP_", "--json")
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
@@ -286,7 +286,7 @@ def test_solve_export_fails_before_writing_when_the_arena_does_not_fit(tmp_path,
 
     monkeypatch.setattr(arena, "plan_arena", fragmented)
     out, header = tmp_path / "s.json", tmp_path / "s.h"
-    result = cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", MLP_RAM, "--time-limit", "20", "-q",
+    result = cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", f"{MLP_RAM}B", "--time-limit", "20", "-q",
                  "--out", out, "--export", header)
     assert_one_line_error(result, "arena needs", "RAM budget", "live peak", out=header)
     assert not out.exists()
@@ -331,7 +331,7 @@ def test_export_bad_prefix_and_missing_file(tmp_path, skip_doc):
     out = tmp_path / "out.h"
     assert_one_line_error(cli("export", src, "-o", out, "--prefix", "1x"), "--prefix", "not a C identifier", out=out)
     assert_one_line_error(cli("export", tmp_path / "nope.json", "-o", out), "cannot read", out=out)
-    assert_one_line_error(cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", MLP_RAM, "--export", out,
+    assert_one_line_error(cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", f"{MLP_RAM}B", "--export", out,
                               "--prefix", "a b"), "--prefix", out=out)
-    assert_one_line_error(cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", MLP_RAM, "--export", out,
+    assert_one_line_error(cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", f"{MLP_RAM}B", "--export", out,
                               "--out", tmp_path / "." / "out.h"), "--export", "same file as --out", out=out)

@@ -38,7 +38,8 @@ def test_ctrl_c_in_the_first_seconds_stops_within_two_seconds(tmp_path):
         str(out_file), tmp_path=tmp_path)
     assert code == 130, (out, err)
     assert took < 2.0 + 1.0, took  # 2 s promised; a loaded CI core gets a little slack
-    if "interrupted before any schedule" in err:
+    if "interrupted before any schedule" in err or "interrupted; nothing was written" in err:
+        # stopped before the search had a plan (on a loaded machine, still building the model)
         assert not out_file.exists()
     else:
         assert "interrupted" in out and "claim" in out

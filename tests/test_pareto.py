@@ -258,8 +258,8 @@ def one_line_error(result, needle, code=2):
 
 def test_cli_pareto_happy_path(tmp_path):
     out = tmp_path / "sweep"
-    result = cli("pareto", "--model", "mlp", "--device", "rpi4", "--device", "nrf52840", "--ram-from", MLP_MIN // 2,
-                 "--ram-to", MLP_PLAIN, "--points", 3, "--modes", "joint,remat", "--time-limit", 20, "--jobs", 1,
+    result = cli("pareto", "--model", "mlp", "--device", "rpi4", "--device", "nrf52840", "--ram-from", f"{MLP_MIN // 2}B",
+                 "--ram-to", f"{MLP_PLAIN}B", "--points", 3, "--modes", "joint,remat", "--time-limit", 20, "--jobs", 1,
                  "-o", out)
     assert result.exit_code == 0, result.output
     for name in ("pareto.csv", "pareto_front.csv", "pareto.png", "pareto.svg"):

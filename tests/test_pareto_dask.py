@@ -51,7 +51,7 @@ def test_a_dask_cluster_gives_the_local_rows(cluster, tmp_path):
 
 def test_cli_on_a_dask_cluster_writes_the_local_csv(cluster, tmp_path):
     common = ["pareto", "--model", "mlp", "--device", "rpi4", "--device", "nrf52840",
-              "--ram", ",".join(map(str, RAMS)), "--gap", "0", "--time-limit", "20", "--jobs", "2", "-q"]
+              "--ram", ",".join(f"{r}B" for r in RAMS), "--gap", "0", "--time-limit", "20", "--jobs", "2", "-q"]
     here = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "here")])
     there = CliRunner().invoke(main, [*common, "--scheduler", cluster.scheduler_address, "-o", str(tmp_path / "there")])
     assert here.exit_code == 0, here.output

@@ -70,6 +70,7 @@ def _power_of_two(value: int) -> int:
 
 
 Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0), _within(None, MAX_BYTES, "bytes (2^63 - 1)")]
+ReserveBytes = Annotated[int, BeforeValidator(_size), Field(ge=0), _within(None, MAX_BYTES, "bytes (2^63 - 1)")]
 Count = Annotated[int, BeforeValidator(_number), Field(gt=0), _within(None, MAX_BYTES, "(2^63 - 1)")]
 Rate = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False), _within(1, 1e21, "per second")]
 Watts = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False), _within(None, 1e6, "W")]
@@ -109,6 +110,9 @@ class Memory(_Strict):
     ram_bytes: Bytes
     bytes_per_element: Literal[1, 2, 4, 8] = 4
     alignment_bytes: Annotated[Bytes, AfterValidator(_power_of_two)] = 4  # arena offsets are rounded up to it
+    # RAM the training step cannot plan with: the call stack (and, on a microcontroller, the
+    # firmware's own statics); counted in the device fit of every plan
+    stack_reserve_bytes: ReserveBytes = 0
 
 
 class Transfer(_Strict):
@@ -123,6 +127,8 @@ class Storage(_Strict):
     erase_block_bytes: Bytes
     endurance_cycles: Count
     write_cache: bool = False
+    # None: by kind (SD cards, eMMC, SSDs and USB sticks level wear; raw NOR flash does not)
+    wear_levelling: Optional[bool] = None
     read: Transfer
     write: Transfer
 
@@ -167,9 +173,11 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
     path = Path(text)
     looks_like_path = path.suffix in (".yaml", ".yml") or "/" in text or "\\" in text or path.is_file()
     if not looks_like_path:
-        path = _profile_dir() / f"{text}.yaml"
+        names = builtin_profile_names()
+        # names are case-insensitive, as model names are: NRF52840 is nrf52840
+        by_key = {n.lower(): n for n in names}
+        path = _profile_dir() / f"{by_key.get(text.strip().lower(), text)}.yaml"
         if not path.exists():
-            names = builtin_profile_names()
             close = difflib.get_close_matches(text, names, n=3, cutoff=0.4)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; known devices: {', '.join(names)}"
             raise PoetError(f"unknown device {text!r}{hint} (or give a path to a YAML profile)", field="--device")

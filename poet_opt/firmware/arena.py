@@ -309,6 +309,7 @@ class FlashPlan:
     flash_bytes: int
     bytes_written_per_step: int
     lifetime_steps: int | None     # None: nothing is written, flash never wears
+    wear_levelling: bool = False   # lifetime_steps counts erases spread over the whole medium
 
 
 def plan_flash(doc: dict) -> FlashPlan:
@@ -337,7 +338,15 @@ def plan_flash(doc: dict) -> FlashPlan:
             regions[n] = align_up(max(1, int(nodes[n]["bytes"])), block)
             end += regions[n]
     lifetime = min(endurance // w for w in writes.values()) if writes else None
-    return FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime)
+    device = doc.get("device") or {}
+    capacity = device.get("storage_capacity_bytes")
+    levelled = device.get("wear_levelling") is True and isinstance(capacity, int) and capacity > 0
+    if levelled and writes:
+        # a flash translation layer spreads the erases over the whole medium (the schedule's own
+        # lifetime_steps says the same, docs/schedule-format.md)
+        erased = sum(regions[n] * w for n, w in writes.items())
+        lifetime = endurance * capacity // erased
+    return FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime, levelled)
 
 
 def wear_levelled_lifetime(flash: FlashPlan) -> int | None:

@@ -99,7 +99,7 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
     gap = solver.get("gap")
     runtime = budgets.get("runtime_s")
     guard = f"{P.upper()}SCHEDULE_H"
-    lifetime = "unlimited (nothing paged)" if flash.lifetime_steps is None else f"{flash.lifetime_steps:,} training steps"
+    lifetime = _lifetime_text(flash)
     info = [
         f"model {doc.get('model')} (graph {doc['graph'].get('name')}), mode {doc.get('mode')}",
         f"device {dev.get('name')} ({dev.get('cpu')}), alignment {plan.alignment} B, "
@@ -207,10 +207,17 @@ def export(doc: dict, *, prefix: str = "POET_", source: str | None = None) -> tu
         raise type(exc)(exc.message, source=source, field=exc.field) from None
 
 
+def _lifetime_text(flash: FlashPlan) -> str:
+    if flash.lifetime_steps is None:
+        return "unlimited (nothing paged)"
+    how = "wear levelled over the whole medium" if flash.wear_levelling else "each region erased once per step"
+    return f"{flash.lifetime_steps:,} training steps ({how})"
+
+
 def export_summary(plan: ArenaPlan, flash: FlashPlan) -> str:
     from poet_opt.units import format_bytes
 
-    life = "unlimited (nothing paged)" if flash.lifetime_steps is None else f"{flash.lifetime_steps:,} training steps"
+    life = _lifetime_text(flash)
     return "\n".join([
         f"  arena    {format_bytes(plan.arena_bytes)} ({plan.arena_bytes:,} B) for a live peak of "
         f"{format_bytes(plan.live_peak_bytes)}: {plan.ratio:.4f}x",

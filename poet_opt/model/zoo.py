@@ -302,7 +302,12 @@ def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_e
     description, default_shape, to_builder, declare = _ZOO[key]
     batch_size = _positive_int(batch_size, "--batch-size")
     bytes_per_element = _positive_int(bytes_per_element, "--bytes-per-element")
-    shape = _input_shape(input_shape, default_shape)
+    shape, batch_in_shape = _input_shape(input_shape, default_shape)
+    if batch_in_shape is not None:
+        if batch_size not in (1, batch_in_shape):
+            raise PoetError(f"the input shape's batch is {batch_in_shape}, --batch-size says {batch_size}; give one",
+                            field="--batch-size")
+        batch_size = batch_in_shape
     net = _Net(to_builder(shape) if to_builder else shape)
     declare(net)
     meta = {"model": key, "description": description, "batch_size": batch_size, "input_shape": list(shape),
@@ -331,9 +336,11 @@ def _positive_int(value, field: str) -> int:
     return value
 
 
-def _input_shape(value, default: tuple[int, ...]) -> tuple[int, ...]:
+def _input_shape(value, default: tuple[int, ...]) -> tuple[tuple[int, ...], int | None]:
+    """(one sample's shape, the batch when the value is the whole input, batch first, as for
+    --torch and --onnx: ``4,3,32,32``; None for the per-sample form ``3x32x32``)."""
     if value is None:
-        return default
+        return default, None
     if isinstance(value, str):
         parts: list = [p for p in re.split(r"[x,\s()\[\]]+", value.strip().lower()) if p]
     else:
@@ -342,10 +349,13 @@ def _input_shape(value, default: tuple[int, ...]) -> tuple[int, ...]:
         shape = tuple(int(p) if isinstance(p, str) and p.isdigit() else _whole(p) for p in parts)
     except (TypeError, ValueError):
         shape = ()
-    if len(shape) != len(default) or min(shape) < 1:
-        expected = "(C, H, W)" if len(default) == 3 else "(seq_len,) or (features,)"
-        raise PoetError(f"expected {expected} in positive whole numbers, got {value!r}", field="--input-shape")
-    return shape
+    if len(shape) not in (len(default), len(default) + 1) or min(shape, default=0) < 1:
+        expected = "C,H,W" if len(default) == 3 else "seq_len or features"
+        raise PoetError(f"expected the whole input, batch first (N,{expected}), or one sample ({expected}) in "
+                        f"positive whole numbers, got {value!r}", field="--input-shape")
+    if len(shape) == len(default) + 1:
+        return shape[1:], shape[0]
+    return shape, None
 
 
 def _whole(p) -> int:

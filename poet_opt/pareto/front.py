@@ -58,7 +58,7 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
           time_limit: Optional[float] = 60.0, gap: float = 1e-3, jobs: Optional[int] = None,
           progress: Optional[Callable[[int, int, dict], None]] = None, model_kwargs: Optional[dict] = None,
           model_name: Optional[str] = None, warm: bool = True, scheduler: Optional[str] = None,
-          order: str = "auto") -> SweepResult:
+          order: str = "auto", allow_oversize: bool = False, min_lifetime_steps: Optional[int] = None) -> SweepResult:
     """Solve every (device, mode, RAM budget) and return one row per point (``COLUMNS``), sorted by
     device, mode and budget in the order given.
 
@@ -69,7 +69,10 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
     cluster's worker threads; 1 without a scheduler runs in this process). warm: start each point
     from the schedule of the next smaller budget in its series (it fits the larger budget).
     scheduler: ``'tcp://HOST:PORT'`` of a Dask scheduler (or a ``distributed.Client``) to run the
-    points on instead of a local process pool (needs the ``dask`` extra). progress(done, total, row) is called in this process
+    points on instead of a local process pool (needs the ``dask`` extra). allow_oversize: also solve
+    budgets above a device's RAM (by default each device's series stops at its RAM).
+    min_lifetime_steps: a wear budget for every point, as for ``solve``.
+    progress(done, total, row) is called in this process
     as each point finishes. Ctrl-C stops the sweep and returns the rows that finished, with
     ``.interrupted`` set.
     """
@@ -104,13 +107,18 @@ def sweep(model_or_graph, devices, rams, *, runtime=None, modes: Sequence[str] =
 
     series = []  # (device, mode) in the order given; each runs from its smallest budget up
     for profile in profiles:
+        fitting = [ram for ram in budgets if allow_oversize or ram <= profile.memory.ram_bytes]
+        if not fitting:
+            raise PoetError(f"every budget exceeds {profile.name}'s {format_bytes(profile.memory.ram_bytes)} of RAM; "
+                            "give smaller budgets, or --allow-oversize", field="--ram")
         for mode in modes:
             series.append([{
                 "model": model_or_graph, "model_kwargs": model_kwargs, "model_name": name,
                 "device": profile,  # loaded here: a Dask worker need not see the user's YAML file
                 "device_name": profile.name, "mode": mode, "ram": ram, "runtime": runtime,
                 "time_limit": time_limit, "gap": gap, "series": len(series), "warm": warm, "order": order,
-            } for ram in budgets])
+                "min_lifetime_steps": min_lifetime_steps,
+            } for ram in fitting])
     total = sum(map(len, series))
 
     client = owned = None

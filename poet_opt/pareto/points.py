@@ -52,6 +52,7 @@ def _solve_point(task: dict, row: dict) -> dict:
     try:
         device = task["device"]
         profile = device if not isinstance(device, (str, os.PathLike)) else load_profile(device)
+        row["device_ram_bytes"] = profile.memory.ram_bytes
         graph = graph_for(task["model"], task["model_kwargs"], profile)
         costs = node_costs(graph, profile)
         plain = plain_summary(graph, costs)
@@ -65,14 +66,16 @@ def _solve_point(task: dict, row: dict) -> dict:
                 return row
         start = task.get("start")
         if start is not None:  # the budget below's plan fits; with the extra RAM it can do less work
-            budgets = resolve_budgets(graph, profile, costs, task["ram"], task["runtime"])
+            budgets = resolve_budgets(graph, profile, costs, task["ram"], task["runtime"],
+                                      task.get("min_lifetime_steps"))
             order, decisions = start  # made in that execution order: loosened in it
             ordered = graph if list(order) == list(range(len(graph))) else graph.reordered(order)
             ordered_costs = costs if ordered is graph else node_costs(ordered, profile)
             start = (order, loosen(ordered, ordered_costs, decisions, budgets.ram_bytes, budgets.runtime_s))
         schedule = solve(graph, profile, ram=task["ram"], runtime=task["runtime"], mode=task["mode"],
                          time_limit=task["time_limit"], gap=task["gap"], model_name=task["model_name"],
-                         start=start, order=task.get("order", "auto"))
+                         start=start, order=task.get("order", "auto"),
+                         min_lifetime_steps=task.get("min_lifetime_steps"))
     except InfeasibleError as exc:
         # no message: a point skipped below it would say something else, and rows must not depend
         # on which points a pool happened to solve
@@ -96,6 +99,9 @@ def _solve_point(task: dict, row: dict) -> dict:
         page_out_j=t["page_out_j"], runtime_s=t["runtime_s"], peak_ram_bytes=t["peak_ram_bytes"],
         recomputes=t["recomputes"], page_ins=t["page_ins"], page_outs=t["page_outs"], gap=solver["gap"],
     )
+    # 1 when weights, gradients, the working peak and the stack reserve fit the device's RAM
+    row["fits_device"] = int(schedule.memory()["fits_device"])
+    row["lifetime_steps"] = schedule.lifetime_steps()  # empty: nothing written, the storage never wears
     if _math.isfinite(schedule.budgets.runtime_s):
         row["runtime_budget_s"] = float(schedule.budgets.runtime_s)
     if task.get("warm"):  # the start of the next budget up; the sweep takes it out of the row

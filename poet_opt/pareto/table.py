@@ -11,7 +11,7 @@ COLUMNS = [
     "model", "device", "mode", "ram_bytes", "runtime_budget_s", "status",
     "energy_j", "compute_j", "page_in_j", "page_out_j", "runtime_s", "peak_ram_bytes",
     "recomputes", "page_ins", "page_outs", "gap", "solve_s",
-    "plain_energy_j", "plain_peak_bytes", "min_feasible_ram_bytes", "error",
+    "plain_energy_j", "plain_peak_bytes", "min_feasible_ram_bytes", "device_ram_bytes", "fits_device", "lifetime_steps", "error",
 ]
 # statuses of a row that carries a schedule (and so an energy)
 SOLVED = tuple(s for s in SCHEDULE_STATUSES if s != "interrupted")
@@ -20,7 +20,7 @@ INFEASIBLE = ("infeasible", "infeasible_for_order")
 STATUSES = SOLVED + INFEASIBLE + ("no_schedule", "error")
 
 _INT_COLUMNS = {"ram_bytes", "peak_ram_bytes", "recomputes", "page_ins", "page_outs", "plain_peak_bytes",
-                "min_feasible_ram_bytes"}
+                "min_feasible_ram_bytes", "device_ram_bytes", "fits_device", "lifetime_steps"}
 _FLOAT_COLUMNS = {"runtime_budget_s", "energy_j", "compute_j", "page_in_j", "page_out_j", "runtime_s", "gap",
                   "solve_s", "plain_energy_j"}
 

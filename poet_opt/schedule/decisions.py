@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
@@ -22,7 +23,8 @@ class Budgets:
 
     ram_bytes: float
     runtime_s: float
-    storage_bytes: float
+    storage_bytes: float  # with a wear budget, at most the erase-block-aligned bytes it allows per step
+    min_lifetime_steps: Optional[int] = None  # the wear budget (--min-lifetime-steps) behind storage_bytes
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,36 @@ class Decisions:
     page_in: frozenset  # (t, i): page i in at position i of stage t
     page_out: frozenset  # i: page i out right after computing it in stage i
     keep: frozenset  # (t, i): i is in RAM at the start of stage t
+
+
+def wear_levelled(storage) -> bool:
+    """Whether the medium spreads erases over its whole capacity (a flash translation layer: SD
+    cards, eMMC, SSDs, USB sticks) or erases exactly the blocks written (raw NOR flash), unless the
+    profile says otherwise."""
+    if storage.wear_levelling is not None:
+        return bool(storage.wear_levelling)
+    return storage.kind not in ("spi-flash", "qspi-flash", "internal-flash")
+
+
+def wear_storage_cap(storage, min_lifetime_steps: int) -> float:
+    """The erase-block-aligned bytes a plan may page out per training step and still survive
+    ``min_lifetime_steps`` steps. Each paged tensor's region is erased once per step (a tensor is
+    paged out at most once, right after its first computation). With wear levelling the erases
+    spread over the whole capacity: endurance * capacity / steps. Without, each region wears on
+    its own and lasts `endurance` steps: any paging is allowed if that is enough, none otherwise."""
+    if wear_levelled(storage):
+        return float(storage.endurance_cycles * storage.capacity_bytes // min_lifetime_steps)
+    return float(storage.capacity_bytes) if storage.endurance_cycles >= min_lifetime_steps else 0.0
+
+
+def lifetime_steps(storage, erased_bytes_per_step: int) -> Optional[int]:
+    """Training steps until the medium wears out under a plan that erases (pages out)
+    ``erased_bytes_per_step`` aligned bytes each step; None when nothing is written."""
+    if erased_bytes_per_step <= 0:
+        return None
+    if wear_levelled(storage):
+        return int(storage.endurance_cycles * storage.capacity_bytes // erased_bytes_per_step)
+    return int(storage.endurance_cycles)
 
 
 def plain_decisions(graph: TrainingGraph) -> Decisions:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from poet_opt import __version__
 from poet_opt.device.costs import NodeCosts
 from poet_opt.device.profiles import DeviceProfile
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Budgets, Decisions
+from poet_opt.schedule.decisions import Budgets, Decisions, lifetime_steps, wear_levelled
 
 FORMAT = "poet-opt/schedule@1"
 
@@ -40,9 +41,15 @@ class Schedule:
     order: tuple = ()
 
     def memory(self) -> dict:
+        """The whole footprint on the device: every weight (frozen ones too: an executor keeps them
+        in RAM; firmware may place them in flash, which `poet-opt emulate` measures), the gradients
+        of the trainable ones, optimizer state, the working peak and the profile's stack reserve;
+        and the paged bytes against the storage's capacity."""
         params, grads = self.graph.param_bytes, self.graph.param_grad_bytes
         working = self.totals["peak_ram_bytes"]
         total = params + grads + working
+        reserve = self.profile.memory.stack_reserve_bytes
+        device = self.profile.memory.ram_bytes
         return {
             "param_bytes": params,
             "param_grad_bytes": grads,
@@ -50,9 +57,20 @@ class Schedule:
             "optimizer_state_bytes": sum(n.param_bytes for n in self.graph.nodes if n.op.endswith("_update")),
             "working_peak_bytes": working,
             "total_bytes": total,
-            "device_ram_bytes": self.profile.memory.ram_bytes,
-            "fits_device": total <= self.profile.memory.ram_bytes,
+            "stack_reserve_bytes": reserve,
+            "device_ram_bytes": device,
+            "fits_device": total + reserve <= device,
+            "storage_capacity_bytes": self.profile.storage.capacity_bytes,
+            "fits_storage": self.totals["storage_bytes"] <= self.profile.storage.capacity_bytes,
         }
+
+    def erased_bytes_per_step(self) -> int:
+        """Each paged tensor's erase-block-aligned region is erased once per step."""
+        return int(sum(float(self.costs.storage_bytes[i]) for i in self.decisions.page_out))
+
+    def lifetime_steps(self) -> Optional[int]:
+        """Training steps the storage survives under this plan (None: nothing is written)."""
+        return lifetime_steps(self.profile.storage, self.erased_bytes_per_step())
 
     def recomputed_nodes(self) -> list[int]:
         return sorted({i for _, i in self.decisions.recompute})
@@ -83,6 +101,7 @@ class Schedule:
                 "bytes_per_element": p.memory.bytes_per_element, "alignment_bytes": p.memory.alignment_bytes,
                 "storage_kind": p.storage.kind, "storage_capacity_bytes": p.storage.capacity_bytes,
                 "erase_block_bytes": p.storage.erase_block_bytes, "endurance_cycles": p.storage.endurance_cycles,
+                "wear_levelling": wear_levelled(p.storage), "stack_reserve_bytes": p.memory.stack_reserve_bytes,
             },
             "graph": {"name": self.graph.name, "nodes": nodes,
                       "given_ids": list(self.order) if self.order else list(range(len(nodes)))},
@@ -91,6 +110,7 @@ class Schedule:
                 # null: no runtime limit (JSON has no infinity)
                 "runtime_s": float(self.budgets.runtime_s) if math.isfinite(self.budgets.runtime_s) else None,
                 "storage_bytes": int(self.budgets.storage_bytes),
+                "min_lifetime_steps": self.budgets.min_lifetime_steps,
             },
             "steps": self.steps,
             "totals": self.totals,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from poet_opt.schedule.decisions import wear_levelled
 from poet_opt.schedule.document import Schedule
 from poet_opt.units import format_bytes, format_joules, format_seconds
 
@@ -16,7 +17,10 @@ def summary_dict(s: Schedule) -> dict:
         "model": s.model,
         "device": s.profile.name,
         "mode": s.mode,
-        "budgets": {"ram_bytes": int(s.budgets.ram_bytes), "runtime_s": runtime_budget},
+        "budgets": {"ram_bytes": int(s.budgets.ram_bytes), "runtime_s": runtime_budget,
+                    "min_lifetime_steps": s.budgets.min_lifetime_steps},
+        # training steps until the storage wears out under this plan; null when nothing is written
+        "lifetime_steps": s.lifetime_steps(),
         "totals": t,
         "plain": plain,
         "energy_vs_plain": _ratio(t["energy_j"], plain["energy_j"], None),
@@ -57,12 +61,27 @@ def summary_text(s: Schedule) -> str:
                  f"(plain training peaks at {format_bytes(plain['peak_ram_bytes'])})")
     state = mem.get("optimizer_state_bytes") or 0
     state_text = f" (with optimizer state {format_bytes(state)})" if state else ""
-    lines.append(f"  params   weights {format_bytes(mem['param_bytes'])}{state_text} + weight gradients "
-                 f"{format_bytes(mem['param_grad_bytes'])} + working peak = {format_bytes(mem['total_bytes'])} "
-                 f"of the device's {format_bytes(mem['device_ram_bytes'])}")
-    if not mem["fits_device"]:
-        lines.append(f"  WARNING  parameters plus working memory ({format_bytes(mem['total_bytes'])}) exceed "
-                     f"the device's RAM ({format_bytes(mem['device_ram_bytes'])}): train fewer layers or page weights")
+    reserve = mem.get("stack_reserve_bytes") or 0
+    reserve_text = f" + stack reserve {format_bytes(reserve)}" if reserve else ""
+    need = mem["total_bytes"] + reserve
+    lines.append(f"  device   weights {format_bytes(mem['param_bytes'])}{state_text} + weight gradients "
+                 f"{format_bytes(mem['param_grad_bytes'])} + working peak{reserve_text} = {format_bytes(need)} "
+                 f"of the device's {format_bytes(mem['device_ram_bytes'])}: "
+                 + (f"fits, {format_bytes(mem['device_ram_bytes'] - need)} to spare" if mem["fits_device"]
+                    else f"DOES NOT FIT, {format_bytes(need - mem['device_ram_bytes'])} over; train fewer layers "
+                         "(--trainable) or give a smaller --ram"))
+    lifetime = s.lifetime_steps()
+    if lifetime is not None or s.budgets.min_lifetime_steps is not None:
+        want = s.budgets.min_lifetime_steps
+        levelled = "with" if wear_levelled(s.profile.storage) else "without"
+        lines.append(f"  wear     {format_bytes(s.erased_bytes_per_step())} erased per step: the "
+                     f"{s.profile.storage.kind} lasts "
+                     + ("forever (nothing written)" if lifetime is None else f"{lifetime:,} training steps")
+                     + f" ({levelled} wear levelling, {s.profile.storage.endurance_cycles:,} cycles)"
+                     + (f", at least {want:,} asked" if want else ""))
+    if not mem.get("fits_storage", True):
+        lines.append(f"  storage  DOES NOT FIT: {format_bytes(t['storage_bytes'])} paged, the device has "
+                     f"{format_bytes(mem['storage_capacity_bytes'])}")
     rec, paged = s.recomputed_nodes(), s.paged_nodes()
     lines.append(f"  remat    {_count(t['recomputes'], 'recomputation')} of {_count(len(rec), 'node')}"
                  f"{_names(names, rec)}")

@@ -235,7 +235,35 @@ def _replay(plan: dict, source) -> dict:
 
 def replay(doc: dict, *, source: str | None = None) -> dict:
     """Replay the steps under the rules and budgets (not the reported totals); return the recomputed totals."""
-    return _replay(_read_plan(doc, source), source)
+    totals = _replay(_read_plan(doc, source), source)
+    _check_wear(doc, source)
+    return totals
+
+
+def _check_wear(doc: dict, source: str | None) -> None:
+    """budgets.min_lifetime_steps: every page-out erases its tensor's erase-block-aligned region,
+    so the steps must leave the medium alive that long (docs/schedule-format.md)."""
+    budgets = doc.get("budgets") if isinstance(doc.get("budgets"), dict) else {}
+    want = budgets.get("min_lifetime_steps")
+    if want is None:
+        return
+    if isinstance(want, bool) or not isinstance(want, int) or want < 1:
+        raise ScheduleInvalid(f"budgets.min_lifetime_steps is {_shown(want)}; expected a positive whole number or "
+                              "null", source=source)
+    device = doc.get("device") if isinstance(doc.get("device"), dict) else {}
+    block, endurance, capacity = (device.get(k) for k in ("erase_block_bytes", "endurance_cycles",
+                                                          "storage_capacity_bytes"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (block, endurance, capacity)):
+        raise ScheduleInvalid("budgets.min_lifetime_steps needs device.erase_block_bytes, endurance_cycles and "
+                              "storage_capacity_bytes (positive integers) to be checked", source=source)
+    nodes = doc["graph"]["nodes"]
+    erased = sum(-(-int(nodes[s["node"]]["bytes"]) // block) * block for s in doc["steps"] if s["op"] == "page_out")
+    if not erased:
+        return
+    lifetime = endurance * capacity // erased if device.get("wear_levelling") is True else endurance
+    if lifetime < want:
+        raise ScheduleInvalid(f"the page-outs erase {_b(erased)} per step: the storage lasts {lifetime:,} training "
+                              f"steps, fewer than budgets.min_lifetime_steps {want:,}", source=source)
 
 
 def validate(doc: dict, *, source: str | None = None) -> dict:

@@ -13,19 +13,21 @@ from poet_opt.errors import InfeasibleError, NoScheduleFound, PoetError, SolveIn
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.orders import candidate_orders, min_peak_order
 from poet_opt.schedule import validator
-from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of
+from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of, wear_storage_cap
 from poet_opt.schedule.document import Schedule
 from poet_opt.solver.backends import Progress, SolveResult, interrupt_scope, interrupted, relative_gap, solve_milp
+from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
-from poet_opt.solver.heuristics import starting_points
+from poet_opt.solver.heuristics import fits_storage, starting_points
 from poet_opt.units import format_bytes, format_seconds, parse_runtime, parse_size
 
 
 def resolve_budgets(graph: TrainingGraph, profile: DeviceProfile, costs: NodeCosts,
-                    ram, runtime=None) -> Budgets:
+                    ram, runtime=None, min_lifetime_steps: Optional[int] = None) -> Budgets:
     """ram: bytes or '1.5MB'; runtime: seconds, '2.5s', '1.2x' (of plain training), or None for
-    unlimited."""
+    unlimited; min_lifetime_steps: training steps the storage must survive (a wear budget, which
+    caps the erase-block-aligned bytes paged out per step)."""
     ram_bytes = parse_size(ram, field="--ram")
     plain_s = costs.plain_runtime_s
     if runtime is None:
@@ -37,7 +39,14 @@ def resolve_budgets(graph: TrainingGraph, profile: DeviceProfile, costs: NodeCos
                 f"the runtime budget {format_seconds(runtime_s)} is below plain training on this device "
                 f"({format_seconds(plain_s)}); every node must run at least once, so give at least 1x",
                 field="--runtime")
-    return Budgets(ram_bytes=ram_bytes, runtime_s=runtime_s, storage_bytes=profile.storage.capacity_bytes)
+    storage = float(profile.storage.capacity_bytes)
+    if min_lifetime_steps is not None:
+        if isinstance(min_lifetime_steps, bool) or not isinstance(min_lifetime_steps, int) or min_lifetime_steps < 1:
+            raise PoetError(f"must be a positive whole number of training steps, got {min_lifetime_steps!r}",
+                            field="--min-lifetime-steps")
+        storage = min(storage, wear_storage_cap(profile.storage, min_lifetime_steps))
+    return Budgets(ram_bytes=ram_bytes, runtime_s=runtime_s, storage_bytes=storage,
+                   min_lifetime_steps=min_lifetime_steps)
 
 
 def plain_summary(graph: TrainingGraph, costs: NodeCosts) -> dict:
@@ -70,15 +79,20 @@ def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
 
 
 ORDERS = ("auto", "given")
-# Graphs this small have few topological orders, and each solve takes milliseconds: try them all.
+# Graphs this small have few topological orders, and each solve takes milliseconds: try them all,
+# or, with up to ENUMERATE_ORDERS_RANKED of them, the ENUMERATE_ORDERS_MAX that go least over the
+# RAM budget in plain training (benchmarks/ORDERS.md: with the first 24 in lexicographic order
+# instead, a random 10-node graph's best solve stayed 1.42x above the true optimum).
 ENUMERATE_ORDERS_MAX_NODES = 24
 ENUMERATE_ORDERS_MAX = 24
+ENUMERATE_ORDERS_RANKED = 5000
 
 
 def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=None, mode: str = "joint",
           backend: str = "highs", time_limit: Optional[float] = None, gap: float = 1e-3,
           threads: Optional[int] = None, progress: Optional[Callable[[Progress], None]] = None,
-          model_name: Optional[str] = None, start=None, order: str = "auto") -> Schedule:
+          model_name: Optional[str] = None, start=None, order: str = "auto",
+          min_lifetime_steps: Optional[int] = None) -> Schedule:
     """Find the least-energy schedule (or the best one within the time limit) and validate it.
 
     order: ``"given"`` solves in the graph's own node order; ``"auto"`` (default) also solves in
@@ -111,7 +125,7 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         raise PoetError(f"the time limit must be positive, got {time_limit}", field="--time-limit")
     began = time.perf_counter()  # the time limit covers the starts and the build too, not just the MILP
     costs = node_costs(graph, profile)
-    budgets = resolve_budgets(graph, profile, costs, ram, runtime)
+    budgets = resolve_budgets(graph, profile, costs, ram, runtime, min_lifetime_steps)
     if mode == "none":  # exact, and never below the working set
         _check_plain_fits_some_order(graph, budgets, order)
     if budgets.ram_bytes < graph.min_working_set_bytes():
@@ -129,11 +143,16 @@ def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began
     orders = [("given", list(range(len(graph))))]
     if order == "auto":
         orders = candidate_orders(graph, enumerate_up_to=ENUMERATE_ORDERS_MAX
-                                  if len(graph) <= ENUMERATE_ORDERS_MAX_NODES else 0)
+                                  if len(graph) <= ENUMERATE_ORDERS_MAX_NODES else 0,
+                                  ram_bytes=budgets.ram_bytes, rank_up_to=ENUMERATE_ORDERS_RANKED,
+                                  # the order searches give up after a tenth of the limit: fewer orders
+                                  deadline=None if time_limit is None else began + 0.1 * time_limit)
     floor = costs.plain_energy_j
     outcomes: list[_Outcome] = []
     for k, (label, ids) in enumerate(orders):
         share = None
+        if time_limit is not None and k > 0 and time.perf_counter() - began >= time_limit:
+            break  # the limit is spent: the orders solved so far are the answer
         if time_limit is not None:
             # an equal share of what is left: orders that finish early leave their time to the rest
             share = max(0.05, (time_limit - (time.perf_counter() - began)) / (len(orders) - k))
@@ -160,6 +179,8 @@ def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began
             raise SolveInterrupted("the solve was interrupted before any schedule within the budgets was found")
         what = {"time_limit": "the time limit ran out"}.get(outcomes[-1].status,
                                                            f"the solver stopped ({outcomes[-1].status})")
+        if outcomes[-1].full_note.startswith("skipped: building"):
+            what = "no heuristic schedule fits, and the full MILP would not build and solve within the time limit"
         raise NoScheduleFound(f"{what} before any schedule within the budgets was found; "
                               "give more time (--time-limit) or a looser budget")
     best = min(found, key=lambda o: o.energy)  # ties keep the earlier: the given order first
@@ -237,7 +258,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                     *, backend: str, time_limit: Optional[float], gap: float, threads, progress, start) -> _Outcome:
     """Heuristic starts, the restricted MILP, then the full MILP, in the graph's own node order."""
     began = time.perf_counter()
-    candidates = starting_points(graph, costs, budgets, mode)
+    # the greedy loops replay the whole plan per step: they get a third of the time at most
+    candidates = starting_points(graph, costs, budgets, mode,
+                                 deadline=None if time_limit is None else began + 0.3 * time_limit)
     solve_s = 0.0
     # Past this size the full MILP's root LP is out of reach of any interactive time limit (ResNet-50's
     # 190k columns do not finish it in 90 s; 1000 nodes make 1.6M): the best start stands, with the
@@ -252,6 +275,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         limit = GAP_MILP_TIME_S if time_limit is None else min(GAP_MILP_TIME_S, time_limit / 5)
         if skip_full:
             limit = time_limit * 0.7
+        if time_limit is not None:  # what the heuristics left
+            limit = min(limit, max(0.05, 0.9 * (time_limit - (time.perf_counter() - began))))
         best = gap_milp_plan(graph, costs, budgets, mode, time_limit=limit, threads=threads)
         if best is not None and not candidates:
             candidates = [best]
@@ -262,6 +287,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     # The caller's plan (a Pareto sweep passes the budget below's) is one more candidate, so every
     # path below can take it: the full MILP's start, the floor check, and the plan kept on a skip.
     warm = _fitting_plan(graph, costs, budgets, mode, profile, start)
+    if warm is not None and not fits_storage(costs, budgets, warm):
+        warm = None
     if warm is not None:
         candidates = sorted([warm, *candidates], key=lambda d: _energy(graph, costs, d))
     first = decisions = form = None
@@ -281,9 +308,34 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         # (A backend the user named explicitly still runs, and says so if it is missing.)
         if relative_gap(head, min(floor, head)) <= max(gap, 1e-12):
             skip_full, full_note = True, "not needed: the best start is within the gap of the plain-training floor"
+    if not skip_full and time_limit is not None and backend == "highs" and \
+            not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
+        # The build is one numpy/scipy call chain that cannot be stopped: not started unless it fits.
+        skip_full = True
+        full_note = (f"skipped: building the full MILP ({full_decisions} binaries) would take more than the "
+                     f"{max(0.0, time_limit - (time.perf_counter() - began)):.1f} s left of the time limit; "
+                     "the best heuristic schedule stands")
     if skip_full:
-        first, decisions = SolveResult("time_limit", None, None, None, 0.0, backend), candidates[0]
-    for margin in (() if skip_full else (0.0, 1e-6)):
+        first = SolveResult("time_limit", None, None, None, 0.0, backend)
+        decisions = candidates[0] if candidates else None
+    cp = None
+    if backend == "cpsat":  # the retention-interval model in place of the MILP (docs/cpsat.md)
+        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - began))
+        cp = solve_cpsat(graph, costs, budgets, mode, time_limit=remaining, gap=gap, threads=threads,
+                         progress=progress, starts=candidates, cost_cap=cost_cap)
+        first = SolveResult(cp.status, None, cp.objective, cp.bound, cp.solve_s, "cpsat")
+        solve_s, full_note = solve_s + cp.solve_s, cp.note
+        # Never worse than the start it was handed (a time-limited incumbent can be). solve_cpsat has
+        # replayed its plan against the runtime budget; at 2000 nodes each replay takes seconds, so
+        # only the best start is checked and compared, not every candidate.
+        decisions = cp.decisions
+        if candidates and cp.status != "infeasible" and _fits_runtime(graph, costs, candidates[0], budgets) and (
+                decisions is None or _energy(graph, costs, candidates[0]) < _energy(graph, costs, decisions)):
+            decisions = candidates[0]
+    for margin in (() if skip_full or cp else (0.0, 1e-6)):
+        if margin and time_limit is not None and \
+                not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
+            break  # no time to build the tightened MILP: the heuristic plans below stand
         started = time.perf_counter()
         form = Formulation(graph, costs, budgets, mode, runtime_margin=margin, cost_cap=cost_cap)
         build_s = time.perf_counter() - started
@@ -314,8 +366,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                         "are sane, or try --solver cbc")
     outcome = _Outcome(graph=graph, costs=costs, status=first.status, backend=first.backend, build_s=build_s,
                        solve_s=solve_s, full_note=full_note,
-                       variables=form.milp.num_vars if form else None,
-                       constraints=form.milp.num_rows if form else None)
+                       variables=cp.variables if cp else form.milp.num_vars if form else None,
+                       constraints=cp.constraints if cp else form.milp.num_rows if form else None)
     if first.status == "infeasible" or decisions is None:
         # With a solution that overshoots the runtime budget by less than the solver's tolerance and
         # none left once the budget is tightened by a millionth, no plan in this order fits either.
@@ -336,6 +388,14 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
 
 GAP_MILP_TIME_S = 10.0
 FULL_MILP_MAX_DECISIONS = 300_000
+# Seconds per binary that building the Formulation takes, with room to spare: 35-80 us measured on
+# random graphs of 120-600 nodes on a loaded 2-core machine (benchmarks/ORDERS.md, time limits).
+BUILD_S_PER_DECISION = 100e-6
+
+
+def _builds_in_time(decisions: int, left_s: float) -> bool:
+    """Whether the full MILP's build would leave at least as long again for solving it."""
+    return decisions * BUILD_S_PER_DECISION <= 0.5 * left_s
 
 
 def _energy(graph, costs, decisions) -> float:
@@ -414,8 +474,13 @@ def _check_plain_fits_some_order(graph: TrainingGraph, budgets: Budgets, order: 
 def _raise_infeasible(graph, costs, budgets, mode, backend, time_limit=None, orders_tried: int = 1) -> None:
     """No plan in the orders tried: how much RAM would do, in the one whose plain training holds least."""
     limit = 30.0 if time_limit is None else min(30.0, time_limit)
-    found, bound = min_feasible_ram(graph, costs, budgets, mode, backend=backend, time_limit=limit)
+    # The smallest budget comes from the MILP: CP-SAT's interval model has no budget variable.
+    found, bound = min_feasible_ram(graph, costs, budgets, mode, backend="highs" if backend == "cpsat" else backend,
+                                    time_limit=limit)
     runtime_note = "" if math.isinf(budgets.runtime_s) else f" and runtime {format_seconds(budgets.runtime_s)}"
+    if budgets.min_lifetime_steps is not None and mode in ("joint", "paging"):
+        runtime_note += (f" and a wear budget of {budgets.min_lifetime_steps:,} steps (at most "
+                         f"{format_bytes(budgets.storage_bytes)} paged out per step)")
     orders = "this execution order" if orders_tried == 1 else f"any of the {orders_tried} execution orders tried"
     head = f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM{runtime_note} in mode {mode} in {orders}"
     if orders_tried > 1:

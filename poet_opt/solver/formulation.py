@@ -402,10 +402,14 @@ class Formulation:
             slack = self.budgets.runtime_s * (1 - self.runtime_margin) - plain_s
             extra.add_row(run_cols, run_vals / unit, -np.inf, slack / unit)
 
-        # (8) storage capacity: every paged tensor holds its own erase-block-aligned region
+        # (8) storage capacity: every paged tensor holds its own erase-block-aligned region (and
+        #     erases it once per step, which is what a wear budget, --min-lifetime-steps, bounds)
         if len(mo):
             capacity = float(self.budgets.storage_bytes)  # the row in units of it, as for memory
-            extra.add_row(self.Mout[mo], costs.storage_bytes[mo] / capacity, -np.inf, 1.0)
+            if capacity > 0:
+                extra.add_row(self.Mout[mo], costs.storage_bytes[mo] / capacity, -np.inf, 1.0)
+            else:  # no storage at all (a wear budget the medium cannot meet): no page-out
+                ub[self.Mout[mo]] = 0.0
 
         if self.tighten and not self.minimize_peak:
             # (9) stage boundaries as pure-binary knapsacks: what is kept into stage t+1 was resident

@@ -185,7 +185,8 @@ class GapMilp:
                 extra_r.append(np.full(len(cl), r)), extra_c.append(cl), extra_v.append(np.asarray(v) / scale)
             lo.append(-np.inf), hi.append((budgets.runtime_s - plain_s) / scale)
             r += 1
-        if paged_tensors:
+        no_storage = paged_tensors and float(budgets.storage_bytes) <= 0  # a wear budget that forbids paging
+        if paged_tensors and not no_storage:
             cap = float(budgets.storage_bytes)
             extra_r.append(np.full(len(paged_tensors), r)), extra_c.append(self.O[paged_tensors])
             extra_v.append(costs.storage_bytes[paged_tensors] / cap)
@@ -195,6 +196,8 @@ class GapMilp:
                                                               np.concatenate(A_cols + extra_c))), shape=(r, n))
         ub = np.ones(n)
         ub[self.X[sorted(x_dead)]] = 0.0
+        if no_storage:
+            ub[self.O[paged_tensors]] = 0.0
         self.milp = Milp(c=c, offset=float(costs.compute_j.sum()), A=A, row_lb=np.array(lo), row_ub=np.array(hi),
                          lb=np.zeros(n), ub=ub, integrality=np.ones(n, dtype=np.int8))
 
