@@ -238,7 +238,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
               help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
 @click.option("--time-limit", type=float, default=60.0, show_default=True, help="seconds for the solver")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
-@click.option("-o", "out_dir", default=None, type=click.Path(file_okay=False),
+@click.option("-o", "--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="keep the generated sources and the linked image (DIR/*.elf) here")
 @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
 @_one_line_errors
@@ -353,8 +353,9 @@ def _export_dict(plan, flash, path) -> dict:
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="the C header to write")
 @click.option("--prefix", default="POET_", show_default=True, help="prefix of every C name in the header")
 @click.option("--json", "as_json", is_flag=True, help="print the arena and flash figures as JSON")
+@click.option("--allow-oversize", is_flag=True, help="export a plan that does not fit the device's RAM")
 @_one_line_errors
-def export(schedule_file, out, prefix, as_json):
+def export(schedule_file, out, prefix, as_json, allow_oversize):
     """Export a schedule as a C99 header: static arena offsets, flash layout and the step table."""
     from poet_opt.files import write_text_atomic
     from poet_opt.firmware.header import export as export_header
@@ -369,6 +370,11 @@ def export(schedule_file, out, prefix, as_json):
     except ScheduleInvalid as exc:  # nothing to export either way: bad input, exit 2
         raise PoetError(f"not a valid schedule, nothing exported: {exc.message}", source=schedule_file) from None
     header, plan, flash = export_header(doc, prefix=prefix, source=schedule_file)
+    fit = _device_fit(doc, {"peak_ram_bytes": plan.arena_bytes})  # firmware allocates the whole arena
+    if fit is not None and not fit["fits"] and not allow_oversize:
+        raise PoetError(f"the plan needs {fit['needed_bytes']:,} B with its arena, more than the device's "
+                        f"{fit['device_ram_bytes']:,} B of RAM; nothing exported (--allow-oversize exports it anyway)",
+                        source=schedule_file)
     write_text_atomic(header, out)
     if as_json:
         click.echo(json.dumps({"schedule": str(schedule_file), "steps": len(doc["steps"]),
@@ -629,14 +635,16 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
         click.echo(json.dumps({"rows": [dict(r) for r in rows], "written": [str(out / w) for w in written]},
                               indent=1, default=str))
         return
-    table = [("device", "mode", "RAM budget", "status", "energy", "x plain", "peak RAM", "recomp", "page-in")]
+    table = [("device", "mode", "RAM budget", "status", "energy", "x plain", "peak RAM", "recomp", "page-in",
+              "fits device")]
     for r in rows:
         solved = r["energy_j"] is not None
         table.append((r["device"], r["mode"], format_bytes(r["ram_bytes"]), r["status"],
                       format_joules(r["energy_j"]) if solved else "-",
                       f"{r['energy_j'] / r['plain_energy_j']:.3f}" if solved and r["plain_energy_j"] else "-",
                       format_bytes(r["peak_ram_bytes"]) if solved else "-",
-                      str(r["recomputes"]) if solved else "-", str(r["page_ins"]) if solved else "-"))
+                      str(r["recomputes"]) if solved else "-", str(r["page_ins"]) if solved else "-",
+                      {1: "yes", 0: "NO"}.get(r.get("fits_device"), "-")))
     click.echo(_table(table))
     for (device, mode) in dict.fromkeys((r["device"], r["mode"]) for r in rows):
         mins = [r["min_feasible_ram_bytes"] for r in rows

@@ -194,3 +194,11 @@ def test_pareto_and_plot_print_json(mcu_plan, tmp_path):
     picture = cli("plot", mcu_plan[0], "-o", tmp_path / "t.png", "--json")
     assert picture.exit_code == 0, picture.output
     assert json.loads(picture.stdout)["written"] == [str(tmp_path / "t.png")]
+
+
+def test_export_refuses_a_plan_that_does_not_fit_the_device(tmp_path):
+    schedule, header = tmp_path / "s.json", tmp_path / "s.h"
+    assert cli("solve", "--model", "mlp", "--device", "nrf52840", "--ram", "7232B", "-q", "-o", schedule,
+               "--allow-oversize", "--time-limit", "20").exit_code == 0
+    assert_one_line_error(cli("export", schedule, "-o", header), "nothing exported", "--allow-oversize", out=header)
+    assert cli("export", schedule, "-o", header, "--allow-oversize").exit_code == 0 and header.is_file()
