@@ -312,9 +312,9 @@ def _check_fits_device(schedule, firmware) -> None:
 
     mem = schedule.memory()
     working = firmware.arena.arena_bytes if firmware is not None else mem["working_peak_bytes"]
-    need = mem["param_bytes"] + mem["param_grad_bytes"] + working + mem["stack_reserve_bytes"]
-    if need > mem["device_ram_bytes"]:
-        raise PoetError(f"the plan needs {format_bytes(need)} on {schedule.profile.name}, which has "
+    fit = _fit(mem, mem["device_ram_bytes"], working)
+    if not fit["fits"]:
+        raise PoetError(f"the plan needs {format_bytes(fit['needed_bytes'])} on {schedule.profile.name}, which has "
                         f"{format_bytes(mem['device_ram_bytes'])}: weights {format_bytes(mem['param_bytes'])}, "
                         f"gradients {format_bytes(mem['param_grad_bytes'])}, "
                         f"{'arena' if firmware is not None else 'working peak'} {format_bytes(working)}, stack reserve "
@@ -370,7 +370,7 @@ def export(schedule_file, out, prefix, as_json, allow_oversize):
     except ScheduleInvalid as exc:  # nothing to export either way: bad input, exit 2
         raise PoetError(f"not a valid schedule, nothing exported: {exc.message}", source=schedule_file) from None
     header, plan, flash = export_header(doc, prefix=prefix, source=schedule_file)
-    fit = _device_fit(doc, {"peak_ram_bytes": plan.arena_bytes})  # firmware allocates the whole arena
+    fit = _device_fit(doc, plan.arena_bytes)  # firmware allocates the whole arena
     if fit is not None and not fit["fits"] and not allow_oversize:
         raise PoetError(f"the plan needs {fit['needed_bytes']:,} B with its arena, more than the device's "
                         f"{fit['device_ram_bytes']:,} B of RAM; nothing exported (--allow-oversize exports it anyway)",
@@ -431,7 +431,7 @@ def validate(schedule_file, as_json):
 
     doc, totals = load_and_validate(schedule_file)
     ram_budget = doc["budgets"]["ram_bytes"]
-    fit = _device_fit(doc, totals)
+    fit = _device_fit(doc, totals["peak_ram_bytes"])
     if as_json:
         click.echo(json.dumps({"schedule": str(schedule_file), "valid": True, "steps": len(doc["steps"]),
                                **{k: totals[k] for k in ("energy_j", "runtime_s", "peak_ram_bytes", "storage_bytes")},
@@ -447,15 +447,20 @@ def validate(schedule_file, as_json):
                    f"need {format_bytes(fit['needed_bytes'])} of {format_bytes(fit['device_ram_bytes'])}: {verdict}")
 
 
-def _device_fit(doc: dict, totals: dict) -> dict | None:
+def _device_fit(doc: dict, working_bytes: int) -> dict | None:
     """The device fit of a schedule file, from its own figures (None when it has no device RAM)."""
-    device, memory = doc.get("device") or {}, doc.get("memory") or {}
-    ram = device.get("ram_bytes")
+    ram = (doc.get("device") or {}).get("ram_bytes")
     if not isinstance(ram, int) or isinstance(ram, bool):
         return None
+    return _fit(doc.get("memory") or {}, ram, working_bytes)
+
+
+def _fit(memory: dict, device_ram: int, working_bytes: int) -> dict:
+    """Weights, their gradients, the stack reserve and the working memory (live peak or arena)
+    against the device's RAM; schedule files from before the stack reserve count none."""
     need = sum(int(memory.get(k) or 0) for k in ("param_bytes", "param_grad_bytes", "stack_reserve_bytes"))
-    need += int(totals["peak_ram_bytes"])
-    return {"device_ram_bytes": ram, "needed_bytes": need, "fits": need <= ram}
+    need += int(working_bytes)
+    return {"device_ram_bytes": device_ram, "needed_bytes": need, "fits": need <= device_ram}
 
 
 @main.command()

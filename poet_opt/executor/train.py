@@ -78,12 +78,11 @@ def run_training(*, torch_model, input_shape, device, ram, steps: int, lr: float
         raise PoetError("--torch needs --input-shape (the whole input, batch first)", field="--input-shape")
     # a missing or malformed batch, or one of another shape, and a storage directory that cannot be
     # written fail before the trace and the solve
-    load_batch(data, parse_full_shape(input_shape))
+    x, y = load_batch(data, parse_full_shape(input_shape))  # the traced network takes exactly this shape
     if storage is not None:
         Storage(storage).close()
     say("tracing the model")
     network = prepare(torch_model, input_shape, trainable=trainable)
-    x, y = load_batch(data, network.input_shape)
     say("solving")
     schedule = solve(network.graph, profile, ram=ram, mode=mode, time_limit=time_limit)
     stats = []

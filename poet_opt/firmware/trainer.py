@@ -15,12 +15,13 @@ import numpy as np
 
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
+from poet_opt.files import check_not_inputs
 from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
+from poet_opt.firmware.targets import target_from_profile
 from poet_opt.model.batch import load_batch
 from poet_opt.model.network import Network, lower_network
-from poet_opt.firmware.targets import target_from_profile
-from poet_opt.files import check_not_inputs
+from poet_opt.model.operators import parse_full_shape
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 BOARD_DIR = Path(__file__).resolve().parent / "board"
@@ -74,16 +75,16 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
     profile = load_profile(device)
     target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
-    x, y = load_batch(data, None)
-    if model is not None:
+    if model is not None:  # a zoo model takes the batch's shape
+        x, y = load_batch(data)
         module, shape = zoo_module(model), x.shape
     else:
         if input_shape is None:
             raise PoetError("--torch needs --input-shape", field="--input-shape")
-        module, shape = torch_model, input_shape
+        module, shape = torch_model, parse_full_shape(input_shape)
+        x, y = load_batch(data, shape)  # the traced network takes exactly this shape
     say("tracing the model")
     network = lower_network(module, shape, trainable=trainable, name=model)
-    x, y = load_batch(data, network.input_shape)
     classes = network.layers[network.output].elements // network.input_shape[0]
     if (y < 0).any() or (y >= classes).any():
         raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")

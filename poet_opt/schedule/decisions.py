@@ -67,6 +67,12 @@ def lifetime_steps(storage, erased_bytes_per_step: int) -> Optional[int]:
     return int(storage.endurance_cycles)
 
 
+def paged_region_bytes(costs: NodeCosts, decisions: Decisions) -> float:
+    """The erase-block-aligned regions of the paged tensors: what the plan holds on storage, and
+    erases each step (a tensor is paged out at most once), as the formulation's row (8) counts."""
+    return float(sum(float(costs.storage_bytes[i]) for i in decisions.page_out))
+
+
 def plain_decisions(graph: TrainingGraph) -> Decisions:
     """Plain training: compute every node once, keep each tensor until its last reader."""
     last = graph.last_use()

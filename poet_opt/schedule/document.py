@@ -11,7 +11,7 @@ from poet_opt import __version__
 from poet_opt.device.costs import NodeCosts
 from poet_opt.device.profiles import DeviceProfile
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Budgets, Decisions, lifetime_steps, wear_levelled
+from poet_opt.schedule.decisions import Budgets, Decisions, lifetime_steps, paged_region_bytes, wear_levelled
 
 FORMAT = "poet-opt/schedule@1"
 
@@ -66,7 +66,7 @@ class Schedule:
 
     def erased_bytes_per_step(self) -> int:
         """Each paged tensor's erase-block-aligned region is erased once per step."""
-        return int(sum(float(self.costs.storage_bytes[i]) for i in self.decisions.page_out))
+        return int(paged_region_bytes(self.costs, self.decisions))
 
     def lifetime_steps(self) -> Optional[int]:
         """Training steps the storage survives under this plan (None: nothing is written)."""

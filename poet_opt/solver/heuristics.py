@@ -11,7 +11,8 @@ from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of
+from poet_opt.schedule.decisions import (Budgets, Decisions, build_steps, paged_region_bytes, plain_decisions,
+                                         totals_of)
 from poet_opt.solver.backends import interrupted
 from poet_opt.solver.baselines import dtr_decisions, sqrt_n_decisions, without_idle_keeps
 from poet_opt.solver.checkpointing import checkpoint_decisions
@@ -141,10 +142,8 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
 
 
 def fits_storage(costs: NodeCosts, budgets: Budgets, decisions: Decisions) -> bool:
-    """The erase-block-aligned regions of the paged tensors within the storage budget, as the
-    formulation's row (8) counts them."""
-    used = sum(float(costs.storage_bytes[i]) for i in decisions.page_out)
-    return used <= float(budgets.storage_bytes) * (1 + 1e-12)
+    """The paged tensors' regions within the storage budget."""
+    return paged_region_bytes(costs, decisions) <= float(budgets.storage_bytes) * (1 + 1e-12)
 
 
 def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> list[Decisions]:
