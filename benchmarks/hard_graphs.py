@@ -94,7 +94,8 @@ def run_one(graph, frac: float, mode: str, backend: str, time_limit: float, thre
     else:
         s = schedule.solver
         row.update(status=s["status"], objective=schedule.totals["energy_j"], bound=s["bound"], gap=s["gap"],
-                   floor=s["plain_floor_j"], note=s.get("full_milp", ""))
+                   floor=s["plain_floor_j"],
+                   note=f"{s.get('full_milp', '')}; bound from {s.get('bound_source', 'the solver')}")
     finally:
         driver.starting_points = original
     row["wall"] = time.perf_counter() - began

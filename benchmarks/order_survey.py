@@ -64,6 +64,16 @@ def make_case(seed: int):
     return graph, device, mode, ram, runtime
 
 
+# seed -> true optimum from an earlier run (--optima), and how often one is searched again to check
+_KNOWN: dict[int, object] = {}
+_CHECK_EVERY = [0]
+
+
+def _know(known: dict, check_every: int) -> None:
+    _KNOWN.update(known)
+    _CHECK_EVERY[0] = check_every
+
+
 def run_case(seed: int) -> dict:
     from exhaustive_sequences import true_optimum
 
@@ -77,8 +87,17 @@ def run_case(seed: int) -> dict:
     costs = node_costs(graph, device)
     budgets = resolve_budgets(graph, device, costs, ram, None if runtime is None else f"{runtime}x")
     started = time.perf_counter()
-    optimum = true_optimum(graph, costs, budgets.ram_bytes, budgets.runtime_s, mode, budgets.storage_bytes)
-    row = {"seed": seed, "nodes": len(graph), "exhaustive_s": time.perf_counter() - started, "optimum": optimum}
+    row = {"seed": seed, "nodes": len(graph)}
+    if seed in _KNOWN:
+        # the exhaustive search is most of a run's time: reused, and searched again now and then
+        optimum = _KNOWN[seed]
+        if _CHECK_EVERY[0] and seed % _CHECK_EVERY[0] == 0:
+            again = true_optimum(graph, costs, budgets.ram_bytes, budgets.runtime_s, mode, budgets.storage_bytes)
+            row["rechecked"] = (again is None) == (optimum is None) and (
+                again is None or abs(again - optimum) <= REL * max(abs(again), 1e-300))
+    else:
+        optimum = true_optimum(graph, costs, budgets.ram_bytes, budgets.runtime_s, mode, budgets.storage_bytes)
+    row.update(exhaustive_s=time.perf_counter() - started, optimum=optimum, reused=seed in _KNOWN)
     for order in ORDERS:
         started = time.perf_counter()
         out = {"energy": None, "status": None, "valid": None, "bound_any": None}
@@ -92,7 +111,8 @@ def run_case(seed: int) -> dict:
             except validator.ScheduleInvalid:
                 out["valid"] = False
             out.update(energy=schedule.totals["energy_j"], status=schedule.solver["status"],
-                       bound_any=schedule.solver["bound_any_order"], orders=schedule.solver["orders_tried"])
+                       bound_any=schedule.solver["bound_any_order"], orders=schedule.solver["orders_tried"],
+                       screened=schedule.solver.get("orders_screened", 0))
         except InfeasibleError as exc:
             out["status"] = "infeasible" if exc.proven else "infeasible_in_orders_tried"
         except NoScheduleFound:
@@ -104,14 +124,51 @@ def run_case(seed: int) -> dict:
     return row
 
 
+def explain(seed: int) -> dict:
+    """Why `--order auto` missed the true optimum in case `seed`: in every topological order, the
+    true optimum with that order of first computations (the exhaustive search) and the full MILP's
+    optimum (gap 0). ``order``: some order's full solve reaches the optimum and the orders solved
+    missed it; ``stage model``: no order's full solve does (docs/formulation.md leaves out
+    recomputing a gradient, cause 2 of benchmarks/ORDERS.md); ``gap``: the order's full solve at
+    gap 0 reaches it, the default gap stopped short."""
+    from exhaustive_sequences import true_optimum
+    from small_graphs import all_topological_orders
+
+    from poet_opt.device.costs import node_costs
+    from poet_opt.solver.driver import _solve_in_order, resolve_budgets
+
+    graph, device_name, mode, ram, runtime = make_case(seed)
+    device = _device(device_name)
+    costs = node_costs(graph, device)
+    budgets = resolve_budgets(graph, device, costs, ram, None if runtime is None else f"{runtime}x")
+    optimum = true_optimum(graph, costs, budgets.ram_bytes, budgets.runtime_s, mode, budgets.storage_bytes)
+    reach, full = 0, []
+    for order in all_topological_orders(graph):
+        here = graph.reordered(order)
+        here_costs = node_costs(here, device)
+        own = true_optimum(graph, costs, budgets.ram_bytes, budgets.runtime_s, mode, budgets.storage_bytes,
+                           first_order=list(order))
+        reach += own is not None and optimum is not None and own <= optimum * (1 + REL)
+        out = _solve_in_order(here, here_costs, device, budgets, mode, backend="highs", time_limit=60, gap=0,
+                              threads=None, progress=None, start=None)
+        if out.energy is not None:
+            full.append(out.energy)
+    best = min(full, default=None)
+    return {"seed": seed, "nodes": len(graph), "orders": len(list(all_topological_orders(graph))),
+            "device": device_name, "mode": mode, "runtime": runtime, "optimum": optimum,
+            "orders_reaching_optimum": reach, "best_full_solve": best,
+            "best_full_ratio": None if best is None or not optimum else best / optimum}
+
+
 def tally(rows: list[dict]) -> dict:
     table = {}
     for order in ORDERS:
         t = {"cases": len(rows), "schedules": 0, "invalid": 0, "below_optimum": 0, "false_optimal": 0,
-             "false_infeasible": 0, "missed": 0, "errors": 0, "false_bound": 0, "ratios": [], "solve_s": 0.0, "worst_seed": None}
+             "false_infeasible": 0, "missed": 0, "errors": 0, "false_bound": 0, "ratios": [], "solve_s": 0.0, "worst_s": 0.0, "worst_seed": None}
         for row in rows:
             out, opt = row[order], row["optimum"]
             t["solve_s"] += out["solve_s"]
+            t["worst_s"] = max(t["worst_s"], out["solve_s"])
             t["errors"] += str(out["status"]).startswith("error")
             if out["energy"] is None:
                 if opt is not None:
@@ -142,7 +199,18 @@ def report(rows: list[dict], wall_s: float, jobs: int) -> str:
              f"(exhaustive search {sum(r['exhaustive_s'] for r in rows):.0f} s, "
              f"solves {sum(t['solve_s'] for t in table.values()):.0f} s of CPU time)",
              f"true optimum exists in {sum(r['optimum'] is not None for r in rows)} cases; "
-             f"nodes per graph: {min(r['nodes'] for r in rows)}-{max(r['nodes'] for r in rows)}", ""]
+             f"nodes per graph: {min(r['nodes'] for r in rows)}-{max(r['nodes'] for r in rows)}"]
+    reused = [r for r in rows if r.get("reused")]
+    if reused:
+        checked = [r["rechecked"] for r in reused if "rechecked" in r]
+        lines.append(f"optima reused from an earlier run (--optima) in {len(reused)} cases; searched again in "
+                     f"{len(checked)} of them: {sum(checked)} agree")
+    auto = [r["auto"] for r in rows if r["auto"].get("orders")]
+    if auto:
+        lines.append(f"--order auto: orders solved in full per schedule {statistics.mean(a['orders'] for a in auto):.2f} "
+                     f"(max {max(a['orders'] for a in auto)}), orders screened {statistics.mean(a.get('screened', 0) for a in auto):.1f} "
+                     f"(max {max(a.get('screened', 0) for a in auto)})")
+    lines.append("")
     head = ["", *ORDERS]
     body = [
         ("cases", lambda t: t["cases"]),
@@ -163,6 +231,7 @@ def report(rows: list[dict], wall_s: float, jobs: int) -> str:
         ("cases above 1.10x", lambda t: sum(r > 1.10 for r in t["ratios"])),
         ("worst case (seed)", lambda t: t["worst_seed"]),
         ("solve time per case (ms)", lambda t: f"{1000 * t['solve_s'] / max(1, t['cases']):.1f}"),
+        ("solve time: worst case (s)", lambda t: f"{t['worst_s']:.2f}"),
     ]
     cells = [head] + [[name, *(str(fn(table[o])) for o in ORDERS)] for name, fn in body]
     widths = [max(len(c[k]) for c in cells) for k in range(3)]
@@ -190,6 +259,9 @@ def floors(rows) -> list[str]:
         for order in ORDERS:
             if tally(rows)[order][key]:
                 failed.append(f"{order}: {key} = {tally(rows)[order][key]}")
+    disagree = sum(r.get("rechecked") is False for r in rows)
+    if disagree:
+        failed.append(f"{disagree} reused optima disagree with the search run again")
     return failed
 
 
@@ -200,7 +272,39 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--rows", type=Path, help="append each case's result to this JSON-lines file as it ends")
     parser.add_argument("--report", type=Path, help="only print the table of a --rows file")
+    parser.add_argument("--optima", type=Path, help="reuse the true optima of an earlier run's --rows file for the "
+                        "same seeds instead of searching again (the search is most of the time)")
+    parser.add_argument("--check-every", type=int, default=20, help="with --optima, search again for every "
+                        "seed divisible by this and count the disagreements (0: never)")
+    parser.add_argument("--explain", action="store_true", help="with --report: for each case where --order auto "
+                        "is above --explain-above or finds nothing, the full solve in every order against the true "
+                        "optimum")
+    parser.add_argument("--explain-above", type=float, default=1.01, help="the ratio --explain looks above")
     args = parser.parse_args(argv)
+    if args.report and args.explain:
+        rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        missed = []
+        for row in rows:
+            out, opt = row["auto"], row["optimum"]
+            if opt is not None and (out["energy"] is None or out["energy"] > opt * args.explain_above):
+                missed.append((row["seed"], out))
+        context = multiprocessing.get_context("forkserver")
+        with context.Pool(args.jobs) as pool:
+            for (seed, out), why in zip(missed, pool.imap(explain, [s for s, _ in missed])):
+                ratio = None if out["energy"] is None else out["energy"] / why["optimum"]
+                best = why["best_full_ratio"]
+                # the full solves ran at gap 0: where the best of them reaches the optimum, the default gap
+                # (1e-3) or the orders solved are the reason, else the stage model is
+                cause = ("stage model" if best is None or best > 1 + 1e-6 else
+                         "gap 1e-3" if ratio is not None and ratio <= 1 + 1e-3 else "order")
+                setting = f"{why['device']}, {why['mode']}"
+                if why["runtime"] is not None:
+                    setting += f", runtime {why['runtime']}x"
+                got = "none found" if ratio is None else f"{ratio:.3f}x"
+                full = "none" if best is None else f"{best:.3f}x"
+                print(f"| {seed} | {why['nodes']} | {why['orders']} | {setting} | {got} | {full} | "
+                      f"{why['orders_reaching_optimum']} | {cause} |", flush=True)
+        return 0
     if args.report:
         rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
         print(report(rows, math.nan, args.jobs))
@@ -215,7 +319,13 @@ def main(argv=None) -> int:
     sink = args.rows.open("a") if args.rows else None
     # forkserver: never fork a process that has run HiGHS (its threads deadlock the child)
     context = multiprocessing.get_context("forkserver")
-    with context.Pool(args.jobs) as pool:
+    known = {}
+    if args.optima:
+        for line in args.optima.read_text().splitlines():
+            if line.strip():
+                old = json.loads(line)
+                known[old["seed"]] = old["optimum"]
+    with context.Pool(args.jobs, initializer=_know, initargs=(known, args.check_every)) as pool:
         for row in pool.imap_unordered(run_case, seeds, chunksize=8):
             rows.append(row)
             if sink:

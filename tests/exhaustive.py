@@ -1,8 +1,10 @@
 """Exhaustive search over the formulation's decision space, written without the formulation.
 
-Stage t computes node t last and may, at each earlier position k, recompute k (forward nodes only)
+Stage t computes node t last and may, at each earlier position k, recompute k (forward nodes, and
+gradients on graphs small enough for the formulation to allow it)
 or page k in (if k was paged out right after its first computation); it then chooses which tensors
-to keep for stage t+1. Memory follows the replay rules of docs/schedule-format.md: a tensor goes as
+to keep for stage t+1. Streamed weights (op "param") are read again like a recompute in every mode,
+never paged, and neither they nor a node reading them runs after the node that updates them. Memory follows the replay rules of docs/schedule-format.md: a tensor goes as
 soon as nothing later in the stage reads it, unless it is kept. Dynamic programming over
 (kept set, paged set) states, with Pareto labels over (energy, runtime) so a runtime budget is exact.
 """
@@ -15,6 +17,10 @@ import math
 
 def exhaustive_optimum(graph, costs, ram_bytes, runtime_s=math.inf, mode="joint"):
     """Minimum energy, or None when no schedule in the decision space fits."""
+    if ram_bytes >= graph.plain_peak_bytes() and runtime_s >= math.fsum(costs.compute_s) * (1 - 1e-12):
+        # Plain training fits, and nothing is cheaper: every node runs at least once and every extra
+        # action costs energy >= 0. No search needed (it is the slowest case of the search).
+        return math.fsum(costs.compute_j)
     allow_remat = mode in ("joint", "remat")
     allow_paging = mode in ("joint", "paging")
     nodes = graph.nodes
@@ -25,6 +31,17 @@ def exhaustive_optimum(graph, costs, ram_bytes, runtime_s=math.inf, mode="joint"
     pi_j, pi_s, po_j, po_s = costs.page_in_j, costs.page_in_s, costs.page_out_j, costs.page_out_s
 
     # state: (kept frozenset, paged frozenset) -> list of (energy, runtime) Pareto labels
+    is_param = [n.op == "param" for n in nodes]
+    # the formulation's stage model: which nodes a stage may compute again (gradients on small graphs)
+    from poet_opt.solver.formulation import _recomputable_kind, recomputes_gradients
+
+    gradients = recomputes_gradients(graph, allow_remat)
+    again = [_recomputable_kind(n, allow_remat, gradients) for n in nodes]
+    after_update = [T] * T  # first stage at which a node would see updated weights
+    for u in nodes:
+        for p in u.updates:
+            for k in (p, *(r for r in range(T) if p in nodes[r].deps and r != u.id)):
+                after_update[k] = min(after_update[k], u.id + 1)
     states = {(frozenset(), frozenset()): [(0.0, 0.0)]}
     for t in range(T):
         new_states: dict = {}
@@ -35,22 +52,30 @@ def exhaustive_optimum(graph, costs, ram_bytes, runtime_s=math.inf, mode="joint"
                 if k in kept:
                     options.append(choice)
                     continue
-                if allow_remat and not nodes[k].is_backward:
+                if again[k] and t < after_update[k]:
                     choice.append("compute")
                 if allow_paging and k in paged:
                     choice.append("page_in")
                 options.append(choice)
-            out_choices = [False, True] if allow_paging else [False]
+            out_choices = [False, True] if allow_paging and not is_param[t] else [False]
             for picks in itertools.product(*options):
                 for page_out in out_choices:
                     made = {k for k, p in enumerate(picks) if p is not None} | {t}
                     present_any = set(kept) | made
                     # only tensors some later stage could read are worth keeping
                     candidates = sorted(i for i in present_any if any(u > t for u in users[i]) or
-                                        (allow_remat and any(not nodes[u].is_backward for u in users[i])))
-                    for r in range(len(candidates) + 1):
-                        for keep_next in itertools.combinations(candidates, r):
-                            keep_next = frozenset(keep_next)
+                                        any(again[u] for u in users[i]))
+                    # A tensor recomputed or paged in here that nothing computed here reads is
+                    # only worth it if kept for a later stage: the same plan without it costs no
+                    # more energy, time or memory, so the optimum never needs it otherwise.
+                    read_here = {d for k in made if k == t or picks[k] == "compute" for d in nodes[k].deps}
+                    forced = frozenset(k for k in made if k != t and k not in read_here)
+                    if not forced <= set(candidates):
+                        continue
+                    free = [i for i in candidates if i not in forced]
+                    for r in range(len(free) + 1):
+                        for rest in itertools.combinations(free, r):
+                            keep_next = forced | frozenset(rest)
                             result = _run_stage(t, kept, picks, keep_next, nodes, size, ram_bytes)
                             if result is None:
                                 continue

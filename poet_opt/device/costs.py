@@ -3,8 +3,9 @@
 Compute: a node with a measured time (imported graphs, measured-cost files) takes that time at the
 device's active power; otherwise FLOPs / throughput, with energy from the energy per FLOP. A measured
 energy (``--costs``) replaces either energy.
-Paging: latency + bytes / throughput, at the storage's power while it runs. Input nodes are "loaded",
-not computed: reading the sample from storage is their cost, so re-reading one is a page-in.
+Paging: latency + bytes / throughput, at the storage's power while it runs. Input nodes and streamed
+weights (``param`` nodes) are "loaded", not computed: reading them from storage is their cost, so
+re-reading one is a page-in. A node that updates streamed weights also pays for writing them back.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def node_costs(graph: TrainingGraph, profile: DeviceProfile) -> NodeCosts:
     nbytes = np.array([node.bytes for node in graph.nodes], dtype=float)
     flops = np.array([node.flops for node in graph.nodes], dtype=float)
     measured = np.array([np.nan if node.compute_s is None else node.compute_s for node in graph.nodes])
-    is_input = np.array([node.op == "input" for node in graph.nodes])
+    # inputs and streamed weights are read from storage, not computed
+    is_input = np.array([node.op in ("input", "param") for node in graph.nodes])
+    writes = np.array([node.writes_bytes for node in graph.nodes], dtype=float)
 
     compute = profile.compute
     compute_s = np.where(np.isnan(measured), flops / compute.flops_per_second, measured)
@@ -61,6 +64,11 @@ def node_costs(graph: TrainingGraph, profile: DeviceProfile) -> NodeCosts:
 
     compute_s = np.where(is_input & np.isnan(measured), page_in_s, compute_s)
     compute_j = np.where(is_input & np.isnan(measured) & np.isnan(measured_j), page_in_j, compute_j)
+    # an update writes the layer's new weights (and optimizer state) back as it runs, priced as a
+    # page-out of that many bytes
+    write_s = np.where(writes > 0, write.latency_s + writes / write.bytes_per_second, 0.0)
+    compute_s = compute_s + write_s
+    compute_j = compute_j + write_s * write.power_w
 
     block = profile.storage.erase_block_bytes
     storage_bytes = np.ceil(nbytes / block) * block

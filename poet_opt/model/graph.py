@@ -30,6 +30,11 @@ class Node:
     trainable: bool = False  # whether the weights get a gradient (another param_bytes)
     compute_s: float | None = None  # a measured time (imported graphs); overrides flops / throughput
     compute_j: float | None = None  # a measured energy (--costs); overrides the profile's energy model
+    # Streamed weights (docs/streaming.md): ``param`` nodes (op "param") are a layer's weights or optimizer
+    # state, read from storage when computed; the node that applies a layer's update lists those nodes
+    # in ``updates``, changes them in place and writes ``writes_bytes`` back to storage as it runs.
+    updates: tuple[int, ...] = ()
+    writes_bytes: int = 0
 
     @property
     def is_backward(self) -> bool:
@@ -66,7 +71,33 @@ class TrainingGraph:
 
     @property
     def param_bytes(self) -> int:
+        """Weights held outside the plan, resident for the whole step (streamed weights are nodes)."""
         return sum(n.param_bytes for n in self.nodes)
+
+    @property
+    def streamed_param_bytes(self) -> int:
+        """Weights and optimizer state that live on storage and pass through RAM as ``param`` nodes."""
+        return sum(n.bytes for n in self.nodes if n.op == "param")
+
+    @property
+    def streams_weights(self) -> bool:
+        return any(n.op == "param" for n in self.nodes)
+
+    def last_compute_stage(self) -> list[int]:
+        """The last stage in which each node may be computed: a ``param`` node (a read of its weights)
+        and every node that reads it must run before the node that updates those weights, or they
+        would see the new weights; other nodes are unlimited (the last stage)."""
+        last = [len(self.nodes) - 1] * len(self.nodes)
+        users = self.users()
+        for node in self.nodes:
+            if node.updates:  # run again, it would read the weights it has just changed
+                last[node.id] = min(last[node.id], node.id)
+            for p in node.updates:
+                last[p] = min(last[p], node.id)
+                for reader in users[p]:
+                    if reader != node.id:
+                        last[reader] = min(last[reader], node.id)
+        return last
 
     @property
     def param_grad_bytes(self) -> int:
@@ -90,6 +121,11 @@ class TrainingGraph:
         """No schedule can go below this: some node and all its inputs must be resident at once."""
         return max(n.bytes + sum(self.nodes[d].bytes for d in set(n.deps)) for n in self.nodes)
 
+    def largest_working_set(self) -> tuple[int, "Node"]:
+        """min_working_set_bytes and the node that sets it, for messages."""
+        return max(((n.bytes + sum(self.nodes[d].bytes for d in set(n.deps)), n) for n in self.nodes),
+                   key=lambda pair: pair[0])
+
     def reordered(self, order) -> "TrainingGraph":
         """The same graph with node k being node ``order[k]`` of this one (a topological order:
         every node after its inputs); names, sizes and costs move with their nodes."""
@@ -102,7 +138,7 @@ class TrainingGraph:
             deps = tuple(sorted({new_id[d] for d in node.deps}))
             if any(d >= k for d in deps):
                 raise ValueError(f"node {node.name} comes before one of its inputs in this order")
-            nodes.append(replace(node, id=k, deps=deps))
+            nodes.append(replace(node, id=k, deps=deps, updates=tuple(new_id[p] for p in node.updates)))
         return TrainingGraph(name=self.name, nodes=tuple(nodes), meta=dict(self.meta))
 
     @staticmethod
@@ -120,7 +156,7 @@ class TrainingGraph:
             if node.kind not in KINDS:
                 raise PoetError(f"node {node.id} has kind {node.kind!r}; expected one of {', '.join(KINDS)}",
                                 source=source, field="nodes.kind")
-            for attr in ("bytes", "flops", "param_bytes"):
+            for attr in ("bytes", "flops", "param_bytes", "writes_bytes"):
                 value = getattr(node, attr)
                 if not (value >= 0):  # also catches NaN
                     raise PoetError(f"node {node.id} ({node.name}) has {attr} = {value}; must be >= 0",
@@ -142,13 +178,17 @@ class TrainingGraph:
                                     source=source, field="links.source")
                 if d == node.id:
                     raise PoetError(f"node {node.id} ({node.name}) depends on itself", source=source, field="links")
+            for p in node.updates:  # an update changes weights it has read, in place
+                if p not in node.deps or nodes[by_id[p]].op != "param":
+                    raise PoetError(f"node {node.id} ({node.name}) updates node {p}, which is not a param node it reads",
+                                    source=source, field="nodes.updates")
         order = _topological_order(nodes, by_id, source)
         new_id = {nodes[pos].id: k for k, pos in enumerate(order)}
         renumbered = []
         for k, pos in enumerate(order):
             node = nodes[pos]
             deps = tuple(sorted({new_id[d] for d in node.deps}))
-            renumbered.append(replace(node, id=k, deps=deps))
+            renumbered.append(replace(node, id=k, deps=deps, updates=tuple(new_id[p] for p in node.updates)))
         return TrainingGraph(name=name, nodes=tuple(renumbered), meta=dict(meta or {}))
 
 

@@ -10,6 +10,7 @@ An order is a list of node ids of the graph, each once, every node after its inp
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Optional
 
@@ -178,16 +179,46 @@ def overflow(graph: TrainingGraph, order, ram_bytes: float) -> tuple[float, int,
     return excess, steps, peak
 
 
+def sampled_orders(graph: TrainingGraph, count: int, seed: int = 0,
+                   deadline: Optional[float] = None) -> list[list[int]]:
+    """Up to ``count`` distinct random topological orders (each ready node equally likely next), for
+    graphs with too many orders to list: a sample to rank, not a search. Reproducible for a seed;
+    fewer when ``time.perf_counter()`` passes ``deadline``."""
+    rng = random.Random(seed)
+    n = len(graph)
+    users = [sorted(set(u)) for u in graph.users()]
+    indegree = [len(set(node.deps)) for node in graph.nodes]
+    found: dict[tuple[int, ...], None] = {}
+    # duplicates are likely only when the graph has few orders: a bounded number of draws
+    for _ in range(4 * count):
+        if len(found) >= count or (deadline is not None and time.perf_counter() > deadline):
+            break
+        missing = list(indegree)
+        ready = [i for i in range(n) if missing[i] == 0]
+        order = []
+        while ready:
+            v = ready.pop(rng.randrange(len(ready)))
+            order.append(v)
+            for u in users[v]:
+                missing[u] -= 1
+                if missing[u] == 0:
+                    ready.append(u)
+        found.setdefault(tuple(order), None)
+    return [list(o) for o in found]
+
+
 def candidate_orders(graph: TrainingGraph, *, enumerate_up_to: int = 0, ram_bytes: Optional[float] = None,
-                     rank_up_to: int = 0, deadline: Optional[float] = None) -> list[tuple[str, list[int]]]:
+                     rank_up_to: int = 0, deadline: Optional[float] = None,
+                     sample: int = 0) -> list[tuple[str, list[int]]]:
     """Orders worth solving in, each once, labelled: ``given`` first, then the least plain-training
     peak (exact where the graph is small enough) and ``low-memory``'s greedy where they hold less
     than the given order, and, when the graph has at most ``enumerate_up_to`` topological orders,
     every one of them. With ``ram_bytes``, when the graph has more orders than that but at most
     ``rank_up_to``, the ``enumerate_up_to`` of them that go least over the budget in plain training
-    (``overflow``); and the enumerated ones come in that rank, the likeliest first. Past ``deadline``
-    (a ``time.perf_counter()`` value) the searches still running give up: fewer candidates, never a
-    late answer."""
+    (``overflow``); and the enumerated ones come in that rank, the likeliest first. With more orders
+    than ``rank_up_to`` and ``sample`` > 0, ``sample`` random orders (``sampled_orders``) ranked the
+    same way stand in for them. Past ``deadline`` (a ``time.perf_counter()`` value) the searches
+    still running give up: fewer candidates, never a late answer."""
     given = list(range(len(graph)))
     candidates = [("given", given)]
     # an order that holds no less than the given one at plain training's peak would only take time
@@ -208,6 +239,11 @@ def candidate_orders(graph: TrainingGraph, *, enumerate_up_to: int = 0, ram_byte
                            for r, k in enumerate(ranked[:enumerate_up_to])]
         elif every is not None:
             candidates += [(f"enumerated {k + 1}/{len(every)}", o) for k, o in enumerate(every)]
+        elif ram_bytes is not None and sample > 0:
+            drawn = sampled_orders(graph, sample, deadline=deadline)
+            ranked = sorted(range(len(drawn)), key=lambda k: overflow(graph, drawn[k], ram_bytes)[:2])
+            candidates += [(f"sampled {r + 1}/{len(drawn)}", drawn[k])
+                           for r, k in enumerate(ranked[:enumerate_up_to])]
     seen: set[tuple[int, ...]] = set()
     unique = []
     for label, order in candidates:

@@ -73,6 +73,62 @@ def paged_region_bytes(costs: NodeCosts, decisions: Decisions) -> float:
     return float(sum(float(costs.storage_bytes[i]) for i in decisions.page_out))
 
 
+def param_region_key(name: str, levelled: bool, node_id: int):
+    """Which storage region a weights node lives in. On raw flash every node has its own
+    erase-block-aligned region: slices of one layer are written back at different moments, and
+    erasing a block two slices shared would wipe the one not yet written. A wear-levelling
+    controller writes sectors wherever it likes, so one layer's slices share one region."""
+    return name.split("#", 1)[0] if levelled else node_id
+
+
+def _param_regions(graph: TrainingGraph, storage) -> tuple[dict, dict]:
+    levelled, block = wear_levelled(storage), storage.erase_block_bytes
+    key_of, size = {}, {}
+    for n in graph.nodes:
+        if n.op == "param":
+            key_of[n.id] = param_region_key(n.name, levelled, n.id)
+            size[key_of[n.id]] = size.get(key_of[n.id], 0) + n.bytes
+    return key_of, {k: -(-b // block) * block for k, b in size.items()}
+
+
+def update_region_bytes(graph: TrainingGraph, storage) -> int:
+    """The erase-block-aligned regions that the updates of streamed weights rewrite each step: a
+    constant of the graph, whatever the plan."""
+    key_of, region = _param_regions(graph, storage)
+    return sum(region[k] for k in {key_of[p] for n in graph.nodes for p in n.updates})
+
+
+def stored_param_bytes(graph: TrainingGraph, storage) -> int:
+    """Storage that streamed weights and optimizer state occupy for good, in whole erase blocks."""
+    return sum(_param_regions(graph, storage)[1].values())
+
+
+def resident_at_peak(graph: TrainingGraph, steps: list[dict]) -> dict:
+    """What RAM holds at the first moment of the replayed peak, by kind, in bytes."""
+    live: set[int] = set()
+    ram = peak = 0
+    at_peak: set[int] = set()
+    for step in steps:
+        op, n = step["op"], step["node"]
+        if op in ("compute", "page_in"):
+            live.add(n)
+            ram += graph.nodes[n].bytes
+            if ram > peak:
+                peak, at_peak = ram, set(live)
+        elif op == "free":
+            live.discard(n)
+            ram -= graph.nodes[n].bytes
+    kinds = {"activations": 0, "gradients": 0, "weights": 0, "optimizer_state": 0}
+    for n in at_peak:
+        node = graph.nodes[n]
+        if node.op == "param":
+            kind = "optimizer_state" if node.name.startswith("state:") else "weights"
+        else:
+            kind = "gradients" if node.is_backward else "activations"
+        kinds[kind] += node.bytes
+    return kinds
+
+
 def plain_decisions(graph: TrainingGraph) -> Decisions:
     """Plain training: compute every node once, keep each tensor until its last reader."""
     last = graph.last_use()
@@ -143,17 +199,23 @@ def totals_of(graph: TrainingGraph, costs: NodeCosts, steps: list[dict]) -> dict
     resident: set[int] = set()
     stored: set[int] = set()
     live = peak = 0
+    read = written = 0
     counts = {"compute": 0, "page_in": 0, "page_out": 0, "free": 0}
     for step in steps:
         op, n = step["op"], step["node"]
+        node = graph.nodes[n]
         counts[op] += 1
         if op == "compute":
             compute_j.append(costs.compute_j[n]), runtime.append(costs.compute_s[n])
+            read += node.bytes if node.op in ("input", "param") else 0
+            written += node.writes_bytes
         elif op == "page_in":
             page_in_j.append(costs.page_in_j[n]), runtime.append(costs.page_in_s[n])
+            read += node.bytes
         elif op == "page_out":
             page_out_j.append(costs.page_out_j[n]), runtime.append(costs.page_out_s[n])
             stored.add(n)
+            written += node.bytes
         if op in ("compute", "page_in"):
             resident.add(n)
             live += graph.nodes[n].bytes
@@ -174,4 +236,6 @@ def totals_of(graph: TrainingGraph, costs: NodeCosts, steps: list[dict]) -> dict
         "recomputes": counts["compute"] - len(graph),
         "page_ins": counts["page_in"],
         "page_outs": counts["page_out"],
+        "storage_read_bytes": int(read),
+        "storage_written_bytes": int(written),
     }

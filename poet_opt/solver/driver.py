@@ -13,9 +13,12 @@ from poet_opt.errors import InfeasibleError, NoScheduleFound, PoetError, SolveIn
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.orders import candidate_orders, min_peak_order
 from poet_opt.schedule import validator
-from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of, wear_storage_cap
+from poet_opt.schedule.decisions import (Budgets, Decisions, build_steps, lifetime_steps, plain_decisions,
+                                         stored_param_bytes, totals_of, update_region_bytes, wear_levelled,
+                                         wear_storage_cap)
 from poet_opt.schedule.document import Schedule
 from poet_opt.solver.backends import Progress, SolveResult, interrupt_scope, interrupted, relative_gap, solve_milp
+from poet_opt.solver.bounds import window_bound
 from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
@@ -39,21 +42,36 @@ def resolve_budgets(graph: TrainingGraph, profile: DeviceProfile, costs: NodeCos
                 f"the runtime budget {format_seconds(runtime_s)} is below plain training on this device "
                 f"({format_seconds(plain_s)}); every node must run at least once, so give at least 1x",
                 field="--runtime")
-    storage = float(profile.storage.capacity_bytes)
+    capacity = profile.storage.capacity_bytes
+    # streamed weights and optimizer state live on storage for good; paging gets the rest
+    weights = stored_param_bytes(graph, profile.storage)
+    if weights > capacity:
+        raise PoetError(f"the weights and optimizer state of {graph.name} ({format_bytes(weights)}) do not fit "
+                        f"{profile.name}'s {profile.storage.kind} ({format_bytes(capacity)}); stream them from a "
+                        "device with more storage, or train a smaller model", field="--weights")
+    storage = float(capacity - weights)
     if min_lifetime_steps is not None:
         if isinstance(min_lifetime_steps, bool) or not isinstance(min_lifetime_steps, int) or min_lifetime_steps < 1:
             raise PoetError(f"must be a positive whole number of training steps, got {min_lifetime_steps!r}",
                             field="--min-lifetime-steps")
-        storage = min(storage, wear_storage_cap(profile.storage, min_lifetime_steps))
+        # the updates rewrite the weights every step whatever the plan: paging gets what wear is left
+        cap = wear_storage_cap(profile.storage, min_lifetime_steps)
+        updates = update_region_bytes(graph, profile.storage)
+        if updates and (cap < updates if wear_levelled(profile.storage)
+                        else profile.storage.endurance_cycles < min_lifetime_steps):
+            raise PoetError(f"updating the streamed weights rewrites {format_bytes(updates)} per step: "
+                            f"{profile.name}'s storage lasts {lifetime_steps(profile.storage, updates):,} steps, "
+                            f"fewer than {min_lifetime_steps:,}", field="--min-lifetime-steps")
+        storage = min(storage, cap - updates if wear_levelled(profile.storage) else cap)
     return Budgets(ram_bytes=ram_bytes, runtime_s=runtime_s, storage_bytes=storage,
                    min_lifetime_steps=min_lifetime_steps)
 
 
 def plain_summary(graph: TrainingGraph, costs: NodeCosts) -> dict:
-    steps = build_steps(graph, plain_decisions(graph))
-    totals = totals_of(graph, costs, steps)
-    return {"energy_j": totals["energy_j"], "runtime_s": totals["runtime_s"],
-            "peak_ram_bytes": totals["peak_ram_bytes"]}
+    # What totals_of says of plain training's steps, without replaying them (seconds at 2000 nodes):
+    # fsum is exactly rounded in any order, and the replayed peak is plain_peak_bytes by definition.
+    return {"energy_j": costs.plain_energy_j, "runtime_s": costs.plain_runtime_s,
+            "peak_ram_bytes": graph.plain_peak_bytes()}
 
 
 def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *,
@@ -79,13 +97,25 @@ def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
 
 
 ORDERS = ("auto", "given")
-# Graphs this small have few topological orders, and each solve takes milliseconds: try them all,
-# or, with up to ENUMERATE_ORDERS_RANKED of them, the ENUMERATE_ORDERS_MAX that go least over the
-# RAM budget in plain training (benchmarks/ORDERS.md: with the first 24 in lexicographic order
-# instead, a random 10-node graph's best solve stayed 1.42x above the true optimum).
+# Graphs this small have few topological orders, and each solve takes milliseconds: with up to
+# ENUMERATE_ORDERS_MAX candidates, every one is solved in full. With more, each is screened first
+# (heuristics and the gap MILP, no full MILP: a third of the time of a full solve): every order up
+# to SCREEN_ORDERS_MAX of them, else the SCREEN_ORDERS_MAX that go least over the RAM budget in plain
+# training among up to ENUMERATE_ORDERS_RANKED, or among SAMPLED_ORDERS random ones past that. The
+# FULL_SOLVE_ORDERS whose screened plans cost least, and the given order, get the full solve
+# (benchmarks/ORDERS.md: the full solve in the 24 orders ranked first instead left a 10-node graph
+# with 36 orders 1.41x above the true optimum, and missed every plan of one with 64 orders).
 ENUMERATE_ORDERS_MAX_NODES = 24
 ENUMERATE_ORDERS_MAX = 24
+SCREEN_ORDERS_MAX = 720
 ENUMERATE_ORDERS_RANKED = 5000
+SAMPLED_ORDERS = 2000
+FULL_SOLVE_ORDERS = 6
+# The screen's share of the time limit (the full solves need the rest), and its cap without one.
+SCREEN_SHARE = 0.4
+SCREEN_MAX_S = 5.0
+SCREEN_GAP_MILP_S = 1.0
+SCREEN_GAP_MILP_TOP = 48
 
 
 def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=None, mode: str = "joint",
@@ -138,15 +168,22 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
 
 def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began, time_limit, gap, threads,
                   progress, model_name, start) -> Schedule:
-    """Solve in each candidate execution order in turn, sharing the time limit, and keep the best."""
+    """Solve in each candidate execution order in turn, sharing the time limit, and keep the best;
+    with more candidates than are worth a full solve each, only those the screen keeps
+    (``_screen_orders``)."""
 
     orders = [("given", list(range(len(graph))))]
+    screened = 0
     if order == "auto":
-        orders = candidate_orders(graph, enumerate_up_to=ENUMERATE_ORDERS_MAX
+        orders = candidate_orders(graph, enumerate_up_to=SCREEN_ORDERS_MAX
                                   if len(graph) <= ENUMERATE_ORDERS_MAX_NODES else 0,
                                   ram_bytes=budgets.ram_bytes, rank_up_to=ENUMERATE_ORDERS_RANKED,
+                                  sample=SAMPLED_ORDERS,
                                   # the order searches give up after a tenth of the limit: fewer orders
                                   deadline=None if time_limit is None else began + 0.1 * time_limit)
+        if len(orders) > max(ENUMERATE_ORDERS_MAX, FULL_SOLVE_ORDERS + 1):
+            orders, screened = _screen_orders(graph, profile, budgets, mode, orders, began=began,
+                                              time_limit=time_limit, start=start, progress=progress, backend=backend)
     floor = costs.plain_energy_j
     outcomes: list[_Outcome] = []
     for k, (label, ids) in enumerate(orders):
@@ -208,8 +245,11 @@ def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began
             # plain training's energy bounds every valid step sequence in every order
             "bound_any_order": floor, "gap_any_order": relative_gap(objective, floor),
             "order": order, "execution_order": best.label, "orders_tried": len(outcomes),
+            # orders whose cheap plans were compared to choose the ones solved in full
+            "orders_screened": screened,
             "build_s": sum(o.build_s for o in outcomes), "solve_s": sum(o.solve_s for o in outcomes),
             "variables": best.variables, "constraints": best.constraints, "full_milp": best.full_note,
+            "bound_source": best.bound_source,
         },
     )
     try:
@@ -237,8 +277,78 @@ class _Outcome:
     variables: Optional[int] = None
     constraints: Optional[int] = None
     full_note: str = ""
+    bound_source: str = "plain-training floor"  # what proved ``bound``
     label: str = "given"
     order: tuple = ()
+
+
+def _screen_orders(graph, profile, budgets, mode, pool, *, began, time_limit, start, progress,
+                   backend="highs") -> tuple[list[tuple[str, list[int]]], int]:
+    """The orders worth a full solve, out of a pool too large to solve in full, and how many were
+    screened. Each order is scored by the energy of the cheapest plan found in it by the heuristics
+    and, in the SCREEN_GAP_MILP_TOP orders they score best, the ENUMERATE_ORDERS_MAX the pool ranks
+    first and those where they found none, by the gap MILP: a plan of that order, so an upper bound on what its full solve reaches, and a ranking,
+    never a proof. The FULL_SOLVE_ORDERS cheapest are kept, with the given order and the order of the
+    caller's start. No claim rests on the orders left out: "optimal" needs plain training's energy,
+    and the any-order bound is that energy, whatever was screened."""
+    deadline = began + (SCREEN_MAX_S if time_limit is None else SCREEN_SHARE * time_limit)
+    # solved in full whatever their score, even when the screen stops at once
+    kept: list[tuple[str, list[int]]] = [(label, ids) for label, ids in pool if label == "given"]
+    entries = []  # [energy, pool rank, label, ids, graph in that order, its costs]
+    last_report = [time.perf_counter()]
+
+    def stop(done: int) -> bool:
+        now = time.perf_counter()
+        if progress is not None and now - last_report[0] >= 1.0:
+            last_report[0] = now
+            progress(Progress(now - began, None, None, None, f"screening execution orders ({done}/{len(pool)})"))
+        return interrupted() or now > deadline
+
+    for rank, (label, ids) in enumerate(pool):
+        if stop(rank):
+            break  # the pool is ranked: what was screened is the likeliest part
+        if label != "given" and _start_for(start, ids) is not None:
+            kept.append((label, ids))
+        here = graph if label == "given" else graph.reordered(ids)
+        if here.plain_peak_bytes() <= budgets.ram_bytes:
+            # plain training fits in this order: no order can use less, and its full solve only confirms it
+            return [(label, ids)] + [k for k in kept if k[1] != ids], rank + 1
+        energy, costs = math.inf, None
+        if mode != "none":  # without recomputation or paging no plan but plain training exists
+            costs = node_costs(here, profile)
+            energy = _cheapest(here, costs, budgets, starting_points(here, costs, budgets, mode, deadline=deadline))
+        entries.append([energy, rank, label, ids, here, costs])
+    if backend == "highs" and mode != "none":
+        # The gap MILP often beats the heuristics (and finds plans where they find none) but takes
+        # longer: only where it can change which orders are kept. One thread: the model is tiny.
+        # Also in the orders ranked first by the pool: many orders can tie on the heuristics' energy
+        # (benchmarks/ORDERS.md, seed 5212: 144 orders, more than SCREEN_GAP_MILP_TOP of them tied,
+        # and the ones whose gap MILP plan leads to the optimum ranked behind them on the heuristics).
+        scored = sorted(entries, key=lambda e: (e[0], e[1]))
+        second = scored[:SCREEN_GAP_MILP_TOP] + [e for e in scored[SCREEN_GAP_MILP_TOP:] if e[1] < ENUMERATE_ORDERS_MAX]
+        second += [e for e in scored[SCREEN_GAP_MILP_TOP:] if e[1] >= ENUMERATE_ORDERS_MAX and e[0] == math.inf]
+        for entry in second:
+            if stop(len(entries)):
+                break
+            found = gap_milp_plan(entry[4], entry[5], budgets, mode, threads=1,
+                                  time_limit=max(0.05, min(SCREEN_GAP_MILP_S, deadline - time.perf_counter())))
+            entry[0] = min(entry[0], _cheapest(entry[4], entry[5], budgets, [] if found is None else [found]))
+    # orders where no cheap plan was found stay in the running in the pool's rank, after the others
+    best = sorted(entries, key=lambda e: (e[0], e[1]))
+    chosen = [(e[2], e[3]) for e in best if (e[2], e[3]) not in kept][:FULL_SOLVE_ORDERS]
+    given = [k for k in kept if k[0] == "given"]
+    if best and best[0][0] <= node_costs(graph, profile).plain_energy_j * (1 + 1e-12) and best[0][2] != "given":
+        # a plan at plain training's energy (free recomputations of zero-FLOP nodes): solved first, it
+        # proves "optimal" and ends the solves before the given order's
+        return [(best[0][2], best[0][3])] + given + [k for k in chosen + kept[len(given):] if k[1] != best[0][3]], \
+            len(entries)
+    return given + chosen + [k for k in kept if k[0] != "given"], len(entries)
+
+
+def _cheapest(graph, costs, budgets, plans) -> float:
+    """The energy of the first of these plans (cheapest first) that keeps the runtime budget."""
+    fitting = next((d for d in plans if _fits_runtime(graph, costs, d, budgets)), None)
+    return math.inf if fitting is None else _energy(graph, costs, fitting)
 
 
 def _start_for(start, ids: list[int]):
@@ -266,6 +376,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     # 190k columns do not finish it in 90 s; 1000 nodes make 1.6M): the best start stands, with the
     # plain-training floor as its bound. Without a time limit the user asked to wait for the optimum.
     full_decisions = decision_count(graph, mode)
+    # replaying the chosen plan into steps, after every phase here: seconds at 2000 nodes
+    reserve = 0.0 if time_limit is None else FINISH_S_PER_NODE_SQUARED * len(graph) ** 2
     skip_full = time_limit is not None and full_decisions > FULL_MILP_MAX_DECISIONS and backend == "highs"
     if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes:
         # The compact gap MILP's optimum is a plan of the full space: a better start in a second or
@@ -273,15 +385,16 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         # full MILP is out of reach.
         started = time.perf_counter()
         limit = GAP_MILP_TIME_S if time_limit is None else min(GAP_MILP_TIME_S, time_limit / 5)
-        if skip_full:
-            limit = time_limit * 0.7
+        left = None if time_limit is None else time_limit - (time.perf_counter() - began) - reserve
+        if skip_full:  # most of what the heuristics left, the window bound the rest
+            limit = min(time_limit * 0.7, 0.6 * left)
         if time_limit is not None:  # what the heuristics left
-            limit = min(limit, max(0.05, 0.9 * (time_limit - (time.perf_counter() - began))))
+            limit = max(0.05, min(limit, 0.9 * left))
         best = gap_milp_plan(graph, costs, budgets, mode, time_limit=limit, threads=threads)
         if best is not None and not candidates:
             candidates = [best]
         elif best is not None:
-            energy = [totals_of(graph, costs, build_steps(graph, d))["energy_j"] for d in (best, candidates[0])]
+            energy = [_energy(graph, costs, d) for d in (best, candidates[0])]
             candidates = [best, *candidates] if energy[0] <= energy[1] else [candidates[0], best, *candidates[1:]]
         solve_s += time.perf_counter() - started
     # The caller's plan (a Pareto sweep passes the budget below's) is one more candidate, so every
@@ -298,7 +411,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     floor = costs.plain_energy_j
     head = cost_cap = None
     if candidates and not skip_full:
-        head = totals_of(graph, costs, build_steps(graph, candidates[0]))["energy_j"]
+        head = _energy(graph, costs, candidates[0])
         # No plan at least as good as the best start spends more than it does above plain training on
         # any one action: the full MILP leaves out every dearer one (see Formulation's cost_cap).
         cost_cap = (head - floor) + 1e-9 * head
@@ -308,6 +421,29 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         # (A backend the user named explicitly still runs, and says so if it is missing.)
         if relative_gap(head, min(floor, head)) <= max(gap, 1e-12):
             skip_full, full_note = True, "not needed: the best start is within the gap of the plain-training floor"
+    window = None
+    if backend == "highs" and candidates and mode != "none" \
+            and (skip_full or full_decisions > WINDOW_BOUND_MIN_DECISIONS) \
+            and graph.plain_peak_bytes() > budgets.ram_bytes and not interrupted():
+        # A relaxation small enough to solve at any size (poet_opt/solver/bounds.py): the bound that
+        # stands where the full MILP is skipped or its root LP does not finish, and a proof that
+        # makes the full MILP unnecessary when the best start is within the gap of it.
+        best_start = head if head is not None else _energy(graph, costs, candidates[0])
+        limit = WINDOW_BOUND_TIME_S
+        if time_limit is not None:
+            left = time_limit - (time.perf_counter() - began) - reserve
+            # with the full MILP skipped nothing else is left to run: the bound gets what remains
+            limit = 0.9 * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
+        if full_note.startswith("not needed"):
+            # already proven within the gap by the floor: one small LP says by how much less
+            limit = min(limit, WINDOW_BOUND_TIME_S)
+        if limit > 0.1:
+            window = window_bound(graph, costs, budgets, mode, time_limit=limit, threads=threads,
+                                  stop_at=best_start * (1 - gap))
+            solve_s += 0.0 if window is None else window.solve_s
+        if window is not None and not skip_full and \
+                relative_gap(best_start, min(window.bound, best_start)) <= gap:
+            skip_full, full_note = True, "not needed: the best start is within the gap of the window bound"
     if not skip_full and time_limit is not None and backend == "highs" and \
             not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
         # The build is one numpy/scipy call chain that cannot be stopped: not started unless it fits.
@@ -341,7 +477,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         build_s = time.perf_counter() - started
         mip_start = next((x for x in map(form.encode, candidates) if x is not None), None)
         # the re-solve shares the one time limit the user gave
-        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - began))
+        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - began) - reserve)
         result = solve_milp(form.milp, backend=backend, time_limit=remaining, gap=gap, threads=threads,
                             progress=progress, start=mip_start)
         first = first or result  # the exact budget's bound stays valid whatever happens next
@@ -374,7 +510,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         if first.x is not None:
             outcome.status = "infeasible"
         return outcome
-    energy = totals_of(graph, costs, build_steps(graph, decisions))["energy_j"]
+    energy = _energy(graph, costs, decisions)
     # Plain training's energy is a floor for every schedule (each node runs at least once, nothing else
     # is free); it is the bound left when the solver stops before its root relaxation does better.
     bound = min(floor if first.bound is None else max(first.bound, floor), energy)
@@ -382,11 +518,26 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         # With actions dearer than the start's extra energy left out, the MILP's bound covers only the
         # plans at least as good as the start: the start's energy caps the bound for the rest.
         bound = min(bound, head)
-    outcome.decisions, outcome.energy, outcome.bound = decisions, energy, bound
+    source = "plain-training floor"
+    if first.bound is not None and first.bound > floor:
+        source = "CP-SAT" if first.backend == "cpsat" else "full MILP"
+    if window is not None and window.bound > bound:
+        # the window relaxation bounds every plan, not only those at least as good as the start
+        bound, source = min(window.bound, energy), f"{window.method} (stages {window.window[0]}-{window.window[1]})"
+    outcome.decisions, outcome.energy, outcome.bound, outcome.bound_source = decisions, energy, bound, source
     return outcome
 
 
 GAP_MILP_TIME_S = 10.0
+# build_steps of the chosen plan, once every solver phase is over, takes about 1e-6 s x nodes^2 (4 s
+# at 2001 nodes, 7 s on a loaded machine): the phases leave twice that of the time limit for it.
+FINISH_S_PER_NODE_SQUARED = 2e-6
+# The window relaxation's share of the time limit (poet_opt/solver/bounds.py), and its time without one
+# (the full MILP then runs to the optimum anyway: the window can only spare it when the start is
+# already within the gap). Below WINDOW_BOUND_MIN_DECISIONS binaries the full MILP proves more, sooner.
+WINDOW_BOUND_SHARE = 0.2
+WINDOW_BOUND_TIME_S = 5.0
+WINDOW_BOUND_MIN_DECISIONS = 20_000
 FULL_MILP_MAX_DECISIONS = 300_000
 # Seconds per binary that building the Formulation takes, with room to spare: 35-80 us measured on
 # random graphs of 120-600 nodes on a loaded 2-core machine (benchmarks/ORDERS.md, time limits).
@@ -399,7 +550,14 @@ def _builds_in_time(decisions: int, left_s: float) -> bool:
 
 
 def _energy(graph, costs, decisions) -> float:
-    return totals_of(graph, costs, build_steps(graph, decisions))["energy_j"]
+    """What totals_of(build_steps(...)) says, to the last bit (math.fsum is exactly rounded in any
+    order, and the steps hold one compute per node and per recomputation, one page-in per page-in and
+    one page-out per page-out), without the replay: that takes 4-7 s at 2000 nodes, and a solve
+    needs it up to six times."""
+    cj = math.fsum([*map(float, costs.compute_j), *(float(costs.compute_j[i]) for _, i in decisions.recompute)])
+    ij = math.fsum(float(costs.page_in_j[i]) for _, i in decisions.page_in)
+    oj = math.fsum(float(costs.page_out_j[i]) for i in decisions.page_out)
+    return math.fsum([cj, ij, oj])
 
 
 def _fitting_plan(graph, costs, budgets, mode, profile, decisions):
@@ -425,7 +583,10 @@ def _fitting_plan(graph, costs, budgets, mode, profile, decisions):
 
 
 def _fits_runtime(graph, costs, decisions, budgets) -> bool:
-    replayed = totals_of(graph, costs, build_steps(graph, decisions))["runtime_s"]
+    # totals_of(build_steps(...))["runtime_s"] exactly, without the replay (see _energy)
+    replayed = math.fsum([*map(float, costs.compute_s), *(float(costs.compute_s[i]) for _, i in decisions.recompute),
+                          *(float(costs.page_in_s[i]) for _, i in decisions.page_in),
+                          *(float(costs.page_out_s[i]) for i in decisions.page_out)])
     return replayed <= budgets.runtime_s * (1 + 1e-9)  # the validator's float tolerance
 
 
@@ -446,7 +607,7 @@ def _raise_below_working_set(graph: TrainingGraph, costs: NodeCosts, budgets: Bu
     # Paging everything out and back in one input at a time needs no more than that working set, so
     # with paging, unlimited time and room on storage it is exactly the smallest feasible budget.
     enough = (mode in ("joint", "paging") and math.isinf(budgets.runtime_s)
-              and sum(n.bytes for n in graph.nodes) <= budgets.storage_bytes)
+              and sum(n.bytes for n in graph.nodes if n.op != "param") <= budgets.storage_bytes)
     if enough:
         raise InfeasibleError(f"{head}; the smallest feasible budget is {format_bytes(need)} ({need} B)",
                               min_ram_bytes=need, min_ram_lower_bound=need, field="--ram")

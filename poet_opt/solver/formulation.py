@@ -9,7 +9,8 @@ the stage (if kept) or from its materialization, until its last reader in the st
 kept for the next stage; FREE[t,i,k] = 1 lets the accounting release tensor i after position k.
 
 Reductions that keep the optimum exact, each justified where it is made:
-- backward nodes are never recomputed (their inputs include gradients that are gone by then);
+- backward nodes are recomputed only on graphs of up to BACKWARD_REMAT_MAX_NODES nodes (a restriction
+  elsewhere, not a reduction: docs/formulation.md), and a node that updates weights never is;
 - a tensor exists in a stage only up to the last stage in which anything could still read it;
 - a tensor is paged out only right after its first computation: a later page-out of a copy that was
   kept in RAM all along costs the same and holds storage for less time, and a page-out of a
@@ -117,20 +118,45 @@ class _Rows:
         return A, np.concatenate(self.lb), np.concatenate(self.ub)
 
 
+# Up to this many nodes the stage model also recomputes gradients (a gradient dropped while a big
+# activation is made and computed again from inputs still in RAM): exhaustive search over every
+# step sequence finds small graphs whose cheapest plan, or only plan, needs it. It doubles the keep
+# and recompute columns of a large graph, where it is left out (docs/formulation.md).
+BACKWARD_REMAT_MAX_NODES = 32
+
+
+def recomputes_gradients(graph: TrainingGraph, allow_remat: bool) -> bool:
+    return allow_remat and len(graph) <= BACKWARD_REMAT_MAX_NODES
+
+
+def _recomputable_kind(node, allow_remat: bool, gradients: bool) -> bool:
+    if node.op == "param":  # reading weights again is no recompute
+        return True
+    if not allow_remat:
+        return False
+    if not node.is_backward:
+        return True
+    # an update has side effects (weights change): it runs exactly once
+    return gradients and not node.updates and not node.op.endswith("_update")
+
+
 def horizons(graph: TrainingGraph, allow_remat: bool,
-             recomputable: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+             recomputable: np.ndarray | None = None, *, gradients: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """need[i]: the last stage in which tensor i may be read; compute[i]: the last stage in which
     node i may be computed (itself, or later when it can be recomputed for a reader).
-    recomputable: an optional per-node mask of nodes the caller allows to be recomputed at all."""
+    recomputable: an optional per-node mask of nodes the caller allows to be recomputed at all;
+    gradients: backward nodes may be recomputed too (recomputes_gradients)."""
     n = len(graph)
     users = graph.users()
     need = np.arange(n)
     compute = np.arange(n)
+    # weights read after their in-place update would be the new ones: no recompute past it
+    cap = graph.last_compute_stage() if graph.streams_weights else None
     for i in range(n - 1, -1, -1):
         for j in users[i]:
             need[i] = max(need[i], compute[j])
-        if allow_remat and not graph.nodes[i].is_backward and (recomputable is None or recomputable[i]):
-            compute[i] = need[i]
+        if _recomputable_kind(graph.nodes[i], allow_remat, gradients) and (recomputable is None or recomputable[i]):
+            compute[i] = need[i] if cap is None else max(i, min(need[i], cap[i]))
     return need, compute
 
 
@@ -138,10 +164,10 @@ def decision_count(graph: TrainingGraph, mode: str) -> int:
     """How many binaries Formulation would have (recompute, page-in, keep, page-out), without
     building it: what decides whether the full MILP is worth building at all."""
     allow_remat, allow_paging = mode in ("joint", "remat"), mode in ("joint", "paging")
-    need, comp = horizons(graph, allow_remat)
+    need, comp = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
     ids = np.arange(len(graph))
     keep = int((need - ids).sum())
-    recompute = int((comp - ids).sum()) if allow_remat else 0
+    recompute = int((comp - ids).sum())  # without remat, only streamed weights are read again
     paged = need > ids
     page = int((need - ids)[paged].sum() + paged.sum()) if allow_paging else 0
     return keep + recompute + page
@@ -174,8 +200,10 @@ class Formulation:
         cap = np.inf if self.cost_cap is None else float(self.cost_cap)
         recomputable = costs.compute_j <= cap
         pageable = costs.page_out_j + costs.page_in_j <= cap
-        need, comp = horizons(g, self.allow_remat, recomputable)
-        self._last_compute = comp if self.allow_remat else np.arange(T)
+        # streamed weights are on storage already: re-reading them is their "recompute"
+        pageable &= np.array([node.op != "param" for node in g.nodes], dtype=bool)
+        need, comp = horizons(g, self.allow_remat, recomputable, gradients=recomputes_gradients(g, self.allow_remat))
+        self._last_compute = comp
         # Memory rows count in units of the RAM budget, not bytes: next to 0/1 variables, byte-sized
         # coefficients (up to 1e8) left HiGHS numerically fragile, up to wrongly claimed optima.
         self.mem_unit = (float(self.budgets.ram_bytes) if np.isfinite(self.budgets.ram_bytes)
@@ -193,9 +221,7 @@ class Formulation:
             return np.arange(start, ncols)
 
         # R[t,i], i < t: recompute, only for nodes that may be computed after their own stage.
-        r_mask = tt <= comp[ii]
-        if not self.allow_remat:
-            r_mask[:] = False
+        r_mask = tt <= comp[ii]  # without remat, comp allows only streamed weights to be read again
         self.R = np.full((T, T), -1, dtype=np.int64)
         self.R[tt[r_mask], ii[r_mask]] = alloc(int(r_mask.sum()))
 

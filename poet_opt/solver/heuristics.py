@@ -6,6 +6,7 @@ step builder, replay and validator apply to them as to the optimum.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -130,15 +131,42 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
                 found.append(greedy_checkpointing(graph, costs, budgets, deadline))
             # the baselines take one replay each, and the solver must never end above one that fits
             # (tests/test_baselines.py): kept past the deadline
-            found += _fitting_baselines(graph, costs, budgets)
+            usable = [d for d in found if d is not None and fits_storage(costs, budgets, d)
+                      and not recomputes_after_update(graph, d) and plan_runtime_s(costs, d) <= budgets.runtime_s]
+            found += _fitting_baselines(graph, costs, budgets,
+                                        beat=min((plan_energy_j(graph, costs, d) for d in usable), default=None))
         # the greedy pagers do not count storage: a plan over the storage budget (a wear budget
         # makes it small) is no start at all
-        found = [d for d in found if d is not None and fits_storage(costs, budgets, d)]
+        found = [d for d in found if d is not None and fits_storage(costs, budgets, d)
+                 and not recomputes_after_update(graph, d)]
 
-    def energy(d):
-        return totals_of(graph, costs, build_steps(graph, d))["energy_j"]
+    return sorted(found, key=lambda d: plan_energy_j(graph, costs, d))
 
-    return sorted(found, key=energy)
+
+def plan_energy_j(graph: TrainingGraph, costs: NodeCosts, decisions: Decisions) -> float:
+    """totals_of(build_steps(...))["energy_j"] to the last bit, without the replay (4-7 s at 2000
+    nodes): the steps hold one compute per node and per recomputation, one page-in per page-in and
+    one page-out per page-out, and math.fsum is exactly rounded in any order."""
+    cj = math.fsum([*map(float, costs.compute_j), *(float(costs.compute_j[i]) for _, i in decisions.recompute)])
+    ij = math.fsum(float(costs.page_in_j[i]) for _, i in decisions.page_in)
+    oj = math.fsum(float(costs.page_out_j[i]) for i in decisions.page_out)
+    return math.fsum([cj, ij, oj])
+
+
+def plan_runtime_s(costs: NodeCosts, decisions: Decisions) -> float:
+    """totals_of(build_steps(...))["runtime_s"], without the replay (as plan_energy_j)."""
+    return math.fsum([*map(float, costs.compute_s), *(float(costs.compute_s[i]) for _, i in decisions.recompute),
+                      *(float(costs.page_in_s[i]) for _, i in decisions.page_in),
+                      *(float(costs.page_out_s[i]) for i in decisions.page_out)])
+
+
+def recomputes_after_update(graph: TrainingGraph, decisions: Decisions) -> bool:
+    """Whether a plan reads streamed weights, or runs a layer on them, after their in-place update
+    (the baselines and greedy loops do not know about updates; such a plan would train wrongly)."""
+    if not graph.streams_weights:
+        return False
+    cap = graph.last_compute_stage()
+    return any(t > cap[i] for t, i in decisions.recompute)
 
 
 def fits_storage(costs: NodeCosts, budgets: Budgets, decisions: Decisions) -> bool:
@@ -146,14 +174,17 @@ def fits_storage(costs: NodeCosts, budgets: Budgets, decisions: Decisions) -> bo
     return paged_region_bytes(costs, decisions) <= float(budgets.storage_bytes) * (1 + 1e-12)
 
 
-def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> list[Decisions]:
+def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
+                       beat: Optional[float] = None) -> list[Decisions]:
     """The DTR and sqrt(n) baselines' plans where they fit: the benchmark showed a time-limited
     solve ending above DTR's energy when the greedy starts were worse than it, and the solver
-    must never lose to a baseline it could have started from."""
+    must never lose to a baseline it could have started from. ``beat``: the energy of a fitting
+    start in hand; a baseline that costs no less cannot lower it and is not replayed (the replays
+    took 25 s at 2000 nodes)."""
     plans = [sqrt_n_decisions(graph), dtr_decisions(graph, costs, budgets.ram_bytes)]
     fitting = []
     for d in plans:
-        if d is None:
+        if d is None or (beat is not None and plan_energy_j(graph, costs, d) >= beat):
             continue
         d = without_idle_keeps(graph, d)
         totals = totals_of(graph, costs, build_steps(graph, d))
@@ -205,9 +236,11 @@ def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_
     def resident(d, t):
         return d <= t <= last[d] and not any(a < t < b for a, b in away.get(d, ()))
 
+    cap = graph.last_compute_stage() if graph.streams_weights else None
+
     def recomputable(i, b):
-        return (allow_remat and not nodes[i].is_backward
-                and all(resident(d, b) for d in nodes[i].deps))
+        return ((allow_remat or nodes[i].op == "param") and not nodes[i].is_backward
+                and (cap is None or b <= cap[i]) and all(resident(d, b) for d in nodes[i].deps))
 
     while True:
         t = int(np.argmax(live))
