@@ -22,6 +22,7 @@ import click
 
 from poet_opt import __version__
 from poet_opt.errors import PoetError
+from poet_opt.schedule.fit import check_fits_device, check_ram_within_device, check_weights_fit, device_fit
 
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
@@ -109,21 +110,45 @@ def main():
 
 def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, bytes_per_element: int,
                input_shape: str | None = None, torch: str | None = None, onnx: str | None = None,
-               trainable="all", costs: str | None = None, optimizer: str = "none"):
+               trainable="all", costs: str | None = None, optimizer: str = "none", weights: str = "resident",
+               profile=None, ram=None, weight_tile=None):
     """--model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE, exactly one
-    (poet_opt.model.load.load_training_graph)."""
+    (poet_opt.model.load.load_training_graph); ``profile`` decides --weights auto; streamed layers
+    with more weights than ``weight_tile`` (default: a quarter of the smallest ``ram``) are sliced."""
     from poet_opt.model.load import load_training_graph
+    from poet_opt.units import parse_size
 
+    device = {} if profile is None else {"device_ram_bytes": profile.memory.ram_bytes,
+                                         "stack_reserve_bytes": profile.memory.stack_reserve_bytes}
+    if weight_tile is not None:
+        tile = parse_size(weight_tile, field="--weight-tile")
+        if tile < 1:
+            raise PoetError("must be at least 1 B", field="--weight-tile")
+    else:
+        tile = None if ram is None else max(1, min(parse_size(r, field="--ram") for r in ram) // 4)
+    largest = None if ram is None else max(parse_size(r, field="--ram") for r in ram)
     return load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                bytes_per_element=bytes_per_element, input_shape=input_shape, trainable=trainable,
-                               costs=costs, optimizer=optimizer)
+                               costs=costs, optimizer=optimizer, weights=weights, tile_bytes=tile, ram_bytes=largest,
+                               **device)
+
+
+def WEIGHTS_OPTION(command):
+    command = click.option(
+        "--weight-tile", default=None, help="streamed weights: split a layer whose weights exceed this (e.g. 48KiB) "
+        "into slices of its output features; default a quarter of the RAM budget")(command)
+    return click.option(
+        "--weights", type=click.Choice(["auto", "resident", "streamed"]), default="auto", show_default=True,
+        help="resident: weights and gradients in RAM all step; streamed: read from storage when needed and updated "
+             "in place (docs/streaming.md); auto: streamed when resident ones do not fit the device")(command)
 
 
 @main.command()
 @click.option("--model", help="zoo model name (see `poet-opt models`)")
 @click.option("--graph", "graph_file", type=click.Path(dir_okay=False), help="training graph, node-link JSON")
 @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
-@click.option("--ram", required=True, help="RAM budget for activations and gradients, e.g. 1.5MB, 256KiB")
+@click.option("--ram", required=True, help="RAM budget for what the plan holds (activations, gradients and, with "
+              "streamed weights, the weights), e.g. 1.5MB, 256KiB")
 @click.option("--runtime", default=None, help="runtime budget: a multiple of plain training (1.2x) or a time (2.5s); "
               "default: no limit")
 @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True)
@@ -152,6 +177,7 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
               help="keep a plan whose weights, gradients, working peak and stack reserve exceed the device's RAM")
 @click.option("--min-lifetime-steps", type=click.IntRange(min=1), default=None,
               help="training steps the storage must survive: caps the bytes paged out per step by its endurance")
+@WEIGHTS_OPTION
 @click.option("--export", "export_file", type=click.Path(dir_okay=False), default=None,
               help="also write the schedule as a C header for firmware (see `poet-opt export`)")
 @click.option("--prefix", default="POET_", show_default=True, help="--export: prefix of the header's C names")
@@ -159,8 +185,8 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 @click.option("--quiet", "-q", is_flag=True, help="no solver progress on stderr")
 @_one_line_errors
 def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, order, gap, batch_size, torch_spec, onnx_file,
-          input_shape, trainable, optimizer, costs_file, out, allow_oversize, min_lifetime_steps, export_file, prefix,
-          as_json, quiet):
+          input_shape, trainable, optimizer, costs_file, out, allow_oversize, min_lifetime_steps, weights, weight_tile,
+          export_file, prefix, as_json, quiet):
     """Solve for the energy-optimal training schedule under RAM and runtime budgets."""
     from poet_opt.device.profiles import load_profile
     from poet_opt.files import write_json_atomic, write_text_atomic
@@ -169,12 +195,13 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
     from poet_opt.solver.driver import solve as solve_schedule
 
     profile = load_profile(device)
-    _check_ram_within_device(ram, profile)
+    check_ram_within_device(ram, profile)
     graph, name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
                              bytes_per_element=profile.memory.bytes_per_element, torch=torch_spec, onnx=onnx_file,
-                             trainable=trainable, costs=costs_file, optimizer=optimizer)
+                             trainable=trainable, costs=costs_file, optimizer=optimizer, weights=weights, profile=profile,
+                             ram=[ram], weight_tile=weight_tile)
     if not allow_oversize:
-        _check_weights_fit(graph, profile)
+        check_weights_fit(graph, profile)
     _check_not_inputs([("--out", out), ("--export", export_file)], graph_file=graph_file, device=device,
                       torch_spec=torch_spec, onnx_file=onnx_file, costs_file=costs_file)
     if out is not None:
@@ -195,7 +222,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
         schedule = firmware.schedule
     # Everything that could fail comes before the write, so a failure leaves no file behind.
     if not allow_oversize and schedule.solver["status"] != "interrupted":
-        _check_fits_device(schedule, firmware)
+        check_fits_device(schedule, firmware)
     if as_json:
         summary = summary_dict(schedule)
         if out is not None:
@@ -240,10 +267,16 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 @click.option("-o", "--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="keep the generated sources and the linked image (DIR/*.elf) here")
+@click.option("--weights", type=click.Choice(["auto", "resident", "streamed"]), default="auto", show_default=True,
+              help="streamed: weights live on the emulated storage and pass through RAM (docs/streaming.md); "
+                   "auto: streamed when resident weights do not fit the device")
+@click.option("--weight-tile", default=None,
+              help="streamed weights: split a convolution or linear layer whose weights exceed this (e.g. 48KiB) "
+                   "into slices of its output features; default no tiles")
 @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
 @_one_line_errors
 def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, trainable, weights_out, time_limit,
-            as_json, out_dir, quiet):
+            as_json, out_dir, weights, weight_tile, quiet):
     """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M."""
     import numpy as np
 
@@ -259,7 +292,7 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
     say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
     result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                               steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
-                              time_limit=time_limit, progress=say)
+                              time_limit=time_limit, progress=say, weights=weights, tile_bytes=weight_tile)
     if weights_out is not None:
         write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
     summary = result.summary()
@@ -276,54 +309,15 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
         f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
         f"{summary['flash_erases_max_block']} erase(s) of one block",
         f"  executed {summary['instructions']:,} instructions",
+        *([f"  weights  streamed from storage: {summary['flash_bytes_read'] / 1024:.1f} KiB read in all, "
+           f"{summary['flash_bytes_written_per_step'] / 1024:.1f} KiB written per step (plan), storage lasts "
+           + (f"{summary['flash_lifetime_steps']:,} steps" if summary.get("flash_lifetime_steps") else "forever")]
+          if summary.get("weights") == "streamed" else []),
+        *(["  tiles    " + ", ".join(f"{layer} in {k}" for layer, k in summary["tiles"].items())]
+          if summary.get("tiles") else []),
         *([f"  wrote    {weights_out}"] if weights_out else []),
         *([f"  kept     {out_dir}/ (sources, poet_train.elf)"] if out_dir else []),
     ]))
-
-
-def _check_ram_within_device(ram, profile) -> None:
-    from poet_opt.units import format_bytes, parse_size
-
-    budget = parse_size(ram, field="--ram")
-    if budget > profile.memory.ram_bytes:
-        raise PoetError(f"{format_bytes(budget)} is more than {profile.name}'s {format_bytes(profile.memory.ram_bytes)} "
-                        "of RAM", field="--ram")
-
-
-def _check_weights_fit(graph, profile) -> None:
-    """Before a long solve: when the weights, their gradients, the stack reserve and the smallest
-    working set any schedule needs already exceed the RAM, no plan can run on the device."""
-    from poet_opt.units import format_bytes
-
-    need = (graph.param_bytes + graph.param_grad_bytes + profile.memory.stack_reserve_bytes
-            + graph.min_working_set_bytes())
-    if need > profile.memory.ram_bytes:
-        raise PoetError(f"no plan can run on {profile.name}: weights {format_bytes(graph.param_bytes)}, gradients "
-                        f"{format_bytes(graph.param_grad_bytes)}, stack reserve "
-                        f"{format_bytes(profile.memory.stack_reserve_bytes)} and the smallest working set "
-                        f"{format_bytes(graph.min_working_set_bytes())} need {format_bytes(need)} of its "
-                        f"{format_bytes(profile.memory.ram_bytes)}; train fewer layers (--trainable), or plan anyway "
-                        "with --allow-oversize", field="--device")
-
-
-def _check_fits_device(schedule, firmware) -> None:
-    """A plan that cannot run on the device is not an answer: say by how much it misses."""
-    from poet_opt.units import format_bytes
-
-    mem = schedule.memory()
-    working = firmware.arena.arena_bytes if firmware is not None else mem["working_peak_bytes"]
-    fit = _fit(mem, mem["device_ram_bytes"], working)
-    if not fit["fits"]:
-        raise PoetError(f"the plan needs {format_bytes(fit['needed_bytes'])} on {schedule.profile.name}, which has "
-                        f"{format_bytes(mem['device_ram_bytes'])}: weights {format_bytes(mem['param_bytes'])}, "
-                        f"gradients {format_bytes(mem['param_grad_bytes'])}, "
-                        f"{'arena' if firmware is not None else 'working peak'} {format_bytes(working)}, stack reserve "
-                        f"{format_bytes(mem['stack_reserve_bytes'])}; train fewer layers (--trainable), give a smaller "
-                        "--ram, or keep it anyway with --allow-oversize", field="--ram")
-    if not mem["fits_storage"]:
-        raise PoetError(f"the plan pages {format_bytes(schedule.totals['storage_bytes'])}, more than "
-                        f"{schedule.profile.name}'s {format_bytes(mem['storage_capacity_bytes'])} of storage",
-                        field="--ram")
 
 
 def _check_prefix(prefix: str) -> None:
@@ -370,7 +364,7 @@ def export(schedule_file, out, prefix, as_json, allow_oversize):
     except ScheduleInvalid as exc:  # nothing to export either way: bad input, exit 2
         raise PoetError(f"not a valid schedule, nothing exported: {exc.message}", source=schedule_file) from None
     header, plan, flash = export_header(doc, prefix=prefix, source=schedule_file)
-    fit = _device_fit(doc, plan.arena_bytes)  # firmware allocates the whole arena
+    fit = device_fit(doc, plan.arena_bytes)  # firmware allocates the whole arena
     if fit is not None and not fit["fits"] and not allow_oversize:
         raise PoetError(f"the plan needs {fit['needed_bytes']:,} B with its arena, more than the device's "
                         f"{fit['device_ram_bytes']:,} B of RAM; nothing exported (--allow-oversize exports it anyway)",
@@ -431,7 +425,7 @@ def validate(schedule_file, as_json):
 
     doc, totals = load_and_validate(schedule_file)
     ram_budget = doc["budgets"]["ram_bytes"]
-    fit = _device_fit(doc, totals["peak_ram_bytes"])
+    fit = device_fit(doc, totals["peak_ram_bytes"])
     if as_json:
         click.echo(json.dumps({"schedule": str(schedule_file), "valid": True, "steps": len(doc["steps"]),
                                **{k: totals[k] for k in ("energy_j", "runtime_s", "peak_ram_bytes", "storage_bytes")},
@@ -445,22 +439,6 @@ def validate(schedule_file, as_json):
                    else f"DOES NOT FIT, {format_bytes(fit['needed_bytes'] - fit['device_ram_bytes'])} over")
         click.echo(f"  device   {doc['device'].get('name', '?')}: weights, gradients, working peak and stack reserve "
                    f"need {format_bytes(fit['needed_bytes'])} of {format_bytes(fit['device_ram_bytes'])}: {verdict}")
-
-
-def _device_fit(doc: dict, working_bytes: int) -> dict | None:
-    """The device fit of a schedule file, from its own figures (None when it has no device RAM)."""
-    ram = (doc.get("device") or {}).get("ram_bytes")
-    if not isinstance(ram, int) or isinstance(ram, bool):
-        return None
-    return _fit(doc.get("memory") or {}, ram, working_bytes)
-
-
-def _fit(memory: dict, device_ram: int, working_bytes: int) -> dict:
-    """Weights, their gradients, the stack reserve and the working memory (live peak or arena)
-    against the device's RAM; schedule files from before the stack reserve count none."""
-    need = sum(int(memory.get(k) or 0) for k in ("param_bytes", "param_grad_bytes", "stack_reserve_bytes"))
-    need += int(working_bytes)
-    return {"device_ram_bytes": device_ram, "needed_bytes": need, "fits": need <= device_ram}
 
 
 @main.command()
@@ -546,11 +524,12 @@ def _table(rows) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print the rows and the files written as JSON")
 @click.option("--min-lifetime-steps", type=click.IntRange(min=1), default=None,
               help="training steps the storage must survive, for every point (a wear budget)")
+@WEIGHTS_OPTION
 @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
 @_one_line_errors
 def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runtime, modes, time_limit, order, gap, jobs,
            scheduler, warm, batch_size, torch_spec, onnx_file, input_shape, trainable, optimizer, costs_file, out_dir,
-           allow_oversize, as_json, min_lifetime_steps, quiet):
+           allow_oversize, as_json, min_lifetime_steps, weights, weight_tile, quiet):
     """Sweep RAM budgets and plot the energy-memory Pareto front (docs/pareto.md)."""
     from poet_opt import pareto as pf
     from poet_opt.device.profiles import load_profile
@@ -576,17 +555,19 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
     if jobs is not None and jobs < 1:
         raise PoetError(f"must be at least 1, got {jobs}", field="--jobs")
     profiles = [load_profile(d) for d in devices]
-    built_once = graph_file or torch_spec or onnx_file or costs_file or optimizer != "none" or trainable != "all"
-    if built_once:
-        # one graph for every device, sized with the first device's bytes per element
+    built_once = (graph_file or torch_spec or onnx_file or costs_file or optimizer != "none" or trainable != "all"
+                  or weights != "auto")
+    if built_once or weights == "auto":
+        # one graph for every device, sized (and --weights auto decided) with the first device
         subject, _name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
                                     bytes_per_element=4 if graph_file else profiles[0].memory.bytes_per_element,
                                     torch=torch_spec, onnx=onnx_file, trainable=trainable, costs=costs_file,
-                                    optimizer=optimizer)
+                                    optimizer=optimizer, weights=weights, profile=profiles[0], ram=rams,
+                                    weight_tile=weight_tile)
+        built_once = built_once or subject.streams_weights
+    if built_once:
         kwargs = {}
-    else:
-        load_graph(model, None, batch_size=batch_size, input_shape=input_shape,
-                   bytes_per_element=profiles[0].memory.bytes_per_element)  # fails here on a bad name
+    else:  # resident weights from the zoo: each worker builds the model at its device's element size
         subject, kwargs = model, {"batch_size": batch_size, "input_shape": input_shape}
     out = Path(out_dir)
     _check_not_inputs([("-o", out), *(("-o", out / name) for name in

@@ -44,10 +44,13 @@ def test_a_ram_budget_above_the_device_is_refused():
 
 def test_a_model_whose_weights_cannot_fit_is_refused_before_solving(tmp_path):
     out = tmp_path / "s.json"
-    result = cli("solve", "--model", "mlp", "--device", "nrf52840", "--ram", "40KiB", "-q", "-o", out)
-    assert_one_line_error(result, "--device", "no plan can run on nrf52840", "--allow-oversize", out=out)
+    # resident weights: streamed ones fit (tests/test_streaming.py)
+    result = cli("solve", "--model", "mlp", "--device", "nrf52840", "--ram", "40KiB", "-q", "-o", out,
+                 "--weights", "resident")
+    assert_one_line_error(result, "--device", "no plan can run on nrf52840", "--allow-oversize",
+                          "--weights streamed", out=out)
     kept = cli("solve", "--model", "mlp", "--device", "nrf52840", "--ram", "40KiB", "-q", "-o", out,
-               "--allow-oversize")
+               "--allow-oversize", "--weights", "resident")
     assert kept.exit_code == 0, kept.output
     assert "DOES NOT FIT" in kept.stdout and out.is_file()
     check = cli("validate", out)
@@ -199,6 +202,6 @@ def test_pareto_and_plot_print_json(mcu_plan, tmp_path):
 def test_export_refuses_a_plan_that_does_not_fit_the_device(tmp_path):
     schedule, header = tmp_path / "s.json", tmp_path / "s.h"
     assert cli("solve", "--model", "mlp", "--device", "nrf52840", "--ram", "7232B", "-q", "-o", schedule,
-               "--allow-oversize", "--time-limit", "20").exit_code == 0
+               "--allow-oversize", "--time-limit", "20", "--weights", "resident").exit_code == 0
     assert_one_line_error(cli("export", schedule, "-o", header), "nothing exported", "--allow-oversize", out=header)
     assert cli("export", schedule, "-o", header, "--allow-oversize").exit_code == 0 and header.is_file()

@@ -32,12 +32,14 @@ PAGING = "c0 c1 o0 f0 c2 c3 f2 f1 i0 c4 f0 f3 f4"
 PLAIN_TOTALS = {
     "energy_j": 0.086, "compute_j": 0.086, "page_in_j": 0.0, "page_out_j": 0.0, "runtime_s": 0.043,
     "peak_ram_bytes": 5010, "storage_bytes": 0, "computes": 5, "recomputes": 0, "page_ins": 0, "page_outs": 0,
+    "storage_read_bytes": 0, "storage_written_bytes": 0,
 }
 RECOMPUTE_TOTALS = {**PLAIN_TOTALS, "energy_j": 0.106, "compute_j": 0.106, "runtime_s": 0.053,
                     "computes": 6, "recomputes": 1}
 # page_out x: 0.001 s, 0.002 J; page_in x: 0.0005 s, 0.001 J.
 PAGING_TOTALS = {**PLAIN_TOTALS, "energy_j": 0.089, "page_in_j": 0.001, "page_out_j": 0.002,
-                 "runtime_s": 0.0445, "peak_ram_bytes": 4010, "storage_bytes": 1000, "page_ins": 1, "page_outs": 1}
+                 "runtime_s": 0.0445, "peak_ram_bytes": 4010, "storage_bytes": 1000, "page_ins": 1, "page_outs": 1,
+                 "storage_read_bytes": 1000, "storage_written_bytes": 1000}
 
 OPS = {"c": "compute", "o": "page_out", "i": "page_in", "f": "free"}
 
@@ -153,7 +155,8 @@ def test_storage_over_budget():
 def test_paging_the_same_tensor_twice_uses_its_storage_once():
     validate(schedule("c0 o0 o0 f0 i0 f0 i0 c1 c2 c3 f2 f1 c4 f0 f3 f4", {
         **PLAIN_TOTALS, "energy_j": 0.092, "page_in_j": 0.002, "page_out_j": 0.004, "runtime_s": 0.046,
-        "storage_bytes": 1000, "page_ins": 2, "page_outs": 2}, storage=1000))
+        "storage_bytes": 1000, "page_ins": 2, "page_outs": 2, "storage_read_bytes": 2000,
+        "storage_written_bytes": 2000}, storage=1000))
 
 
 def test_runtime_over_budget():

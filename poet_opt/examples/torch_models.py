@@ -175,3 +175,81 @@ class TinyCnn(nn.Module):
 def tiny_cnn() -> nn.Module:
     torch.manual_seed(0)
     return TinyCnn()
+
+
+class WideMlp(nn.Module):
+    """A multilayer perceptron whose weights are several times a microcontroller's RAM: eight
+    ``width x width`` linear layers (about 100 KiB each at width 160) and a small classifier, so
+    training it on a 256 KiB part needs streamed weights (``--weights streamed``)."""
+
+    def __init__(self, width: int = 160, depth: int = 8, classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for k in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.body = nn.Sequential(*layers)
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+def wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return WideMlp()
+
+
+class StreamedCnn(nn.Module):
+    """A small CNN for streamed weights: convolution, batch norm, ReLU, a depthwise convolution,
+    global average pooling and a linear head (input N x 3 x 16 x 16)."""
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(3, 8, 3, 2)
+        self.relu1 = nn.ReLU()
+        self.dw = nn.Conv2d(8, 8, 3, 1, 1, groups=8)
+        self.relu2 = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 16, 3, 2, 1)
+        self.relu3 = nn.ReLU()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = self.relu1(self.bn1(self.conv1(x)))
+        x = self.relu2(self.dw(x))
+        x = self.relu3(self.conv2(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def streamed_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return StreamedCnn()
+
+
+class TiledCnn(nn.Module):
+    """A CNN with one layer whose weights alone exceed a 256 KiB part's RAM: ``fc1``, 768 x 96
+    (288 KiB), so it trains on the nRF52840 only as tiles of its weights (``--weight-tile``). conv3
+    (54 KiB, with a bias before its batch norm) tiles too at a small tile size. Input N x 3 x 16 x 16."""
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(3, 16, 3, 2)
+        self.relu1 = nn.ReLU()
+        self.conv2, self.bn2 = _conv_bn(16, 32, 3, 2)
+        self.relu2 = nn.ReLU()
+        self.conv3, self.bn3 = nn.Conv2d(32, 48, 3, 1, 1), nn.BatchNorm2d(48)
+        self.relu3 = nn.ReLU()
+        self.fc1 = nn.Linear(48 * 4 * 4, 96)
+        self.relu4 = nn.ReLU()
+        self.fc = nn.Linear(96, classes)
+
+    def forward(self, x):
+        x = self.relu1(self.bn1(self.conv1(x)))
+        x = self.relu2(self.bn2(self.conv2(x)))
+        x = self.relu3(self.bn3(self.conv3(x)))
+        return self.fc(self.relu4(self.fc1(torch.flatten(x, 1))))
+
+
+def tiled_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return TiledCnn()

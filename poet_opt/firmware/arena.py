@@ -305,18 +305,31 @@ class FlashPlan:
     endurance_cycles: int
     offsets: dict[int, int]        # node -> flash offset of its region
     region_bytes: dict[int, int]   # node -> region size (its bytes rounded up to erase blocks)
-    writes_per_step: dict[int, int]  # node -> page_outs of it per training step
+    writes_per_step: dict[int, int]  # node -> page_outs (or, for weights, updates) of it per training step
     flash_bytes: int
     bytes_written_per_step: int
     lifetime_steps: int | None     # None: nothing is written, flash never wears
     wear_levelling: bool = False   # lifetime_steps counts erases spread over the whole medium
+    params: list[int] = field(default_factory=list)  # streamed weights' nodes, whose regions come first
+
+    @property
+    def param_bytes(self) -> int:
+        """Storage the streamed weights occupy, in whole erase blocks."""
+        return sum(self.region_bytes[n] for n in self.params)
 
 
 def plan_flash(doc: dict) -> FlashPlan:
-    """Every paged tensor gets its own erase-block-aligned region, in order of first page_out.
+    """Every streamed weight tensor (a ``param`` node) and every paged tensor gets its own
+    erase-block-aligned region: the weights first, in node order, so the image a board is
+    provisioned with is the same for every plan of a graph; then the paged tensors in order of
+    first page_out.
+
+    Writes per step: a paged tensor's region is erased and programmed at each of its page_outs;
+    a weight region at each compute of a node that updates it (once a step), never for frozen
+    layers, which are only read.
 
     Lifetime: an erase block survives `endurance_cycles` erases, and the block of tensor n is
-    erased once each time n is paged out, i.e. writes_n times per training step. Region n thus
+    erased once each time n is written, i.e. writes_n times per training step. Region n thus
     lasts endurance * region_bytes / (bytes erased in it per step) = endurance / writes_n training
     steps, and the layout lasts as long as its most rewritten region. A wear-levelling flash
     translation layer (SD cards have one) could spread the writes over the whole partition instead;
@@ -327,16 +340,29 @@ def plan_flash(doc: dict) -> FlashPlan:
     nodes = doc["graph"]["nodes"]
     offsets, regions, writes = {}, {}, {}
     end = written = 0
+
+    def place(n: int) -> None:
+        nonlocal end
+        offsets[n] = end
+        regions[n] = align_up(max(1, int(nodes[n]["bytes"])), block)
+        end += regions[n]
+
+    params = [n for n, node in enumerate(nodes) if node.get("op") == "param"]
+    for n in params:
+        place(n)
     for step in doc["steps"]:
+        n = step["node"]
+        if step["op"] == "compute":
+            for p in nodes[n].get("updates", ()):
+                written += int(nodes[p]["bytes"])
+                writes[p] = writes.get(p, 0) + 1
+            continue
         if step["op"] != "page_out":
             continue
-        n = step["node"]
         written += int(nodes[n]["bytes"])
         writes[n] = writes.get(n, 0) + 1
         if n not in offsets:
-            offsets[n] = end
-            regions[n] = align_up(max(1, int(nodes[n]["bytes"])), block)
-            end += regions[n]
+            place(n)
     lifetime = min(endurance // w for w in writes.values()) if writes else None
     device = doc.get("device") or {}
     capacity = device.get("storage_capacity_bytes")
@@ -346,7 +372,7 @@ def plan_flash(doc: dict) -> FlashPlan:
         # lifetime_steps says the same, docs/schedule-format.md)
         erased = sum(regions[n] * w for n, w in writes.items())
         lifetime = endurance * capacity // erased
-    return FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime, levelled)
+    return FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime, levelled, params)
 
 
 def wear_levelled_lifetime(flash: FlashPlan) -> int | None:

@@ -90,7 +90,9 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
     rows = []
     for s, step in enumerate(steps):
         op, n = step["op"], step["node"]
-        fl = flash.offsets.get(n, 0) if op in ("page_out", "page_in") else 0
+        # a compute of streamed weights reads them from their region
+        reads = op in ("page_out", "page_in") or (op == "compute" and n in flash.params)
+        fl = flash.offsets.get(n, 0) if reads else 0
         rows.append(f"    {{{P}{KINDS[op]}, {n}u, {plan.step_offsets[s]}u, {fl}u, {int(nodes[n]['bytes'])}u, "
                     f"{first[s] if plan.operand_offsets[s] else 0}u, {len(plan.operand_offsets[s])}u}},")
 
@@ -153,7 +155,7 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
             ("uint8_t", "kind", f"{P}COMPUTE, {P}PAGE_OUT, {P}PAGE_IN or {P}FREE"),
             (node_t, "node", f"node id: index into {P}NODE_BYTES"),
             ("uint32_t", "arena_offset", "where the node's tensor lives during this residency"),
-            ("uint32_t", "flash_offset", "page_out / page_in: the node's flash region; else 0"),
+            ("uint32_t", "flash_offset", "page_out / page_in, compute of weights: the node's flash region; else 0"),
             ("uint32_t", "bytes", "size of the node's tensor"),
             (first_t, "first_operand", f"compute: index of its first input in {P}OPERANDS"),
             (count_t, "num_operands", "compute: number of inputs (the node's deps, in order); else 0"),
@@ -179,6 +181,7 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
         _rows([f"{int(n['bytes'])}u" for n in nodes], 8),
         "};",
         "",
+        *_streamed_weights(P, unused, nodes, flash, node_t),
         f"#ifdef {P}WITH_NAMES",
         f"static const char *const {P}NODE_NAMES[{len(nodes)}] {unused} = {{",
         names + ",",
@@ -189,6 +192,42 @@ def render_header(doc: dict, plan: ArenaPlan, flash: FlashPlan, *, prefix: str =
         "",
     ]
     return "\n".join(out)
+
+
+def _streamed_weights(P: str, unused: str, nodes: list, flash: FlashPlan, node_t: str) -> list[str]:
+    """Where streamed weights live and which nodes write them back (docs/c-export.md); nothing for
+    a plan with resident weights, whose header stays as it was."""
+    if not flash.params:
+        return []
+    updates = [(n, list(node.get("updates", ()))) for n, node in enumerate(nodes) if node.get("updates")]
+    listed = [p for _, ps in updates for p in ps]
+    first, count, at = [0] * len(nodes), [0] * len(nodes), 0
+    for n, ps in updates:
+        first[n], count[n], at = at, len(ps), at + len(ps)
+    end = max(flash.offsets[p] + flash.region_bytes[p] for p in flash.params)
+    return [
+        f"/* streamed weights: the first {P}WEIGHTS_BYTES of the flash partition hold every layer's weights",
+        " * (weight, then bias, fp32), one erase-block-aligned region per weights node, provisioned before",
+        " * the first step; a COMPUTE of a weights node reads its region into the arena */",
+        f"#define {P}WEIGHTS_BYTES {end}u",
+        f"#define {P}NUM_WEIGHT_NODES {len(flash.params)}u",
+        f"static const uint32_t {P}NODE_FLASH_OFFSETS[{len(nodes)}] {unused} = {{  /* 0xFFFFFFFF: no region */",
+        _rows([f"{flash.offsets[n]}u" if n in flash.params else "0xFFFFFFFFu" for n in range(len(nodes))], 8),
+        "};",
+        "",
+        f"/* a COMPUTE of node n updates weights in place, then writes {P}UPDATE_COUNTS[n] weights nodes back",
+        f" * to their regions: {P}UPDATE_NODES[{P}UPDATE_FIRST[n]] onwards (erase before program on flash) */",
+        f"static const uint32_t {P}UPDATE_FIRST[{len(nodes)}] {unused} = {{",
+        _rows([f"{v}u" for v in first], 8),
+        "};",
+        f"static const uint32_t {P}UPDATE_COUNTS[{len(nodes)}] {unused} = {{",
+        _rows([f"{v}u" for v in count], 8),
+        "};",
+        f"static const {node_t} {P}UPDATE_NODES[{max(len(listed), 1)}] {unused} = {{",
+        _rows([f"{p}u" for p in listed], 12),
+        "};",
+        "",
+    ]
 
 
 def export(doc: dict, *, prefix: str = "POET_", source: str | None = None) -> tuple[str, ArenaPlan, FlashPlan]:

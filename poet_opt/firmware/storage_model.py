@@ -69,6 +69,9 @@ class StorageStats:
     erase_ops: int = 0
     erase_counts: Mapping[int, int] = field(default_factory=dict)
     violations: tuple[StorageViolation, ...] = ()
+    # bytes programmed per erase block: the export gives every stored tensor whole blocks of its
+    # own, so this says which tensors (streamed weights, paged activations) a run wrote
+    written_by_block: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def erases_total(self) -> int:
@@ -82,11 +85,13 @@ class StorageStats:
         """What happened between ``before``, an earlier ``stats()`` of the same storage, and these."""
         counts = Counter(self.erase_counts)
         counts.subtract(before.erase_counts)
+        written = Counter(self.written_by_block)
+        written.subtract(before.written_by_block)
         return StorageStats(
             self.kind, self.bytes_read - before.bytes_read, self.bytes_written - before.bytes_written,
             self.read_ops - before.read_ops, self.write_ops - before.write_ops,
             self.erase_ops - before.erase_ops, {k: v for k, v in counts.items() if v},
-            self.violations[len(before.violations):])
+            self.violations[len(before.violations):], {k: v for k, v in written.items() if v})
 
 
 class Storage:
@@ -108,6 +113,7 @@ class Storage:
         self.write_ops = 0
         self.erase_ops = 0
         self.erase_counts: Counter[int] = Counter()
+        self.written_by_block: Counter[int] = Counter()
         self.violations: list[StorageViolation] = []
 
     # -- host side: no wear, no checks ------------------------------------------------------
@@ -129,7 +135,7 @@ class Storage:
         """Counters since this Storage was created (a run's own are in ``RunResult.storage``)."""
         return StorageStats(self.kind, self.bytes_read, self.bytes_written, self.read_ops,
                             self.write_ops, self.erase_ops, dict(self.erase_counts),
-                            tuple(self.violations))
+                            tuple(self.violations), dict(self.written_by_block))
 
     def _check_host_range(self, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity_bytes:
@@ -231,6 +237,12 @@ class Storage:
                 self.erase_counts[au] += 1
         self.write_ops += 1
         self.bytes_written += length
+        block = self.erase_block_bytes
+        pos = offset
+        while pos < offset + length:
+            end = min((pos // block + 1) * block, offset + length)
+            self.written_by_block[pos // block] += end - pos
+            pos = end
         return STORAGE_OK
 
     def device_erase(self, block: int, pc: tuple | int | None = None) -> int:

@@ -22,6 +22,7 @@ from poet_opt.firmware.targets import target_from_profile
 from poet_opt.model.batch import load_batch
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
+from poet_opt.units import parse_size
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 BOARD_DIR = Path(__file__).resolve().parent / "board"
@@ -44,23 +45,51 @@ class EmulatedTraining:
     instructions: int
     arena_bytes: int
     files: list[Path] = field(default_factory=list)
+    weights_placement: str = "resident"  # or "streamed": weights on storage, read into the arena
+    flash_bytes_read: int = 0
+    # what the flash plan says one step writes and how many steps the storage survives that
+    # (None: nothing is written); the emulator's own count is flash_bytes_written over the run
+    flash_bytes_written_per_step: int = 0
+    flash_lifetime_steps: Optional[int] = None
+    # storage node name (param:f for weights, else a paged tensor) -> bytes the run wrote to its region
+    region_bytes_written: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def instructions_per_step(self) -> float:
+        return self.instructions / max(1, len(self.losses))
 
     def summary(self) -> dict:
-        return {"steps": len(self.losses), "loss": [float(v) for v in self.losses],
-                "ram_device_bytes": self.ram_device_bytes, "ram_used_bytes": self.ram_used_bytes,
-                "flash_bytes_written": self.flash_bytes_written,
-                "flash_erases_max_block": self.flash_erases_max_block, "instructions": self.instructions}
+        out = {"steps": len(self.losses), "loss": [float(v) for v in self.losses],
+               "ram_device_bytes": self.ram_device_bytes, "ram_used_bytes": self.ram_used_bytes,
+               "flash_bytes_written": self.flash_bytes_written,
+               "flash_erases_max_block": self.flash_erases_max_block, "instructions": self.instructions}
+        if self.weights_placement == "streamed":  # (resident runs keep the summary they always had)
+            out.update(weights="streamed", flash_bytes_read=self.flash_bytes_read,
+                       flash_bytes_written_per_step=self.flash_bytes_written_per_step,
+                       flash_lifetime_steps=self.flash_lifetime_steps)
+            tiles = self.network.graph.meta.get("tiles") or {}
+            if tiles:
+                out["tiles"] = {layer: len(names) for layer, names in tiles.items()}
+        return out
 
 
 def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
                      torch_model=None, input_shape=None, trainable="all", out_dir=None,
-                     time_limit: Optional[float] = 60.0, mode: str = "joint", progress=None) -> EmulatedTraining:
+                     time_limit: Optional[float] = 60.0, mode: str = "joint", progress=None,
+                     weights: str = "resident", tile_bytes=None) -> EmulatedTraining:
     """Train ``steps`` SGD steps on the batch in ``data`` in firmware generated from the schedule
     that ``poet-opt solve --export`` would give, on the emulated ``device``.
 
     ``model`` names a zoo model (its seeded PyTorch twin, poet_opt.firmware.torch_zoo), or
     ``torch_model`` is a module, factory or ``FILE.py:FACTORY`` with ``input_shape``. ``out_dir``
-    keeps the generated sources and the linked ELF; ``mode`` is the solver's (joint, remat, paging)."""
+    keeps the generated sources and the linked ELF; ``mode`` is the solver's (joint, remat, paging).
+    ``weights="streamed"`` keeps the weights on the device's storage (pre-loaded there, as a board
+    would be provisioned) and streams them through the arena as the schedule says, so a model
+    whose weights exceed the RAM trains; the trained weights are read back from the storage.
+    ``weights="auto"`` streams them when the RAM budget, the trained weights and their gradients
+    and the stack would not fit the device's RAM together. ``tile_bytes`` (a size, with streamed
+    weights): split a convolution or linear layer whose weights exceed it into tiles over its output
+    features (model/tiling.py), each read, updated and written back on its own; None: no tiles."""
     from poet_opt.firmware.torch_zoo import zoo_module
 
     def say(text: str) -> None:
@@ -84,7 +113,24 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         module, shape = torch_model, parse_full_shape(input_shape)
         x, y = load_batch(data, shape)  # the traced network takes exactly this shape
     say("tracing the model")
-    network = lower_network(module, shape, trainable=trainable, name=model)
+    if weights not in ("resident", "streamed", "auto"):
+        raise PoetError(f"unknown weights placement {weights!r}; choose resident, streamed or auto", field="--weights")
+    tile = None
+    if tile_bytes is not None:
+        tile = parse_size(tile_bytes, field="--weight-tile")
+        if tile < 1:
+            raise PoetError("must be at least 1 B", field="--weight-tile")
+        if weights == "resident":
+            raise PoetError("weight tiles need streamed weights (--weights streamed or auto)", field="--weight-tile")
+    network = lower_network(module, shape, trainable=trainable, name=model,
+                            weights="resident" if weights == "auto" else weights,
+                            tile_bytes=tile if weights == "streamed" else None)
+    if weights == "auto":
+        # resident firmware keeps each trained weight and its gradient in RAM beside the arena
+        resident = parse_size(ram, field="--ram") + sum(8 * p.value.size for p in network.trainable_parameters)
+        if resident + STACK_BYTES > profile.memory.ram_bytes:
+            network = lower_network(module, shape, trainable=trainable, name=model, weights="streamed",
+                                    tile_bytes=tile)
     classes = network.layers[network.output].elements // network.input_shape[0]
     if (y < 0).any() or (y >= classes).any():
         raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")
@@ -98,7 +144,8 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
                  out_dir=None, progress=None) -> EmulatedTraining:
     """Generate, build and run the training step of a schedule of ``network.graph``: ``plan`` is
-    a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here."""
+    a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here. A tiled network
+    (``lower_network(..., tile_bytes=...)``) carries its tiles, so nothing more is needed here."""
     from poet_opt.firmware import arena
     from poet_opt.firmware.fit import FirmwarePlan
 
@@ -114,6 +161,10 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
     work = Path(tempfile.mkdtemp(prefix="poet-emulate-"))
     try:
         result = _build_and_run(network, plan, generated, target, profile, work, say)
+        if out_dir is not None and generated.param_layers:
+            # what a board's storage is provisioned with (dd it to the card, or program it to flash)
+            image = weights_image(generated.param_layers, plan.flash, target.erased_byte)
+            (work / "poet_weights.bin").write_bytes(image.tobytes())
         if out_dir is not None:
             result.files = _keep(work, Path(out_dir))
         return result
@@ -126,7 +177,7 @@ def _keep(work: Path, out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
         kept = []
         for path in sorted(work.iterdir()):
-            if path.suffix in (".c", ".elf", ".ld"):
+            if path.suffix in (".c", ".elf", ".ld", ".bin"):
                 shutil.copy2(path, out_dir / path.name)
                 kept.append(out_dir / path.name)
         # everything a board project needs besides its own poet_storage.c
@@ -137,6 +188,21 @@ def _keep(work: Path, out_dir: Path) -> list[Path]:
         return kept
     except OSError as exc:
         raise PoetError(f"cannot write here: {exc.strerror}", source=str(out_dir), field="-o") from None
+
+
+def weights_image(param_layers: dict, flash, erased_byte: int) -> np.ndarray:
+    """The storage's first bytes before the first step: each streamed layer's parameters at its
+    region, erased bytes between them."""
+    end = max(flash.offsets[n] + flash.region_bytes[n] for n in param_layers)
+    image = np.full(end, erased_byte, dtype=np.uint8)
+    for node, layer in param_layers.items():
+        packed = codegen.packed_params(layer).view(np.uint8)
+        image[flash.offsets[node]:flash.offsets[node] + packed.size] = packed
+    return image
+
+
+def layer_bytes(layer) -> int:
+    return 4 * sum(p.value.size for p in layer.params.values())
 
 
 def _build_and_run(network, plan, generated, target, profile, work: Path, say) -> EmulatedTraining:
@@ -154,7 +220,8 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
                                   defines=target.storage_defines(), min_stack_bytes=STACK_BYTES)
     except FirmwareBuildError as exc:
         if "does not fit in the device's RAM" in str(exc):
-            weights = sum(8 * p.value.size for p in network.trainable_parameters)  # each with its gradient
+            # each with its gradient; streamed weights are in the arena
+            weights = 0 if generated.param_layers else sum(8 * p.value.size for p in network.trainable_parameters)
             raise PoetError(f"the firmware needs {(plan.arena.arena_bytes + weights + STACK_BYTES) / 1024:,.1f} KiB of "
                             f"RAM or more (arena {plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and their "
                             f"gradients {weights / 1024:,.1f} KiB, a {STACK_BYTES // 1024} KiB stack, norm statistics) "
@@ -166,22 +233,47 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     say(f"training {generated.steps} step(s) on the emulated {profile.name}")
     emulator = Emulator(firmware)
     try:
+        for node, layer in generated.param_layers.items():  # the board's storage, provisioned
+            emulator.storage.load(plan.flash.offsets[node], codegen.packed_params(layer))
         result = emulator.run()
         losses = emulator.read_symbol("poet_losses", np.float32).tolist()
-        trained = {p.torch_name: emulator.read_symbol(generated.param_symbols[p.torch_name], np.float32)[:p.value.size]
-                   for p in network.trainable_parameters}
+        # torch name -> (parameter, its trained value): one pair per tile of a tiled layer
+        trained: dict[str, list] = {}
+        if generated.param_layers:
+            for node, layer in generated.param_layers.items():
+                if not layer.trainable:
+                    continue
+                stored = np.frombuffer(emulator.storage.dump(plan.flash.offsets[node], int(layer_bytes(layer))),
+                                       np.float32)
+                for p in layer.params.values():
+                    trained.setdefault(p.torch_name, []).append((p, stored[:p.value.size]))
+                    stored = stored[p.value.size:]
+        else:
+            for p in network.trainable_parameters:
+                value = emulator.read_symbol(generated.param_symbols[p.torch_name], np.float32)[:p.value.size]
+                trained.setdefault(p.torch_name, []).append((p, value))
     except EmulatorError as exc:
         raise PoetError(f"the firmware failed on the emulated {profile.name}: {str(exc).splitlines()[0]}") from None
     finally:
         emulator.close()
     if result.exit_code != 0:
         raise PoetError(f"the firmware stopped with storage error {result.exit_code} (poet_storage.h)")
-    weights = {p.torch_name: trained[p.torch_name].reshape(p.value.shape).copy() for p in network.trainable_parameters}
+    weights = network.assemble(trained)
     storage = result.storage
+    flash = plan.flash
+    nodes = plan.schedule.to_dict()["graph"]["nodes"]
+    regions = {}
+    for node, offset in flash.offsets.items():  # every region is whole erase blocks of its own
+        first = offset // flash.erase_block
+        blocks = range(first, first + flash.region_bytes[node] // flash.erase_block)
+        regions[str(nodes[node]["name"])] = int(sum(storage.written_by_block.get(b, 0) for b in blocks))
     return EmulatedTraining(
         network=network, schedule=plan.schedule, losses=losses, weights=weights,
         ram_device_bytes=int(target.ram_bytes), ram_used_bytes=int(result.ram_used_bytes),
         static_bytes=int(result.static_bytes), stack_bytes=int(result.stack_bytes),
         flash_bytes_written=int(storage.bytes_written), flash_erases_max_block=int(storage.erase_max_per_block),
         flash_violations=[str(v) for v in storage.violations], instructions=int(result.instructions or 0),
-        arena_bytes=int(plan.arena.arena_bytes))
+        arena_bytes=int(plan.arena.arena_bytes),
+        weights_placement="streamed" if generated.param_layers else "resident",
+        flash_bytes_read=int(storage.bytes_read), flash_bytes_written_per_step=int(flash.bytes_written_per_step),
+        flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions)

@@ -12,18 +12,50 @@ from poet_opt.model.graph import TrainingGraph
 
 def load_training_graph(model: str | None = None, graph_file: str | None = None, torch: str | None = None,
                         onnx: str | None = None, *, batch_size: int = 1, bytes_per_element: int = 4,
-                        input_shape=None, trainable="all", costs=None, optimizer: str = "none") \
-        -> tuple[TrainingGraph, str]:
+                        input_shape=None, trainable="all", costs=None, optimizer: str = "none",
+                        weights: str = "resident", device_ram_bytes: int | None = None,
+                        stack_reserve_bytes: int = 0, tile_bytes: int | None = None,
+                        ram_bytes: int | None = None) -> tuple[TrainingGraph, str]:
     """Exactly one of ``model`` (zoo name), ``graph_file`` (node-link JSON), ``torch`` (FILE.py:FACTORY or
     package.module:FACTORY) or ``onnx`` (FILE.onnx). ``input_shape``: for zoo models without the batch
     (``3x32x32``); for torch and ONNX the whole tensor, batch first (``1,3,32,32``). ``costs``: a CSV/YAML
-    file or a :class:`~poet_opt.model.measured_costs.MeasuredCosts`. Returns (graph, display name)."""
+    file or a :class:`~poet_opt.model.measured_costs.MeasuredCosts`. ``weights``: "resident" (held in RAM
+    all step, outside the plan) or "streamed" (in the plan, read from storage when needed and updated
+    in place: docs/streaming.md) or "auto": streamed when resident weights, their gradients, optimizer
+    state, ``stack_reserve_bytes`` and the working memory a plan may use (``ram_bytes``, the largest
+    budget asked, or plain training's peak if less; at least the smallest working set) exceed ``device_ram_bytes`` and
+    streaming brings them within it (else resident, with what streaming would need in
+    ``meta["streamed_working_set"]`` for the message). ``tile_bytes``: with streamed weights, split
+    layers with more weights than that into slices (model/tiling.py). Returns (graph, display name)."""
+    if weights == "auto":
+        graph, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
+                                          bytes_per_element=bytes_per_element, input_shape=input_shape,
+                                          trainable=trainable, costs=costs, optimizer=optimizer)
+        working = graph.min_working_set_bytes()
+        if ram_bytes is not None:
+            working = max(working, min(ram_bytes, graph.plain_peak_bytes()))
+        need = graph.param_bytes + graph.param_grad_bytes + stack_reserve_bytes + working
+        if graph_file or device_ram_bytes is None or need <= device_ram_bytes:
+            return graph, name
+        streamed, _ = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
+                                          bytes_per_element=bytes_per_element, input_shape=input_shape,
+                                          trainable=trainable, costs=costs, optimizer=optimizer, weights="streamed",
+                                          tile_bytes=tile_bytes)
+        working, node = streamed.largest_working_set()
+        if working + stack_reserve_bytes <= device_ram_bytes:
+            return streamed, name
+        graph.meta["streamed_working_set"] = {"bytes": working, "node": node.name}
+        return graph, name
     given = [(flag, value) for flag, value in (("--model", model), ("--graph", graph_file), ("--torch", torch),
                                                 ("--onnx", onnx)) if value]
     if len(given) != 1:
         raise PoetError("give exactly one of --model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE",
                         field="/".join(flag for flag, _ in given) if given else "--model")
     flag, _ = given[0]
+    if weights not in ("resident", "streamed"):
+        raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
+    streaming = ({"weights": weights, "optimizer": optimizer or "none", "tile_bytes": tile_bytes}
+                 if weights == "streamed" else {})
     table = None
     if costs is not None:
         from poet_opt.model.measured_costs import MeasuredCosts, load_costs
@@ -41,6 +73,9 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         if input_shape is not None:
             raise PoetError("a node-link graph has fixed sizes; --input-shape applies to the other sources",
                             field="--input-shape")
+        if weights == "streamed":
+            raise PoetError("a node-link graph carries no layers to stream weights for; --weights streamed "
+                            "applies to --model, --torch and --onnx", field="--weights")
         from poet_opt.model.node_link import load_node_link
 
         graph, name = load_node_link(graph_file), Path(graph_file).stem
@@ -48,7 +83,7 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         from poet_opt.model.zoo import build_model
 
         graph = build_model(model, batch_size=batch_size, input_shape=input_shape,
-                            bytes_per_element=bytes_per_element, trainable=trainable)
+                            bytes_per_element=bytes_per_element, trainable=trainable, **streaming)
         name = model
     elif flag == "--torch":
         from poet_opt.model.torch_import import import_torch
@@ -57,15 +92,15 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
             raise PoetError("a PyTorch module needs the input's shape, batch first, e.g. --input-shape 1,3,32,32",
                             field="--input-shape")
         graph = import_torch(torch, input_shape, bytes_per_element=bytes_per_element, trainable=trainable,
-                             known_costs=known)
+                             known_costs=known, **streaming)
         name = torch.rsplit(":", 1)[-1]
     else:
         from poet_opt.model.onnx_import import import_onnx
 
         graph = import_onnx(onnx, input_shape=input_shape, bytes_per_element=bytes_per_element,
-                            trainable=trainable, known_costs=known)
+                            trainable=trainable, known_costs=known, **streaming)
         name = Path(onnx).stem
-    if optimizer and optimizer != "none":
+    if optimizer and optimizer != "none" and weights != "streamed":  # streamed: updates built in
         from poet_opt.model.optimizer import with_optimizer
 
         graph = with_optimizer(graph, optimizer, bytes_per_element=bytes_per_element)

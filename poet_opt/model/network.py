@@ -36,7 +36,10 @@ _MOVING_VIEWS = {"transpose", "permute", "t", "movedim", "swapaxes", "expand", "
 @dataclass
 class Parameter:
     torch_name: str  # as named_parameters() (or named_buffers()) calls it
-    value: np.ndarray  # float32, PyTorch's shape
+    value: np.ndarray  # float32, PyTorch's shape (a tile's: its rows of it)
+    # a tiled layer's slice: rows lo..hi of the torch parameter, whose whole shape is full_shape
+    rows: tuple[int, int] | None = None
+    full_shape: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -72,19 +75,50 @@ class Network:
 
     @property
     def trainable_parameters(self) -> list[Parameter]:
+        """Per layer, so a tiled layer's parameter appears once per tile, as its rows."""
         return [p for layer in self.layers.values() if layer.trainable for p in layer.params.values()]
 
+    def assemble(self, values: dict[str, list[tuple[Parameter, np.ndarray]]]) -> dict[str, np.ndarray]:
+        """torch name -> whole value, from (parameter, value) pairs of whole parameters or of tiles' rows."""
+        out: dict[str, np.ndarray] = {}
+        for name, parts in values.items():
+            first = parts[0][0]
+            if first.rows is None:
+                out[name] = parts[0][1].reshape(first.value.shape).copy()
+                continue
+            whole = np.zeros(first.full_shape, np.float32)
+            covered = 0
+            for p, v in parts:
+                whole[p.rows[0]:p.rows[1]] = v.reshape(p.value.shape)
+                covered += p.rows[1] - p.rows[0]
+            if covered != first.full_shape[0]:
+                raise PoetError(f"internal: the tiles of {name!r} cover {covered} of its {first.full_shape[0]} rows")
+            out[name] = whole
+        return out
 
-def lower_network(model, input_shape, *, trainable="all", name: str | None = None, views: bool = False) -> Network:
+
+def lower_network(model, input_shape, *, trainable="all", name: str | None = None, views: bool = False,
+                  weights: str = "resident", tile_bytes: int | None = None) -> Network:
     """The training graph of a torch module (or factory, or ``FILE.py:FACTORY``) and the layer of
     each of its forward nodes. ``views``: accept views that move elements and fused attention, which
-    the PyTorch executor replays (``Layer.operand_views``) and the firmware generator cannot."""
+    the PyTorch executor replays (``Layer.operand_views``) and the firmware generator cannot.
+    ``weights``: "resident" (in RAM for the whole step) or "streamed" (``param:f`` nodes read from
+    storage, each layer updated by SGD as soon as its gradient is complete; poet_opt.model.zoo).
+    ``tile_bytes`` (streamed only): a convolution or linear layer with more weights than that is
+    split into tiles over its output features (model/tiling.py): a layer ``L#j`` per tile, a
+    convolution or linear layer with fewer output features whose parameters are the torch
+    parameters' rows lo..hi, and a ``concat`` layer ``L`` that joins their outputs."""
+    if tile_bytes is not None and weights != "streamed":
+        raise PoetError("weight tiles need streamed weights (--weights streamed)", field="--weight-tile")
+    if tile_bytes is not None and views:
+        raise PoetError("the PyTorch executor replays whole layers; it cannot run weight tiles", field="--weight-tile")
     module, default_name = resolve_module(model)
     ops, output = lower_module(module, input_shape)
     graph = finish(name or default_name, ops.ops, output, bytes_per_element=4, trainable=trainable,
                    meta={"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
                          "input_shape": list(ops.ops[0].shape), "batch_size": ops.ops[0].shape[0]},
-                   field=FIELD)
+                   field=FIELD, weights=weights, tile_bytes=tile_bytes)
+    tiles = graph.meta.get("tiles") or {}
     kept = {n.name for n in graph.nodes if n.kind == "forward"}
     producers = {ops.origins[o.name]: o.name for o in ops.ops if o.name in ops.origins}
     placeholder = next(n for n in _fx_nodes(ops) if n.op == "placeholder")
@@ -116,9 +150,47 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
         layer.buffers = {role: Parameter(buffer_names[id(t)], _array(t)) for role, t in _roles(n, modules).items()
                          if t is not None and id(t) in buffer_names}
         layer.trainable = o.name in trainable_nodes
+        if o.name in tiles:
+            layers.update(_tiled(layer, tiles[o.name], graph, trainable_nodes))
+            continue
         layers[o.name] = layer
     out_name = next(n.name for n in reversed(graph.nodes) if n.kind == "forward")
     return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name)
+
+
+def _tiled(layer: Layer, names: list[str], graph: TrainingGraph, trainable_nodes: set[str]) -> dict[str, Layer]:
+    """The tiles of ``layer`` as the graph slices it (their output sizes give each tile's share of
+    the output features), then the concat that takes ``layer``'s name and place."""
+    if layer.op not in ("conv2d", "linear") or layer.op == "conv2d" and layer.attrs["groups"] != 1:
+        raise PoetError(f"node {layer.name!r}: the firmware tiles only ungrouped convolutions and linear layers",
+                        field="--weight-tile")
+    axis = 1 if layer.op == "conv2d" else len(layer.shape) - 1
+    if (len(layer.shape) == 4) != (layer.op == "conv2d"):  # model/tiling.py slices (C, H, W) outputs by channel
+        raise PoetError(f"node {layer.name!r}: a linear layer with a 4-d output is sliced across its channels, not "
+                        "its features; the firmware cannot tile it", field="--weight-tile")
+    features = layer.shape[axis]
+    per_feature = layer.elements // features
+    sizes = {n.name: n.bytes for n in graph.nodes}
+    bpe = graph.meta.get("bytes_per_element", 4)
+    out: dict[str, Layer] = {}
+    bounds, lo = [], 0
+    for name in names:
+        hi = lo + sizes[name] // (bpe * per_feature)
+        shape = tuple(hi - lo if a == axis else d for a, d in enumerate(layer.shape))
+        attrs = dict(layer.attrs, features_out=hi - lo) if layer.op == "linear" else dict(layer.attrs)
+        params = {role: Parameter(p.torch_name, p.value[lo:hi].copy(), (lo, hi), tuple(p.value.shape))
+                  for role, p in layer.params.items()}
+        out[name] = Layer(name, layer.op, shape, list(layer.operands), list(layer.operand_shapes), attrs, params,
+                          trainable=name in trainable_nodes, origin=layer.origin,
+                          operand_views=list(layer.operand_views))
+        bounds.append((lo, hi))
+        lo = hi
+    if lo != features:
+        raise PoetError(f"internal: the tiles of {layer.name!r} cover {lo} of its {features} output features")
+    out[layer.name] = Layer(layer.name, "concat", layer.shape, list(names), [out[n].shape for n in names],
+                            {"axis": axis, "bounds": bounds}, origin=layer.origin,
+                            operand_views=[[] for _ in names])
+    return out
 
 
 def _fx_nodes(ops):

@@ -53,9 +53,11 @@ def _onnx():
 
 
 def import_onnx(path, *, input_shape=None, bytes_per_element: int = 4, trainable="all",
-                known_costs=frozenset(), name: str | None = None) -> TrainingGraph:
+                known_costs=frozenset(), name: str | None = None, weights: str = "resident",
+                optimizer: str = "none", tile_bytes: int | None = None) -> TrainingGraph:
     """The training graph of an ONNX model. ``input_shape`` (batch first) fixes the input's symbolic
     dimensions; without it the file's own shapes are used and must be complete."""
+    placement = weights  # the name is taken below, by the initializers
     onnx = _onnx()
     source = str(path)
     if not Path(source).is_file():
@@ -216,7 +218,8 @@ def import_onnx(path, *, input_shape=None, bytes_per_element: int = 4, trainable
     meta = {"source": source, "format": "onnx", "input_shape": list(ops.ops[0].shape),
             "batch_size": ops.ops[0].shape[0]}
     return finish(name or Path(source).stem, ops.ops, producer[outputs[0]], bytes_per_element=bytes_per_element,
-                  trainable=trainable, meta=meta, field=FIELD)
+                  trainable=trainable, meta=meta, field=FIELD, weights=placement, optimizer=optimizer,
+                  tile_bytes=tile_bytes)
 
 
 def _label(node) -> str:

@@ -82,7 +82,8 @@ class OpList:
 
 
 def finish(name: str, ops: list[ForwardOp], output: int, *, bytes_per_element: int, trainable, meta: dict,
-           field: str) -> TrainingGraph:
+           field: str, weights: str = "resident", optimizer: str = "none", tile_bytes: int | None = None) \
+        -> TrainingGraph:
     """Drop what does not lead to the output (shape bookkeeping, unused branches), put the output
     last, and derive loss and backward graph with the zoo's rules."""
     if output == 0:
@@ -100,7 +101,8 @@ def finish(name: str, ops: list[ForwardOp], output: int, *, bytes_per_element: i
     if not isinstance(bytes_per_element, int) or isinstance(bytes_per_element, bool) or bytes_per_element < 1:
         raise PoetError(f"must be a positive whole number, got {bytes_per_element!r}", field="--bytes-per-element")
     meta = {**meta, "bytes_per_element": bytes_per_element, "forward_layers": len(kept) - 1}
-    graph = training_graph(name, kept, 1, bytes_per_element, trainable, meta)
+    graph = training_graph(name, kept, 1, bytes_per_element, trainable, meta, weights=weights, optimizer=optimizer,
+                           tile_bytes=tile_bytes)
     # the shapes hold the batch, so the zoo's rule was told batch 1; the loss keeps one value per
     # sample, as the zoo sizes it
     batch = kept[0].shape[0] if kept[0].shape else 1

@@ -97,7 +97,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def import_torch(model, input_shape, *, bytes_per_element: int = 4, trainable="all",
-                 known_costs=frozenset(), name: str | None = None) -> TrainingGraph:
+                 known_costs=frozenset(), name: str | None = None, weights: str = "resident",
+                 optimizer: str = "none", tile_bytes: int | None = None) -> TrainingGraph:
     """The training graph of a ``torch.nn.Module`` (or of ``FILE.py:FACTORY`` / ``module:FACTORY``,
     or of a factory), for an input of ``input_shape`` (the whole tensor, batch first: ``1,3,32,32``).
 
@@ -111,7 +112,8 @@ def import_torch(model, input_shape, *, bytes_per_element: int = 4, trainable="a
     meta = {"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
             "input_shape": list(shape), "batch_size": shape[0]}
     return finish(name or default_name, ops.ops, output, bytes_per_element=bytes_per_element,
-                  trainable=trainable, meta=meta, field=FIELD)
+                  trainable=trainable, meta=meta, field=FIELD, weights=weights, optimizer=optimizer,
+                  tile_bytes=tile_bytes)
 
 
 def resolve_module(model):

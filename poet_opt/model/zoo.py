@@ -293,7 +293,8 @@ MODELS: dict[str, str] = {name: spec[0] for name, spec in _ZOO.items()}
 
 
 def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_element: int = 4,
-                trainable="all") -> TrainingGraph:
+                trainable="all", weights: str = "resident", optimizer: str = "none",
+                tile_bytes: int | None = None) -> TrainingGraph:
     """The training graph of a zoo model. ``input_shape`` is (C, H, W) for CNNs, (features,) for the
     MLP, (seq_len,) for transformers; it may also be a string such as ``"3x64x64"`` or ``"256"``.
     ``trainable`` is ``"all"``, ``"last:N"`` (the last N operators that have parameters) or node
@@ -312,7 +313,8 @@ def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_e
     declare(net)
     meta = {"model": key, "description": description, "batch_size": batch_size, "input_shape": list(shape),
             "bytes_per_element": bytes_per_element, "forward_layers": len(net.ops) - 1}
-    return _training_graph(key, net.ops, batch_size, bytes_per_element, trainable, meta)
+    return _training_graph(key, net.ops, batch_size, bytes_per_element, trainable, meta, weights=weights,
+                           optimizer=optimizer, tile_bytes=tile_bytes)
 
 
 def _model_key(name) -> str:
@@ -391,10 +393,31 @@ def _resolve_trainable(ops: Sequence[_Op], spec) -> set[int]:
     return chosen
 
 
-def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainable, meta: dict) -> TrainingGraph:
+WEIGHTS = ("resident", "streamed")
+
+
+def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainable, meta: dict, *,
+                    weights: str = "resident", optimizer: str = "none", tile_bytes: int | None = None) -> TrainingGraph:
     """Forward nodes, a loss on the last op, then one ``grad:f`` node per forward op f whose output
-    gradient some trainable weight needs, in reverse forward order."""
+    gradient some trainable weight needs, in reverse forward order.
+
+    ``weights="streamed"`` (docs/streaming.md) puts the weights in the plan: a ``param:f`` node, read
+    from storage, feeds f and every gradient node that back-propagates through f; each trained
+    layer's weight gradient is folded straight into its weights by the optimizer (``optimizer``,
+    SGD when "none"), inside the last node that reads the old weights, which then writes them back.
+    No weight gradient is ever held whole. ``tile_bytes`` (streamed only): a layer with more weights
+    than that is split into slices of its output features (model/tiling.py), and a gradient that
+    several weighted layers feed is summed one layer at a time (``grad:x@i`` partial sums), so no
+    node needs more than one slice of weights."""
+    if weights not in WEIGHTS:
+        raise PoetError(f"unknown weights placement {weights!r}; choose {' or '.join(WEIGHTS)}", field="--weights")
+    streamed = weights == "streamed"
     train = _resolve_trainable(ops, trainable)
+    tiles: dict[str, list[str]] = {}
+    if streamed and tile_bytes is not None:
+        from poet_opt.model.tiling import tile_weights
+
+        ops, train, tiles = tile_weights(ops, train, bpe, tile_bytes)
     needs_grad = []
     for i, o in enumerate(ops):  # inputs come first, so one pass settles "f or an ancestor trains"
         needs_grad.append(i in train or any(needs_grad[j] for j in o.inputs))
@@ -408,34 +431,160 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
     def size(i: int) -> int:
         return ops[i].elements * bpe * batch
 
-    nodes = [Node(i, o.name, "forward", size(i), o.inputs, o.flops * batch, o.op, o.params * bpe, i in train)
-             for i, o in enumerate(ops)]
-    loss = len(nodes)
+    next_id = len(ops) + 1
+
+    def new_id() -> int:
+        nonlocal next_id
+        next_id += 1
+        return next_id - 1
+
+    nodes: list[Node] = []
+    param: dict[int, int] = {}  # forward op -> its param node
+    for i, o in enumerate(ops):
+        deps = o.inputs
+        if streamed and o.params:
+            param[i] = new_id()
+            nodes.append(Node(param[i], f"param:{o.name}", "forward", o.params * bpe, (), 0.0, "param", 0, i in train))
+            deps = (*deps, param[i])
+        nodes.append(Node(i, o.name, "forward", size(i), deps, o.flops * batch, o.op,
+                          0 if streamed else o.params * bpe, i in train))
+    loss = len(ops)
     nodes.append(Node(loss, "loss", "loss", bpe * batch, (logits,), 5.0 * ops[logits].elements * batch, "loss"))
+
+    update = _Updates(ops, train, needs_grad, param, bpe, batch, optimizer) if streamed else None
+    def through(u: int, f: int) -> set[int]:
+        """What the data gradient back through u into f reads besides grad:u."""
+        deps = {param[u]} if u in param else set()  # u's weights
+        for rule in ops[u].saves.split("+"):  # e.g. "in+out": fused attention keeps both
+            deps |= {"in": set(ops[u].inputs), "out": {u}, "other": set(ops[u].inputs) - {f}}.get(rule, set())
+        return deps
+
     grad: dict[int, int] = {}
     for f in reversed(range(len(ops))):
         if not needs_grad[f]:
             continue
-        deps: set[int] = set()
+        # Streamed weights: with several weighted users, all but the last are summed into partial
+        # gradients one user at a time, so their weights pass through RAM one slice after another.
+        chain = [u for u in users[f] if u in param][:-1] if streamed else []
+        partial = None
+        for step, u in enumerate(chain):
+            fused = update.fused_into(f, grad, [u])
+            nodes += fused.state_nodes(new_id)
+            deps = {grad[u]} | through(u, f) | fused.deps | ({partial} if partial is not None else set())
+            partial = new_id()
+            nodes.append(Node(partial, f"grad:{ops[f].name}@{step}", "backward", size(f), tuple(sorted(deps)),
+                              ops[u].flops * batch + fused.flops, f"{ops[f].op}_grad_part",
+                              updates=fused.updates, writes_bytes=fused.writes))
+        deps: set[int] = set() if partial is None else {partial}
         flops = 0.0
         if f == logits:  # the loss gradient reads the logits (softmax minus target)
             deps |= {loss, logits}
             flops += 2.0 * ops[logits].elements
-        for u in users[f]:  # dL/df = sum over users of the data gradient back through u
+        rest = [u for u in users[f] if u not in chain]
+        for u in rest:  # dL/df = sum over users of the data gradient back through u
             deps.add(grad[u])
             flops += ops[u].flops
-            for rule in ops[u].saves.split("+"):  # e.g. "in+out": fused attention keeps both
-                deps |= {"in": set(ops[u].inputs), "out": {u}, "other": set(ops[u].inputs) - {f}}.get(rule, set())
-        if f in train:  # the weight gradient, written outside the graph, reads f's inputs
+            deps |= through(u, f)
+        if f in train and not streamed:  # the weight gradient, written outside the graph, reads f's inputs
             deps |= set(ops[f].inputs)
             flops += ops[f].flops
-        grad[f] = len(nodes)
-        nodes.append(Node(grad[f], f"grad:{ops[f].name}", "backward", size(f), tuple(sorted(deps)), flops * batch,
-                          f"{ops[f].op}_grad"))
+        grad[f] = new_id()
+        if update is None:
+            nodes.append(Node(grad[f], f"grad:{ops[f].name}", "backward", size(f), tuple(sorted(deps)), flops * batch,
+                              f"{ops[f].op}_grad"))
+            continue
+        fused = update.fused_into(f, grad, rest)
+        nodes += fused.state_nodes(new_id)
+        deps |= fused.deps
+        nodes.append(Node(grad[f], f"grad:{ops[f].name}", "backward", size(f), tuple(sorted(deps)),
+                          flops * batch + fused.flops, f"{ops[f].op}_grad",
+                          updates=fused.updates, writes_bytes=fused.writes))
+        nodes += update.ready_nodes(grad, new_id)
     meta = {**meta, "trainable": trainable if isinstance(trainable, str) or trainable is None else list(trainable),
             "param_count": sum(o.params for o in ops),
             "trainable_param_count": sum(ops[i].params for i in train)}
+    if update is not None:
+        meta.update(weights="streamed", optimizer=update.optimizer, optimizer_state_bytes=update.state_bytes,
+                    tiles=tiles)
     return TrainingGraph.build(name, nodes, meta=meta)
+
+
+class _Fused:
+    """What folding some layers' updates into one node adds to it."""
+
+    def __init__(self):
+        self.deps: set[int] = set()
+        self.flops = 0.0
+        self.updates: tuple[int, ...] = ()
+        self.writes = 0
+        self._state: list[tuple[str, int, bool]] = []
+
+    def state_nodes(self, new_id) -> list[Node]:
+        out = []
+        for name, nbytes, _ in self._state:
+            sid = new_id()
+            out.append(Node(sid, f"state:{name}", "backward", nbytes, (), 0.0, "param"))
+            self.deps.add(sid)
+            self.updates += (sid,)
+        return out
+
+
+class _Updates:
+    """Where each trained layer's update runs when weights are streamed: inside the one gradient
+    node that back-propagates through the layer into its input (the last reader of the old
+    weights), or, when no node or several do, in an ``update:f`` node of its own after them."""
+
+    def __init__(self, ops, train, needs_grad, param, bpe, batch, optimizer):
+        from poet_opt.model.optimizer import FLOPS_PER_WEIGHT, OPTIMIZERS, STATE_COPIES
+
+        key = str(optimizer or "none").strip().lower()
+        if key not in OPTIMIZERS:
+            raise PoetError(f"unknown optimizer {optimizer!r}; choose {', '.join(OPTIMIZERS)}", field="--optimizer")
+        self.optimizer = "sgd" if key == "none" else key  # streamed weights are updated as they go
+        self.flops_per_weight, self.copies = FLOPS_PER_WEIGHT[self.optimizer], STATE_COPIES[self.optimizer]
+        self.ops, self.param, self.bpe, self.batch = ops, param, bpe, batch
+        self.host: dict[int, list[int]] = {}  # gradient of x -> layers whose update it runs
+        self.pending: list[tuple[int, set[int]]] = []  # layer -> gradients that must exist before its update
+        self.state_bytes = 0
+        for f in sorted(train):
+            readers = sorted({x for x in ops[f].inputs if needs_grad[x]})
+            if len(readers) == 1:
+                self.host.setdefault(readers[0], []).append(f)
+            else:
+                self.pending.append((f, {f, *readers}))
+            self.state_bytes += self.copies * ops[f].params * bpe
+
+    def _fold(self, fused: _Fused, f: int, grad: dict[int, int]) -> None:
+        o = self.ops[f]
+        fused.deps |= {*o.inputs, grad[f], self.param[f]}  # dW = f(dL/df, f's inputs); W -= ...
+        fused.flops += o.flops * self.batch + self.flops_per_weight * o.params
+        fused.updates += (self.param[f],)
+        fused.writes += o.params * self.bpe * (1 + self.copies)
+        if self.copies:
+            fused._state.append((o.name, self.copies * o.params * self.bpe, True))
+
+    def fused_into(self, x: int, grad: dict[int, int], through) -> _Fused:
+        """The updates of those layers in ``through`` whose data gradient into x is their last use."""
+        fused = _Fused()
+        for f in self.host.get(x, ()):
+            if f in through:
+                self._fold(fused, f, grad)
+        return fused
+
+    def ready_nodes(self, grad: dict[int, int], new_id) -> list[Node]:
+        """``update:f`` nodes whose gradients now all exist."""
+        out = []
+        for f, needed in list(self.pending):
+            if needed <= grad.keys():
+                self.pending.remove((f, needed))
+                fused = _Fused()
+                self._fold(fused, f, grad)
+                fused.deps |= {grad[x] for x in needed}
+                out += fused.state_nodes(new_id)
+                out.append(Node(new_id(), f"update:{self.ops[f].name}", "backward", 0, tuple(sorted(fused.deps)),
+                                fused.flops, f"{self.optimizer}_update", updates=fused.updates,
+                                writes_bytes=fused.writes))
+        return out
 
 
 # The importers (torch_import, onnx_import) describe a network as these forward operators and get

@@ -11,7 +11,8 @@ from poet_opt import __version__
 from poet_opt.device.costs import NodeCosts
 from poet_opt.device.profiles import DeviceProfile
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Budgets, Decisions, lifetime_steps, paged_region_bytes, wear_levelled
+from poet_opt.schedule.decisions import (Budgets, Decisions, lifetime_steps, paged_region_bytes, resident_at_peak,
+                                         stored_param_bytes, update_region_bytes, wear_levelled)
 
 FORMAT = "poet-opt/schedule@1"
 
@@ -50,7 +51,12 @@ class Schedule:
         total = params + grads + working
         reserve = self.profile.memory.stack_reserve_bytes
         device = self.profile.memory.ram_bytes
+        # streamed weights live on storage for good, beside the paged tensors
+        stored = stored_param_bytes(self.graph, self.profile.storage) + self.totals["storage_bytes"]
         return {
+            # resident: weights (and gradients) in RAM all step, outside the plan; streamed: in the plan
+            "weights": "streamed" if self.graph.streams_weights else "resident",
+            "streamed_param_bytes": self.graph.streamed_param_bytes,
             "param_bytes": params,
             "param_grad_bytes": grads,
             # part of param_bytes: Adam's moments, owned by the update nodes (--optimizer adam)
@@ -61,12 +67,15 @@ class Schedule:
             "device_ram_bytes": device,
             "fits_device": total + reserve <= device,
             "storage_capacity_bytes": self.profile.storage.capacity_bytes,
-            "fits_storage": self.totals["storage_bytes"] <= self.profile.storage.capacity_bytes,
+            "stored_bytes": stored,
+            "fits_storage": stored <= self.profile.storage.capacity_bytes,
+            "resident_at_peak": resident_at_peak(self.graph, self.steps),
         }
 
     def erased_bytes_per_step(self) -> int:
         """Each paged tensor's erase-block-aligned region is erased once per step."""
-        return int(paged_region_bytes(self.costs, self.decisions))
+        return int(paged_region_bytes(self.costs, self.decisions)
+                   + update_region_bytes(self.graph, self.profile.storage))
 
     def lifetime_steps(self) -> Optional[int]:
         """Training steps the storage survives under this plan (None: nothing is written)."""
@@ -86,7 +95,7 @@ class Schedule:
             nodes.append({
                 "id": n, "name": node.name, "kind": node.kind, "op": node.op, "bytes": node.bytes,
                 "deps": list(node.deps), "flops": node.flops, "param_bytes": node.param_bytes,
-                "trainable": node.trainable,
+                "trainable": node.trainable, "updates": list(node.updates), "writes_bytes": node.writes_bytes,
                 "compute_s": float(c.compute_s[n]), "compute_j": float(c.compute_j[n]),
                 "page_out_s": float(c.page_out_s[n]), "page_out_j": float(c.page_out_j[n]),
                 "page_in_s": float(c.page_in_s[n]), "page_in_j": float(c.page_in_j[n]),

@@ -64,23 +64,36 @@ def summary_text(s: Schedule) -> str:
     reserve = mem.get("stack_reserve_bytes") or 0
     reserve_text = f" + stack reserve {format_bytes(reserve)}" if reserve else ""
     need = mem["total_bytes"] + reserve
-    lines.append(f"  device   weights {format_bytes(mem['param_bytes'])}{state_text} + weight gradients "
-                 f"{format_bytes(mem['param_grad_bytes'])} + working peak{reserve_text} = {format_bytes(need)} "
-                 f"of the device's {format_bytes(mem['device_ram_bytes'])}: "
-                 + (f"fits, {format_bytes(mem['device_ram_bytes'] - need)} to spare" if mem["fits_device"]
-                    else f"DOES NOT FIT, {format_bytes(need - mem['device_ram_bytes'])} over; train fewer layers "
-                         "(--trainable) or give a smaller --ram"))
+    verdict = (f"fits, {format_bytes(mem['device_ram_bytes'] - need)} to spare" if mem["fits_device"]
+               else f"DOES NOT FIT, {format_bytes(need - mem['device_ram_bytes'])} over; train fewer layers "
+                    "(--trainable) or give a smaller --ram")
+    if mem.get("weights") == "streamed":
+        held = mem["resident_at_peak"]
+        lines.append(f"  device   working peak (weights {format_bytes(held['weights'])}, optimizer state "
+                     f"{format_bytes(held['optimizer_state'])}, activations {format_bytes(held['activations'])}, "
+                     f"gradients {format_bytes(held['gradients'])} at the peak){reserve_text} = {format_bytes(need)} "
+                     f"of the device's {format_bytes(mem['device_ram_bytes'])}: {verdict}")
+        lines.append(f"  weights  streamed: {format_bytes(mem['streamed_param_bytes'])} of weights and optimizer state "
+                     f"on {s.profile.storage.kind}, updated in place ({s.graph.meta.get('optimizer', 'sgd')}); per step "
+                     f"{format_bytes(t['storage_read_bytes'])} read, {format_bytes(t['storage_written_bytes'])} written")
+    else:
+        lines.append(f"  device   weights {format_bytes(mem['param_bytes'])}{state_text} + weight gradients "
+                     f"{format_bytes(mem['param_grad_bytes'])} + working peak{reserve_text} = {format_bytes(need)} "
+                     f"of the device's {format_bytes(mem['device_ram_bytes'])}: {verdict}")
     lifetime = s.lifetime_steps()
     if lifetime is not None or s.budgets.min_lifetime_steps is not None:
         want = s.budgets.min_lifetime_steps
         levelled = "with" if wear_levelled(s.profile.storage) else "without"
-        lines.append(f"  wear     {format_bytes(s.erased_bytes_per_step())} erased per step: the "
+        lines.append(f"  wear     {format_bytes(s.erased_bytes_per_step())} erased per step (each written region in "
+                     f"whole {format_bytes(s.profile.storage.erase_block_bytes)} erase blocks"
+                     + (", a worst case where a controller packs small writes" if wear_levelled(s.profile.storage)
+                        else "") + "): the "
                      f"{s.profile.storage.kind} lasts "
                      + ("forever (nothing written)" if lifetime is None else f"{lifetime:,} training steps")
                      + f" ({levelled} wear levelling, {s.profile.storage.endurance_cycles:,} cycles)"
                      + (f", at least {want:,} asked" if want else ""))
     if not mem.get("fits_storage", True):
-        lines.append(f"  storage  DOES NOT FIT: {format_bytes(t['storage_bytes'])} paged, the device has "
+        lines.append(f"  storage  DOES NOT FIT: {format_bytes(mem['stored_bytes'])} stored, the device has "
                      f"{format_bytes(mem['storage_capacity_bytes'])}")
     rec, paged = s.recomputed_nodes(), s.paged_nodes()
     lines.append(f"  remat    {_count(t['recomputes'], 'recomputation')} of {_count(len(rec), 'node')}"

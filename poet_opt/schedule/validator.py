@@ -25,6 +25,8 @@ TOTAL_KEYS = {
     "peak_ram_bytes": True, "storage_bytes": True, "computes": True, "recomputes": True,
     "page_ins": True, "page_outs": True,
 }
+# Storage traffic, in files since weights can be streamed (older files lack them: not checked then).
+TRAFFIC_KEYS = ("storage_read_bytes", "storage_written_bytes")
 MEMORY_KEYS = ("param_bytes", "param_grad_bytes", "working_peak_bytes", "total_bytes")
 REL_TOL, ABS_TOL = 1e-6, 1e-12
 # Sane limits, so that every sum over the steps stays finite (docs/schedule-format.md): sizes and
@@ -95,6 +97,7 @@ def _read_plan(doc, source) -> dict:
     if not isinstance(nodes, list) or not nodes:
         raise PoetError("graph.nodes must be a non-empty list of nodes", source=source)
     names, size, deps, cost = [], [], [], {k: [] for k in COST_KEYS}
+    reads, writes, updates = [], [], []
     for i, node in enumerate(nodes):
         where = f"graph.nodes[{i}]"
         if not isinstance(node, dict):
@@ -119,6 +122,15 @@ def _read_plan(doc, source) -> dict:
                 raise PoetError(f"{where} depends on node {d}; the graph is not in topological order "
                                 f"(every dep must be smaller than the node's id)", source=source)
         deps.append(tuple(node_deps))
+        # read from storage when computed: a training sample, or streamed weights (op "param")
+        reads.append(node.get("op") in ("input", "param"))
+        writes.append(_number(node.get("writes_bytes", 0), f"{where}: writes_bytes", source, integer=True))
+        node_updates = node.get("updates", [])
+        if not isinstance(node_updates, list) or any(isinstance(p, bool) or not isinstance(p, int)
+                                                     or p not in node_deps for p in node_updates):
+            raise PoetError(f"{where}: updates is {_shown(node_updates)}; expected ids among its deps "
+                            "(the weights it changes in place)", source=source)
+        updates.append(tuple(node_updates))
 
     budgets = _section(doc, "budgets", dict, source)
     for key in BUDGET_KEYS:
@@ -140,7 +152,8 @@ def _read_plan(doc, source) -> dict:
             raise PoetError(f"step {k} ({op}) refers to node {_shown(n)}, but the graph has nodes 0..{len(nodes) - 1}",
                             source=source)
         steps.append((op, n))
-    return {"names": names, "size": size, "deps": deps, "cost": cost, "limits": limits, "steps": steps}
+    return {"names": names, "size": size, "deps": deps, "cost": cost, "limits": limits, "steps": steps,
+            "reads": reads, "writes": writes, "updates": updates}
 
 
 def _read_reported(doc: dict, source) -> tuple[dict, dict | None]:
@@ -171,6 +184,8 @@ def _replay(plan: dict, source) -> dict:
     spent = {k: [] for k in COST_KEYS}  # per-step amounts, summed with fsum at the end
     counts = dict.fromkeys(OPS, 0)
     computed = [False] * len(names)
+    updated_by: dict[int, int] = {}  # weights changed in place -> the node that changed them
+    read_bytes = written_bytes = 0
 
     for k, (op, n) in enumerate(plan["steps"]):
         def invalid(what: str):
@@ -182,7 +197,16 @@ def _replay(plan: dict, source) -> dict:
                     raise invalid(f"input {d} {_shown(names[d])} is not resident")
             if n in resident:
                 raise invalid("the node is already resident; free it before computing it again")
+            for p in (n, *deps[n]):
+                if p in updated_by:  # the updating node itself included: it read the old weights once
+                    u = updated_by[p]
+                    raise invalid(f"it reads the weights {p} {_shown(names[p])} after node {u} {_shown(names[u])} "
+                                  "updated them in place")
             computed[n] = True
+            for p in plan["updates"][n]:
+                updated_by[p] = n
+            read_bytes += size[n] if plan["reads"][n] else 0
+            written_bytes += plan["writes"][n]
         elif op == "page_in":
             if n not in stored:
                 raise invalid("the node is not on storage (it was never paged out)")
@@ -201,7 +225,11 @@ def _replay(plan: dict, source) -> dict:
         elif op == "free":
             resident.discard(n)
             ram -= size[n]
-        elif n not in stored:  # page_out: a tensor paged out again reuses its storage copy
+        if op == "page_in":
+            read_bytes += size[n]
+        elif op == "page_out":
+            written_bytes += size[n]
+        if op == "page_out" and n not in stored:  # page_out: a tensor paged out again reuses its storage copy
             stored.add(n)
             storage += size[n]
             if limits["storage_bytes"] is not None and storage > limits["storage_bytes"]:
@@ -230,6 +258,8 @@ def _replay(plan: dict, source) -> dict:
         "recomputes": counts["compute"] - len(names),
         "page_ins": counts["page_in"],
         "page_outs": counts["page_out"],
+        "storage_read_bytes": read_bytes,
+        "storage_written_bytes": written_bytes,
     }
 
 
@@ -258,6 +288,18 @@ def _check_wear(doc: dict, source: str | None) -> None:
                               "storage_capacity_bytes (positive integers) to be checked", source=source)
     nodes = doc["graph"]["nodes"]
     erased = sum(-(-int(nodes[s["node"]]["bytes"]) // block) * block for s in doc["steps"] if s["op"] == "page_out")
+    # an update rewrites the regions of the weights it changes, once each per step; a wear-levelling
+    # controller keeps a layer's slices (names up to "#") in one region, raw flash each in its own
+    # (_read_plan has checked the ids)
+    levelled = device.get("wear_levelling") is True
+    region: dict = {}
+    for n, node in enumerate(nodes):
+        if node.get("op") == "param":
+            key = str(node["name"]).split("#", 1)[0] if levelled else n
+            region[key] = region.get(key, 0) + int(node["bytes"])
+    rewritten = {str(nodes[p]["name"]).split("#", 1)[0] if levelled else p
+                 for s in doc["steps"] if s["op"] == "compute" for p in nodes[s["node"]].get("updates", ())}
+    erased += sum(-(-region[k] // block) * block for k in rewritten if k in region)
     if not erased:
         return
     lifetime = endurance * capacity // erased if device.get("wear_levelling") is True else endurance
@@ -277,6 +319,10 @@ def validate(doc: dict, *, source: str | None = None) -> dict:
             raise ScheduleInvalid(f"totals.{key} is {got:,} but the steps give {want:,}", source=source)
         if not integer and not math.isclose(got, want, rel_tol=REL_TOL, abs_tol=ABS_TOL):
             raise ScheduleInvalid(f"totals.{key} is {got:.12g} but the steps add up to {want:.12g}", source=source)
+    for key in TRAFFIC_KEYS:
+        got = doc["totals"].get(key)
+        if got is not None and _number(got, f"totals.{key}", source, integer=True) != totals[key]:
+            raise ScheduleInvalid(f"totals.{key} is {got:,} but the steps give {totals[key]:,}", source=source)
     if memory is not None:
         if memory["working_peak_bytes"] != totals["peak_ram_bytes"]:
             raise ScheduleInvalid(f"memory.working_peak_bytes is {_b(memory['working_peak_bytes'])} but the "

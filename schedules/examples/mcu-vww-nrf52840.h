@@ -39,7 +39,7 @@ typedef struct {
     uint8_t kind;           /* POET_COMPUTE, POET_PAGE_OUT, POET_PAGE_IN or POET_FREE */
     uint8_t node;           /* node id: index into POET_NODE_BYTES */
     uint32_t arena_offset;  /* where the node's tensor lives during this residency */
-    uint32_t flash_offset;  /* page_out / page_in: the node's flash region; else 0 */
+    uint32_t flash_offset;  /* page_out / page_in, compute of weights: the node's flash region; else 0 */
     uint32_t bytes;         /* size of the node's tensor */
     uint8_t first_operand;  /* compute: index of its first input in POET_OPERANDS */
     uint8_t num_operands;   /* compute: number of inputs (the node's deps, in order); else 0 */

@@ -59,6 +59,13 @@ void poet_zero(float *x, uint32_t n);
 void poet_copy(float *y, const float *x, uint32_t n);
 /* dst += src: flatten/reshape backward, and any gradient that passes through unchanged */
 void poet_accumulate(float *dst, const float *src, uint32_t n);
+/* `outer` blocks of `count` floats, block o at dst + o * dst_stride and src + o * src_stride:
+ * a tiled layer's concat (a slice into the whole output) and its slices' gradients (+=, out of
+ * the whole gradient). dst and src must not overlap. */
+void poet_copy_strided(float *dst, const float *src, uint32_t outer, uint32_t count, uint32_t dst_stride,
+                       uint32_t src_stride);
+void poet_accumulate_strided(float *dst, const float *src, uint32_t outer, uint32_t count, uint32_t dst_stride,
+                             uint32_t src_stride);
 
 /* ---- elementwise (poet_kernels_basic.c) ---- */
 
@@ -89,6 +96,11 @@ void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint
 /* gw += dy^T x, gb += column sums of dy (gb may be NULL) */
 void poet_linear_backward_params(float *gw, float *gb, const float *dy, const float *x, uint32_t rows,
                                  uint32_t in, uint32_t out);
+/* The same gradients folded straight into an SGD step, w -= lr * (dy^T x), b -= lr * (column sums of
+ * dy), one weight at a time: streamed weights are updated in place without a gradient buffer. Each
+ * weight sees exactly the sum poet_linear_backward_params forms and the rounding of poet_sgd_step. */
+void poet_linear_backward_params_sgd(float *w, float *b, const float *dy, const float *x, uint32_t rows,
+                                     uint32_t in, uint32_t out, float lr);
 
 /* c[batch][m][n] = a[batch][m][k] b[batch][k][n]; both operands carry the batch dimension */
 void poet_matmul_forward(float *c, const float *a, const float *b, uint32_t batch, uint32_t m, uint32_t k,
@@ -161,6 +173,10 @@ void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, cons
 /* gw += correlation of x with dy; gb += per-channel sums of dy (gb may be NULL) */
 void poet_conv2d_backward_params(float *gw, float *gb, const float *dy, const float *x,
                                  const poet_conv2d_shape *s);
+/* w -= lr * gw, b -= lr * gb with the gradients of poet_conv2d_backward_params, in place and without
+ * a gradient buffer (b may be NULL) */
+void poet_conv2d_backward_params_sgd(float *w, float *b, const float *dy, const float *x,
+                                     const poet_conv2d_shape *s, float lr);
 
 /* Geometry of nn.MaxPool2d / nn.AvgPool2d with ceil_mode=False and dilation 1. As in torch, the
  * padding is at most half the kernel, so every window holds at least one input element. */
@@ -210,6 +226,12 @@ void poet_batchnorm_backward(float *dx, float *dgamma, float *dbeta, const float
                              const float *mean, const float *invstd, const float *gamma,
                              const poet_batchnorm_shape *s);
 
+/* gamma -= lr * dgamma, beta -= lr * dbeta with poet_batchnorm_backward's parameter gradients, in
+ * place (either may be NULL) */
+void poet_batchnorm_backward_params_sgd(float *gamma, float *beta, const float *dy, const float *x,
+                                        const float *mean, const float *invstd, const poet_batchnorm_shape *s,
+                                        float lr);
+
 /* nn.LayerNorm(d) over the last d elements of x [rows][d]; mean[rows] and invstd[rows] saved as for
  * batch norm; gamma/beta [d] may be NULL (elementwise_affine=False) */
 void poet_layernorm_forward(float *y, float *mean, float *invstd, const float *x, const float *gamma,
@@ -217,6 +239,10 @@ void poet_layernorm_forward(float *y, float *mean, float *invstd, const float *x
 void poet_layernorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy, const float *x,
                              const float *mean, const float *invstd, const float *gamma, uint32_t rows,
                              uint32_t d);
+/* gamma -= lr * dgamma, beta -= lr * dbeta with poet_layernorm_backward's parameter gradients */
+void poet_layernorm_backward_params_sgd(float *gamma, float *beta, const float *dy, const float *x,
+                                        const float *mean, const float *invstd, uint32_t rows, uint32_t d,
+                                        float lr);
 
 #ifdef __cplusplus
 }

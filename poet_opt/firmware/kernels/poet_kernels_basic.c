@@ -24,6 +24,27 @@ void poet_accumulate(float *dst, const float *src, uint32_t n)
         dst[i] += src[i];
 }
 
+/* A tiled layer's slices live in slots of their own; these move one slice into or out of the
+ * whole tensor, whose feature axis it interleaves with the batch (and, for a convolution, with
+ * the spatial positions). */
+void poet_copy_strided(float *dst, const float *src, uint32_t outer, uint32_t count, uint32_t dst_stride,
+                       uint32_t src_stride)
+{
+    uint32_t o, i;
+    for (o = 0; o < outer; ++o)
+        for (i = 0; i < count; ++i)
+            dst[o * dst_stride + i] = src[o * src_stride + i];
+}
+
+void poet_accumulate_strided(float *dst, const float *src, uint32_t outer, uint32_t count, uint32_t dst_stride,
+                             uint32_t src_stride)
+{
+    uint32_t o, i;
+    for (o = 0; o < outer; ++o)
+        for (i = 0; i < count; ++i)
+            dst[o * dst_stride + i] += src[o * src_stride + i];
+}
+
 void poet_add_forward(float *y, const float *a, const float *b, uint32_t n)
 {
     uint32_t i;
@@ -147,6 +168,26 @@ void poet_linear_backward_params(float *gw, float *gb, const float *dy, const fl
             for (r = 0; r < rows; ++r)
                 acc += dy[r * out + o];
             gb[o] += acc;
+        }
+    }
+}
+
+void poet_linear_backward_params_sgd(float *w, float *b, const float *dy, const float *x, uint32_t rows,
+                                     uint32_t in, uint32_t out, float lr)
+{
+    uint32_t r, o, i;
+    for (o = 0; o < out; ++o) {
+        for (i = 0; i < in; ++i) {
+            float acc = 0.0f;
+            for (r = 0; r < rows; ++r)
+                acc += dy[r * out + o] * x[r * in + i];
+            w[o * in + i] -= lr * acc;
+        }
+        if (b) {
+            float acc = 0.0f;
+            for (r = 0; r < rows; ++r)
+                acc += dy[r * out + o];
+            b[o] -= lr * acc;
         }
     }
 }

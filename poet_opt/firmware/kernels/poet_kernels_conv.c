@@ -159,6 +159,48 @@ void poet_conv2d_backward_params(float *gw, float *gb, const float *dy, const fl
     }
 }
 
+void poet_conv2d_backward_params_sgd(float *w, float *b, const float *dy, const float *x,
+                                     const poet_conv2d_shape *s, float lr)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, taps = s->k_h * s->k_w;
+    uint32_t co, ci, kh, kw, n, oh, ow, oh0, oh1, ow0, ow1, i;
+
+    for (co = 0; co < s->c_out; ++co) {
+        const uint32_t x_channel = (co / cout_g) * cin_g;
+        for (ci = 0; ci < cin_g; ++ci)
+            for (kh = 0; kh < s->k_h; ++kh) {
+                out_range(kh, s->stride_h, s->pad_h, s->h_in, s->h_out, &oh0, &oh1);
+                for (kw = 0; kw < s->k_w; ++kw) {
+                    float acc = 0.0f;
+                    out_range(kw, s->stride_w, s->pad_w, s->w_in, s->w_out, &ow0, &ow1);
+                    for (n = 0; n < s->n; ++n) {
+                        const float *dyo = dy + (n * s->c_out + co) * out_plane;
+                        const float *xc = x + (n * s->c_in + x_channel + ci) * in_plane;
+                        for (oh = oh0; oh < oh1; ++oh) {
+                            const float *dyr = dyo + oh * s->w_out;
+                            const float *xr = xc + (oh * s->stride_h + kh - s->pad_h) * s->w_in;
+                            for (ow = ow0; ow < ow1; ++ow)
+                                acc += dyr[ow] * xr[ow * s->stride_w + kw - s->pad_w];
+                        }
+                    }
+                    w[(co * cin_g + ci) * taps + kh * s->k_w + kw] -= lr * acc;
+                }
+            }
+        if (b) {
+            float acc = 0.0f;
+            for (n = 0; n < s->n; ++n) {
+                const float *dyo = dy + (n * s->c_out + co) * out_plane;
+                float plane = 0.0f;
+                for (i = 0; i < out_plane; ++i)
+                    plane += dyo[i];
+                acc += plane;
+            }
+            b[co] -= lr * acc;
+        }
+    }
+}
+
 int poet_pool2d_shape_ok(const poet_pool2d_shape *s)
 {
     return s->n >= 1 && s->c >= 1 && 2 * s->pad_h <= s->k_h && 2 * s->pad_w <= s->k_w &&

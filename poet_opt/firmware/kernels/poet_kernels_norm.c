@@ -105,6 +105,32 @@ void poet_batchnorm_backward(float *dx, float *dgamma, float *dbeta, const float
     }
 }
 
+void poet_batchnorm_backward_params_sgd(float *gamma, float *beta, const float *dy, const float *x,
+                                        const float *mean, const float *invstd, const poet_batchnorm_shape *s,
+                                        float lr)
+{
+    uint32_t c, n, i;
+    for (c = 0; c < s->c; ++c) {
+        const float mu = mean[c], inv = invstd[c];
+        float sum_dy = 0.0f, sum_dy_xhat = 0.0f;
+        for (n = 0; n < s->n; ++n) {
+            const float *xc = x + (n * s->c + c) * s->spatial;
+            const float *dyc = dy + (n * s->c + c) * s->spatial;
+            float plane_dy = 0.0f, plane_dy_xhat = 0.0f;
+            for (i = 0; i < s->spatial; ++i) {
+                plane_dy += dyc[i];
+                plane_dy_xhat += dyc[i] * ((xc[i] - mu) * inv);
+            }
+            sum_dy += plane_dy;
+            sum_dy_xhat += plane_dy_xhat;
+        }
+        if (gamma)
+            gamma[c] -= lr * sum_dy_xhat;
+        if (beta)
+            beta[c] -= lr * sum_dy;
+    }
+}
+
 void poet_layernorm_forward(float *y, float *mean, float *invstd, const float *x, const float *gamma,
                             const float *beta, uint32_t rows, uint32_t d, float eps)
 {
@@ -171,4 +197,23 @@ void poet_layernorm_backward(float *dx, float *dgamma, float *dbeta, const float
             if (dbeta)
                 dbeta[j] += sum_dy;
         }
+}
+
+void poet_layernorm_backward_params_sgd(float *gamma, float *beta, const float *dy, const float *x,
+                                        const float *mean, const float *invstd, uint32_t rows, uint32_t d,
+                                        float lr)
+{
+    uint32_t r, j;
+    for (j = 0; j < d; ++j) {
+        float sum_dy = 0.0f, sum_dy_xhat = 0.0f;
+        for (r = 0; r < rows; ++r) {
+            const float dyj = dy[r * d + j];
+            sum_dy += dyj;
+            sum_dy_xhat += dyj * ((x[r * d + j] - mean[r]) * invstd[r]);
+        }
+        if (gamma)
+            gamma[j] -= lr * sum_dy_xhat;
+        if (beta)
+            beta[j] -= lr * sum_dy;
+    }
 }
