@@ -120,13 +120,14 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
 
     device = {} if profile is None else {"device_ram_bytes": profile.memory.ram_bytes,
                                          "stack_reserve_bytes": profile.memory.stack_reserve_bytes}
+    budgets = None if ram is None else [parse_size(r, field="--ram") for r in ram]
     if weight_tile is not None:
         tile = parse_size(weight_tile, field="--weight-tile")
         if tile < 1:
             raise PoetError("must be at least 1 B", field="--weight-tile")
     else:
-        tile = None if ram is None else max(1, min(parse_size(r, field="--ram") for r in ram) // 4)
-    largest = None if ram is None else max(parse_size(r, field="--ram") for r in ram)
+        tile = None if budgets is None else max(1, min(budgets) // 4)
+    largest = None if budgets is None else max(budgets)
     return load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                bytes_per_element=bytes_per_element, input_shape=input_shape, trainable=trainable,
                                costs=costs, optimizer=optimizer, weights=weights, tile_bytes=tile, ram_bytes=largest,
@@ -255,7 +256,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
 @click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
 @click.option("--input-shape", default=None, help="--torch: the whole input, batch first, e.g. 2,3,32,32")
 @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
-@click.option("--ram", required=True, help="RAM budget for activations and gradients, as for `poet-opt solve`")
+@click.option("--ram", required=True, help="RAM budget, as for `poet-opt solve`")
 @click.option("--steps", type=int, required=True, help="training steps to run on the emulated board")
 @click.option("--lr", type=float, required=True, help="SGD learning rate")
 @click.option("--data", required=True, type=click.Path(dir_okay=False),

@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("unicorn")
 pytest.importorskip("ziglang")
 
-from test_firmware_training import STEPS, LR, check_against_torch  # noqa: E402
+from test_firmware_training import LR, STEPS, check_against_torch  # noqa: E402
+from test_firmware_training import _batch as _labelled_batch  # noqa: E402
 
 from poet_opt.errors import PoetError  # noqa: E402
 from poet_opt.examples.torch_models import streamed_cnn, wide_mlp  # noqa: E402
@@ -27,10 +28,7 @@ SD_BLOCK = 512  # the nRF52840 profile's SD card writes whole blocks
 
 
 def _batch(tmp_path_factory, name, shape, classes):
-    rng = np.random.default_rng(1)
-    path = tmp_path_factory.mktemp("data") / f"{name}.npz"
-    np.savez(path, x=rng.standard_normal(shape).astype(np.float32), y=np.arange(shape[0]) % classes)
-    return path
+    return _labelled_batch(tmp_path_factory, name, shape, np.arange(shape[0]) % classes)
 
 
 @pytest.fixture(scope="module")

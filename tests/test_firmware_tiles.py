@@ -16,6 +16,7 @@ pytest.importorskip("unicorn")
 pytest.importorskip("ziglang")
 
 from test_cli import cli  # noqa: E402
+from test_firmware_streaming import MLP, SD_BLOCK, _batch, _params  # noqa: E402
 from test_firmware_training import LR, STEPS, check_against_torch  # noqa: E402
 
 from poet_opt.errors import PoetError  # noqa: E402
@@ -24,20 +25,7 @@ from poet_opt.firmware import codegen  # noqa: E402
 from poet_opt.firmware.trainer import emulate_training  # noqa: E402
 from poet_opt.units import parse_size  # noqa: E402
 
-MLP = "poet_opt.examples.torch_models:wide_mlp"
 CNN = "poet_opt.examples.torch_models:tiled_cnn"
-SD_BLOCK = 512  # the nRF52840 profile's SD card writes whole blocks
-
-
-def _batch(tmp_path_factory, name, shape, classes):
-    rng = np.random.default_rng(1)
-    path = tmp_path_factory.mktemp("data") / f"{name}.npz"
-    np.savez(path, x=rng.standard_normal(shape).astype(np.float32), y=np.arange(shape[0]) % classes)
-    return path
-
-
-def _params(result) -> dict[str, dict]:
-    return {n["name"]: n for n in result.schedule.to_dict()["graph"]["nodes"] if n["op"] == "param"}
 
 
 def _report(result) -> None:

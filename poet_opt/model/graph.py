@@ -119,10 +119,10 @@ class TrainingGraph:
 
     def min_working_set_bytes(self) -> int:
         """No schedule can go below this: some node and all its inputs must be resident at once."""
-        return max(n.bytes + sum(self.nodes[d].bytes for d in set(n.deps)) for n in self.nodes)
+        return self.largest_working_set()[0]
 
     def largest_working_set(self) -> tuple[int, "Node"]:
-        """min_working_set_bytes and the node that sets it, for messages."""
+        """min_working_set_bytes and the (first) node that sets it, for messages."""
         return max(((n.bytes + sum(self.nodes[d].bytes for d in set(n.deps)), n) for n in self.nodes),
                    key=lambda pair: pair[0])
 

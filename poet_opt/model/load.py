@@ -27,6 +27,17 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     streaming brings them within it (else resident, with what streaming would need in
     ``meta["streamed_working_set"]`` for the message). ``tile_bytes``: with streamed weights, split
     layers with more weights than that into slices (model/tiling.py). Returns (graph, display name)."""
+    given = [(flag, value) for flag, value in (("--model", model), ("--graph", graph_file), ("--torch", torch),
+                                                ("--onnx", onnx)) if value]
+    if len(given) != 1:
+        raise PoetError("give exactly one of --model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE",
+                        field="/".join(flag for flag, _ in given) if given else "--model")
+    flag, _ = given[0]
+    table = None
+    if costs is not None:  # read once: --weights auto may build the graph twice
+        from poet_opt.model.measured_costs import MeasuredCosts, load_costs
+
+        table = costs = costs if isinstance(costs, MeasuredCosts) else load_costs(costs)
     if weights == "auto":
         graph, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
@@ -46,21 +57,10 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
             return streamed, name
         graph.meta["streamed_working_set"] = {"bytes": working, "node": node.name}
         return graph, name
-    given = [(flag, value) for flag, value in (("--model", model), ("--graph", graph_file), ("--torch", torch),
-                                                ("--onnx", onnx)) if value]
-    if len(given) != 1:
-        raise PoetError("give exactly one of --model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE",
-                        field="/".join(flag for flag, _ in given) if given else "--model")
-    flag, _ = given[0]
     if weights not in ("resident", "streamed"):
         raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
     streaming = ({"weights": weights, "optimizer": optimizer or "none", "tile_bytes": tile_bytes}
                  if weights == "streamed" else {})
-    table = None
-    if costs is not None:
-        from poet_opt.model.measured_costs import MeasuredCosts, load_costs
-
-        table = costs if isinstance(costs, MeasuredCosts) else load_costs(costs)
     known = table.names() if table else frozenset()
     partial = trainable is not None and not (isinstance(trainable, str) and trainable.strip().lower() == "all")
     if flag in ("--torch", "--onnx") and batch_size != 1:

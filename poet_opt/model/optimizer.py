@@ -20,12 +20,18 @@ FLOPS_PER_WEIGHT = {"sgd": 2.0, "adam": 11.0}
 STATE_COPIES = {"sgd": 0, "adam": 2}  # plain SGD keeps no state; Adam keeps exp_avg and exp_avg_sq
 
 
-def with_optimizer(graph: TrainingGraph, optimizer: str = "none", *, bytes_per_element: int | None = None) \
-        -> TrainingGraph:
-    """The graph with an update node after each trained layer's gradient (``none``: unchanged)."""
+def optimizer_key(optimizer) -> str:
+    """--optimizer as one of OPTIMIZERS, or a one-line error."""
     key = str(optimizer).strip().lower()
     if key not in OPTIMIZERS:
         raise PoetError(f"unknown optimizer {optimizer!r}; choose {', '.join(OPTIMIZERS)}", field="--optimizer")
+    return key
+
+
+def with_optimizer(graph: TrainingGraph, optimizer: str = "none", *, bytes_per_element: int | None = None) \
+        -> TrainingGraph:
+    """The graph with an update node after each trained layer's gradient (``none``: unchanged)."""
+    key = optimizer_key(optimizer)
     if key == "none":
         return graph
     bpe = bytes_per_element or graph.meta.get("bytes_per_element") or 4

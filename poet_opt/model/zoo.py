@@ -535,11 +535,9 @@ class _Updates:
     weights), or, when no node or several do, in an ``update:f`` node of its own after them."""
 
     def __init__(self, ops, train, needs_grad, param, bpe, batch, optimizer):
-        from poet_opt.model.optimizer import FLOPS_PER_WEIGHT, OPTIMIZERS, STATE_COPIES
+        from poet_opt.model.optimizer import FLOPS_PER_WEIGHT, STATE_COPIES, optimizer_key
 
-        key = str(optimizer or "none").strip().lower()
-        if key not in OPTIMIZERS:
-            raise PoetError(f"unknown optimizer {optimizer!r}; choose {', '.join(OPTIMIZERS)}", field="--optimizer")
+        key = optimizer_key(optimizer or "none")
         self.optimizer = "sgd" if key == "none" else key  # streamed weights are updated as they go
         self.flops_per_weight, self.copies = FLOPS_PER_WEIGHT[self.optimizer], STATE_COPIES[self.optimizer]
         self.ops, self.param, self.bpe, self.batch = ops, param, bpe, batch

@@ -15,6 +15,7 @@ from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
+from poet_opt.model.tiling import TILE_MARK
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def param_region_key(name: str, levelled: bool, node_id: int):
     erase-block-aligned region: slices of one layer are written back at different moments, and
     erasing a block two slices shared would wipe the one not yet written. A wear-levelling
     controller writes sectors wherever it likes, so one layer's slices share one region."""
-    return name.split("#", 1)[0] if levelled else node_id
+    return name.split(TILE_MARK, 1)[0] if levelled else node_id
 
 
 def _param_regions(graph: TrainingGraph, storage) -> tuple[dict, dict]:
@@ -105,19 +106,23 @@ def stored_param_bytes(graph: TrainingGraph, storage) -> int:
 
 def resident_at_peak(graph: TrainingGraph, steps: list[dict]) -> dict:
     """What RAM holds at the first moment of the replayed peak, by kind, in bytes."""
-    live: set[int] = set()
+    # two linear passes (find the step, then replay up to it): copying the live set at every new
+    # peak would be quadratic in the forward pass, where the peak rises step after step
     ram = peak = 0
-    at_peak: set[int] = set()
-    for step in steps:
-        op, n = step["op"], step["node"]
-        if op in ("compute", "page_in"):
-            live.add(n)
-            ram += graph.nodes[n].bytes
+    peak_step = -1
+    for k, step in enumerate(steps):
+        if step["op"] in ("compute", "page_in"):
+            ram += graph.nodes[step["node"]].bytes
             if ram > peak:
-                peak, at_peak = ram, set(live)
-        elif op == "free":
-            live.discard(n)
-            ram -= graph.nodes[n].bytes
+                peak, peak_step = ram, k
+        elif step["op"] == "free":
+            ram -= graph.nodes[step["node"]].bytes
+    at_peak: set[int] = set()
+    for step in steps[:peak_step + 1]:
+        if step["op"] in ("compute", "page_in"):
+            at_peak.add(step["node"])
+        elif step["op"] == "free":
+            at_peak.discard(step["node"])
     kinds = {"activations": 0, "gradients": 0, "weights": 0, "optimizer_state": 0}
     for n in at_peak:
         node = graph.nodes[n]

@@ -600,8 +600,7 @@ def _without_unread_page_outs(decisions):
 def _raise_below_working_set(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str) -> None:
     """A budget below the largest working set of one step fails in every order, and the graph alone
     says by how much: answered at once, without a solver."""
-    need = graph.min_working_set_bytes()
-    node = max(graph.nodes, key=lambda n: n.bytes + sum(graph.nodes[d].bytes for d in set(n.deps)))
+    need, node = graph.largest_working_set()
     head = (f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM: computing {node.name} holds its inputs and "
             f"its output, {format_bytes(need)} ({need} B), at once, in any order")
     # Paging everything out and back in one input at a time needs no more than that working set, so

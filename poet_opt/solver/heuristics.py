@@ -126,21 +126,26 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         small = len(graph) <= REPLAYING_GREEDY_MAX_NODES and not late()
         if mode in ("joint", "paging") and small:
             found.append(greedy_paging(graph, costs, budgets, deadline))
-        if mode in ("joint", "remat") and not interrupted():
-            if small and not late():
-                found.append(greedy_checkpointing(graph, costs, budgets, deadline))
+        remat = mode in ("joint", "remat") and not interrupted()
+        if remat and small and not late():
+            found.append(greedy_checkpointing(graph, costs, budgets, deadline))
+        # the greedy pagers do not count storage: a plan over the storage budget (a wear budget
+        # makes it small) is no start at all; nor is one that runs on weights after their update
+        found = [d for d in found if _admissible(graph, costs, budgets, d)]
+        if remat:
             # the baselines take one replay each, and the solver must never end above one that fits
             # (tests/test_baselines.py): kept past the deadline
-            usable = [d for d in found if d is not None and fits_storage(costs, budgets, d)
-                      and not recomputes_after_update(graph, d) and plan_runtime_s(costs, d) <= budgets.runtime_s]
-            found += _fitting_baselines(graph, costs, budgets,
-                                        beat=min((plan_energy_j(graph, costs, d) for d in usable), default=None))
-        # the greedy pagers do not count storage: a plan over the storage budget (a wear budget
-        # makes it small) is no start at all
-        found = [d for d in found if d is not None and fits_storage(costs, budgets, d)
-                 and not recomputes_after_update(graph, d)]
+            usable = [d for d in found if plan_runtime_s(costs, d) <= budgets.runtime_s]
+            beat = min((plan_energy_j(graph, costs, d) for d in usable), default=None)
+            found += [d for d in _fitting_baselines(graph, costs, budgets, beat=beat)
+                      if _admissible(graph, costs, budgets, d)]
 
     return sorted(found, key=lambda d: plan_energy_j(graph, costs, d))
+
+
+def _admissible(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, decisions: Decisions | None) -> bool:
+    return (decisions is not None and fits_storage(costs, budgets, decisions)
+            and not recomputes_after_update(graph, decisions))
 
 
 def plan_energy_j(graph: TrainingGraph, costs: NodeCosts, decisions: Decisions) -> float:

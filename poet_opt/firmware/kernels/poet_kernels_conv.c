@@ -116,88 +116,78 @@ void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, cons
         }
 }
 
+/* The gradient of weight (co, ci, kh, kw): dy of channel co against the input taps it read, over
+ * the batch. One function for the gradient and the fused SGD kernels, so the two stay
+ * bit-identical. */
+static float conv2d_weight_grad(const float *dy, const float *x, const poet_conv2d_shape *s, uint32_t co,
+                                uint32_t ci, uint32_t kh, uint32_t kw)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out;
+    const uint32_t x_channel = (co / cout_g) * cin_g;
+    uint32_t n, oh, ow, oh0, oh1, ow0, ow1;
+    float acc = 0.0f;
+    out_range(kh, s->stride_h, s->pad_h, s->h_in, s->h_out, &oh0, &oh1);
+    out_range(kw, s->stride_w, s->pad_w, s->w_in, s->w_out, &ow0, &ow1);
+    for (n = 0; n < s->n; ++n) {
+        const float *dyo = dy + (n * s->c_out + co) * out_plane;
+        const float *xc = x + (n * s->c_in + x_channel + ci) * in_plane;
+        for (oh = oh0; oh < oh1; ++oh) {
+            const float *dyr = dyo + oh * s->w_out;
+            const float *xr = xc + (oh * s->stride_h + kh - s->pad_h) * s->w_in;
+            for (ow = ow0; ow < ow1; ++ow)
+                acc += dyr[ow] * xr[ow * s->stride_w + kw - s->pad_w];
+        }
+    }
+    return acc;
+}
+
+/* The gradient of bias co: the sum of dy over channel co's planes. */
+static float conv2d_bias_grad(const float *dy, const poet_conv2d_shape *s, uint32_t co)
+{
+    const uint32_t out_plane = s->h_out * s->w_out;
+    uint32_t n, i;
+    float acc = 0.0f;
+    for (n = 0; n < s->n; ++n) {
+        const float *dyo = dy + (n * s->c_out + co) * out_plane;
+        float plane = 0.0f; /* a partial per plane keeps the rounding of long sums down */
+        for (i = 0; i < out_plane; ++i)
+            plane += dyo[i];
+        acc += plane;
+    }
+    return acc;
+}
+
 void poet_conv2d_backward_params(float *gw, float *gb, const float *dy, const float *x,
                                  const poet_conv2d_shape *s)
 {
-    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
-    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, taps = s->k_h * s->k_w;
-    uint32_t co, ci, kh, kw, n, oh, ow, oh0, oh1, ow0, ow1, i;
+    const uint32_t cin_g = s->c_in / s->groups, taps = s->k_h * s->k_w;
+    uint32_t co, ci, kh, kw;
 
     for (co = 0; co < s->c_out; ++co) {
-        const uint32_t x_channel = (co / cout_g) * cin_g;
         if (gw)
             for (ci = 0; ci < cin_g; ++ci)
-                for (kh = 0; kh < s->k_h; ++kh) {
-                    out_range(kh, s->stride_h, s->pad_h, s->h_in, s->h_out, &oh0, &oh1);
-                    for (kw = 0; kw < s->k_w; ++kw) {
-                        float acc = 0.0f;
-                        out_range(kw, s->stride_w, s->pad_w, s->w_in, s->w_out, &ow0, &ow1);
-                        for (n = 0; n < s->n; ++n) {
-                            const float *dyo = dy + (n * s->c_out + co) * out_plane;
-                            const float *xc = x + (n * s->c_in + x_channel + ci) * in_plane;
-                            for (oh = oh0; oh < oh1; ++oh) {
-                                const float *dyr = dyo + oh * s->w_out;
-                                const float *xr = xc + (oh * s->stride_h + kh - s->pad_h) * s->w_in;
-                                for (ow = ow0; ow < ow1; ++ow)
-                                    acc += dyr[ow] * xr[ow * s->stride_w + kw - s->pad_w];
-                            }
-                        }
-                        gw[(co * cin_g + ci) * taps + kh * s->k_w + kw] += acc;
-                    }
-                }
-        if (gb) {
-            float acc = 0.0f;
-            for (n = 0; n < s->n; ++n) {
-                const float *dyo = dy + (n * s->c_out + co) * out_plane;
-                float plane = 0.0f; /* a partial per plane keeps the rounding of long sums down */
-                for (i = 0; i < out_plane; ++i)
-                    plane += dyo[i];
-                acc += plane;
-            }
-            gb[co] += acc;
-        }
+                for (kh = 0; kh < s->k_h; ++kh)
+                    for (kw = 0; kw < s->k_w; ++kw)
+                        gw[(co * cin_g + ci) * taps + kh * s->k_w + kw] += conv2d_weight_grad(dy, x, s, co, ci, kh, kw);
+        if (gb)
+            gb[co] += conv2d_bias_grad(dy, s, co);
     }
 }
 
 void poet_conv2d_backward_params_sgd(float *w, float *b, const float *dy, const float *x,
                                      const poet_conv2d_shape *s, float lr)
 {
-    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
-    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, taps = s->k_h * s->k_w;
-    uint32_t co, ci, kh, kw, n, oh, ow, oh0, oh1, ow0, ow1, i;
+    const uint32_t cin_g = s->c_in / s->groups, taps = s->k_h * s->k_w;
+    uint32_t co, ci, kh, kw;
 
     for (co = 0; co < s->c_out; ++co) {
-        const uint32_t x_channel = (co / cout_g) * cin_g;
         for (ci = 0; ci < cin_g; ++ci)
-            for (kh = 0; kh < s->k_h; ++kh) {
-                out_range(kh, s->stride_h, s->pad_h, s->h_in, s->h_out, &oh0, &oh1);
-                for (kw = 0; kw < s->k_w; ++kw) {
-                    float acc = 0.0f;
-                    out_range(kw, s->stride_w, s->pad_w, s->w_in, s->w_out, &ow0, &ow1);
-                    for (n = 0; n < s->n; ++n) {
-                        const float *dyo = dy + (n * s->c_out + co) * out_plane;
-                        const float *xc = x + (n * s->c_in + x_channel + ci) * in_plane;
-                        for (oh = oh0; oh < oh1; ++oh) {
-                            const float *dyr = dyo + oh * s->w_out;
-                            const float *xr = xc + (oh * s->stride_h + kh - s->pad_h) * s->w_in;
-                            for (ow = ow0; ow < ow1; ++ow)
-                                acc += dyr[ow] * xr[ow * s->stride_w + kw - s->pad_w];
-                        }
-                    }
-                    w[(co * cin_g + ci) * taps + kh * s->k_w + kw] -= lr * acc;
-                }
-            }
-        if (b) {
-            float acc = 0.0f;
-            for (n = 0; n < s->n; ++n) {
-                const float *dyo = dy + (n * s->c_out + co) * out_plane;
-                float plane = 0.0f;
-                for (i = 0; i < out_plane; ++i)
-                    plane += dyo[i];
-                acc += plane;
-            }
-            b[co] -= lr * acc;
-        }
+            for (kh = 0; kh < s->k_h; ++kh)
+                for (kw = 0; kw < s->k_w; ++kw)
+                    w[(co * cin_g + ci) * taps + kh * s->k_w + kw] -= lr * conv2d_weight_grad(dy, x, s, co, ci, kh, kw);
+        if (b)
+            b[co] -= lr * conv2d_bias_grad(dy, s, co);
     }
 }
 

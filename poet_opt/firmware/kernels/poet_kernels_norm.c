@@ -66,6 +66,28 @@ void poet_batchnorm_forward(float *y, float *mean, float *invstd, float *running
     }
 }
 
+/* Channel c's sums of dy and dy * xhat over the batch: the parameter gradients (and part of the
+ * data gradient). One function for the gradient and the fused SGD kernels, so the two stay
+ * bit-identical. */
+static void batchnorm_channel_sums(float *sum_dy, float *sum_dy_xhat, const float *dy, const float *x, float mu,
+                                   float inv, uint32_t c, const poet_batchnorm_shape *s)
+{
+    uint32_t n, i;
+    *sum_dy = 0.0f;
+    *sum_dy_xhat = 0.0f;
+    for (n = 0; n < s->n; ++n) {
+        const float *xc = x + (n * s->c + c) * s->spatial;
+        const float *dyc = dy + (n * s->c + c) * s->spatial;
+        float plane_dy = 0.0f, plane_dy_xhat = 0.0f;
+        for (i = 0; i < s->spatial; ++i) {
+            plane_dy += dyc[i];
+            plane_dy_xhat += dyc[i] * ((xc[i] - mu) * inv);
+        }
+        *sum_dy += plane_dy;
+        *sum_dy_xhat += plane_dy_xhat;
+    }
+}
+
 void poet_batchnorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy, const float *x,
                              const float *mean, const float *invstd, const float *gamma,
                              const poet_batchnorm_shape *s)
@@ -74,18 +96,8 @@ void poet_batchnorm_backward(float *dx, float *dgamma, float *dbeta, const float
     uint32_t c, n, i;
     for (c = 0; c < s->c; ++c) {
         const float mu = mean[c], inv = invstd[c];
-        float sum_dy = 0.0f, sum_dy_xhat = 0.0f;
-        for (n = 0; n < s->n; ++n) {
-            const float *xc = x + (n * s->c + c) * s->spatial;
-            const float *dyc = dy + (n * s->c + c) * s->spatial;
-            float plane_dy = 0.0f, plane_dy_xhat = 0.0f;
-            for (i = 0; i < s->spatial; ++i) {
-                plane_dy += dyc[i];
-                plane_dy_xhat += dyc[i] * ((xc[i] - mu) * inv);
-            }
-            sum_dy += plane_dy;
-            sum_dy_xhat += plane_dy_xhat;
-        }
+        float sum_dy, sum_dy_xhat;
+        batchnorm_channel_sums(&sum_dy, &sum_dy_xhat, dy, x, mu, inv, c, s);
         if (dgamma)
             dgamma[c] += sum_dy_xhat;
         if (dbeta)
@@ -109,21 +121,11 @@ void poet_batchnorm_backward_params_sgd(float *gamma, float *beta, const float *
                                         const float *mean, const float *invstd, const poet_batchnorm_shape *s,
                                         float lr)
 {
-    uint32_t c, n, i;
+    uint32_t c;
     for (c = 0; c < s->c; ++c) {
         const float mu = mean[c], inv = invstd[c];
-        float sum_dy = 0.0f, sum_dy_xhat = 0.0f;
-        for (n = 0; n < s->n; ++n) {
-            const float *xc = x + (n * s->c + c) * s->spatial;
-            const float *dyc = dy + (n * s->c + c) * s->spatial;
-            float plane_dy = 0.0f, plane_dy_xhat = 0.0f;
-            for (i = 0; i < s->spatial; ++i) {
-                plane_dy += dyc[i];
-                plane_dy_xhat += dyc[i] * ((xc[i] - mu) * inv);
-            }
-            sum_dy += plane_dy;
-            sum_dy_xhat += plane_dy_xhat;
-        }
+        float sum_dy, sum_dy_xhat;
+        batchnorm_channel_sums(&sum_dy, &sum_dy_xhat, dy, x, mu, inv, c, s);
         if (gamma)
             gamma[c] -= lr * sum_dy_xhat;
         if (beta)
@@ -160,6 +162,21 @@ void poet_layernorm_forward(float *y, float *mean, float *invstd, const float *x
     }
 }
 
+/* Column j's sums of dy and dy * xhat over the rows: the parameter gradients, shared by the
+ * gradient and the fused SGD kernels so the two stay bit-identical. */
+static void layernorm_column_sums(float *sum_dy, float *sum_dy_xhat, const float *dy, const float *x,
+                                  const float *mean, const float *invstd, uint32_t rows, uint32_t d, uint32_t j)
+{
+    uint32_t r;
+    *sum_dy = 0.0f;
+    *sum_dy_xhat = 0.0f;
+    for (r = 0; r < rows; ++r) {
+        const float dyj = dy[r * d + j];
+        *sum_dy += dyj;
+        *sum_dy_xhat += dyj * ((x[r * d + j] - mean[r]) * invstd[r]);
+    }
+}
+
 void poet_layernorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy, const float *x,
                              const float *mean, const float *invstd, const float *gamma, uint32_t rows,
                              uint32_t d)
@@ -186,12 +203,8 @@ void poet_layernorm_backward(float *dx, float *dgamma, float *dbeta, const float
     /* the parameter gradients sum over rows: one register sum per column */
     if (dgamma || dbeta)
         for (j = 0; j < d; ++j) {
-            float sum_dy = 0.0f, sum_dy_xhat = 0.0f;
-            for (r = 0; r < rows; ++r) {
-                const float dyj = dy[r * d + j];
-                sum_dy += dyj;
-                sum_dy_xhat += dyj * ((x[r * d + j] - mean[r]) * invstd[r]);
-            }
+            float sum_dy, sum_dy_xhat;
+            layernorm_column_sums(&sum_dy, &sum_dy_xhat, dy, x, mean, invstd, rows, d, j);
             if (dgamma)
                 dgamma[j] += sum_dy_xhat;
             if (dbeta)
@@ -203,14 +216,10 @@ void poet_layernorm_backward_params_sgd(float *gamma, float *beta, const float *
                                         const float *mean, const float *invstd, uint32_t rows, uint32_t d,
                                         float lr)
 {
-    uint32_t r, j;
+    uint32_t j;
     for (j = 0; j < d; ++j) {
-        float sum_dy = 0.0f, sum_dy_xhat = 0.0f;
-        for (r = 0; r < rows; ++r) {
-            const float dyj = dy[r * d + j];
-            sum_dy += dyj;
-            sum_dy_xhat += dyj * ((x[r * d + j] - mean[r]) * invstd[r]);
-        }
+        float sum_dy, sum_dy_xhat;
+        layernorm_column_sums(&sum_dy, &sum_dy_xhat, dy, x, mean, invstd, rows, d, j);
         if (gamma)
             gamma[j] -= lr * sum_dy_xhat;
         if (beta)
