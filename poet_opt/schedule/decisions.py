@@ -9,6 +9,7 @@ accounting assumes, so replayed memory never exceeds what the solver bounded.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -28,14 +29,132 @@ class Budgets:
     min_lifetime_steps: Optional[int] = None  # the wear budget (--min-lifetime-steps) behind storage_bytes
 
 
+class Keep:
+    """A set of (t, i) pairs, "tensor i is in RAM at the start of stage t", stored as runs of
+    consecutive stages per tensor. A training graph keeps most forward tensors from the forward pass
+    to the backward pass, so the pairs grow with the square of the graph (2.8 billion at 100,000
+    nodes) while the runs grow with the number of times a tensor leaves RAM and comes back. It
+    behaves as a frozenset of pairs (membership, iteration, length, equality, union), and
+    ``runs`` and ``starting_at``/``ending_at`` serve the code that must stay linear."""
+
+    def __init__(self, runs: Optional[dict] = None):
+        # tensor -> sorted tuple of disjoint, non-adjacent inclusive stage ranges (first, last)
+        self._runs: dict[int, tuple[tuple[int, int], ...]] = {
+            int(i): tuple((int(a), int(b)) for a, b in rs) for i, rs in (runs or {}).items() if rs}
+        for rs in self._runs.values():
+            if any(a > b for a, b in rs) or any(b + 1 >= c for (_, b), (c, _) in zip(rs, rs[1:])):
+                raise ValueError("keep runs must be sorted, disjoint and not adjacent")
+        self._len = sum(b - a + 1 for rs in self._runs.values() for a, b in rs)
+        self._hash = None
+
+    @classmethod
+    def of(cls, keep) -> "Keep":
+        """``keep`` as a Keep: a Keep as it is, any iterable of (t, i) pairs merged into runs."""
+        if isinstance(keep, Keep):
+            return keep
+        stages: dict[int, list[int]] = {}
+        for t, i in keep:
+            stages.setdefault(int(i), []).append(int(t))
+        return cls({i: _runs_of(ts) for i, ts in stages.items()})
+
+    @classmethod
+    def from_ranges(cls, ranges) -> "Keep":
+        """From (i, first, last) triples, inclusive, in any order, overlapping or adjacent."""
+        per: dict[int, list[tuple[int, int]]] = {}
+        for i, a, b in ranges:
+            if a <= b:
+                per.setdefault(int(i), []).append((int(a), int(b)))
+        merged = {}
+        for i, rs in per.items():
+            rs.sort()
+            out = [list(rs[0])]
+            for a, b in rs[1:]:
+                if a <= out[-1][1] + 1:
+                    out[-1][1] = max(out[-1][1], b)
+                else:
+                    out.append([a, b])
+            merged[i] = tuple(map(tuple, out))
+        return cls(merged)
+
+    @property
+    def runs(self) -> dict:
+        return self._runs
+
+    def tensors(self):
+        return self._runs.keys()
+
+    def __contains__(self, pair) -> bool:
+        try:
+            t, i = pair
+        except (TypeError, ValueError):
+            return False
+        rs = self._runs.get(i)
+        if not rs:
+            return False
+        k = bisect.bisect_right(rs, (t, math.inf)) - 1
+        return k >= 0 and rs[k][0] <= t <= rs[k][1]
+
+    def __iter__(self):
+        for i, rs in self._runs.items():
+            for a, b in rs:
+                for t in range(a, b + 1):
+                    yield (t, i)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Keep):
+            return self._runs == other._runs
+        if isinstance(other, (set, frozenset)):
+            return len(other) == self._len and all(p in self for p in other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset((i, rs) for i, rs in self._runs.items()))
+        return self._hash
+
+    def __or__(self, other) -> "Keep":
+        other = Keep.of(other)
+        return Keep.from_ranges([(i, a, b) for k in (self, other) for i, rs in k._runs.items() for a, b in rs])
+
+    __ror__ = __or__
+
+    def __repr__(self) -> str:
+        return f"Keep({self._runs!r})"
+
+    def __reduce__(self):
+        return (Keep, (self._runs,))
+
+
+def _runs_of(stages) -> tuple[tuple[int, int], ...]:
+    stages = sorted(set(stages))
+    runs: list[list[int]] = []
+    for t in stages:
+        if runs and t == runs[-1][1] + 1:
+            runs[-1][1] = t
+        else:
+            runs.append([t, t])
+    return tuple(map(tuple, runs))
+
+
 @dataclass(frozen=True)
 class Decisions:
-    """The solver's choices, as plain sets of (stage, node) pairs; node t at stage t is implicit."""
+    """The solver's choices, as plain sets of (stage, node) pairs; node t at stage t is implicit.
+    ``keep`` is always a Keep (any set of pairs given is converted): linear in the graph's size."""
 
     recompute: frozenset  # (t, i): recompute i at position i of stage t (i < t)
     page_in: frozenset  # (t, i): page i in at position i of stage t
     page_out: frozenset  # i: page i out right after computing it in stage i
-    keep: frozenset  # (t, i): i is in RAM at the start of stage t
+    keep: Keep  # (t, i): i is in RAM at the start of stage t
+
+    def __post_init__(self):
+        if not isinstance(self.keep, Keep):
+            object.__setattr__(self, "keep", Keep.of(self.keep))
 
 
 def wear_levelled(storage) -> bool:
@@ -137,7 +256,7 @@ def resident_at_peak(graph: TrainingGraph, steps: list[dict]) -> dict:
 def plain_decisions(graph: TrainingGraph) -> Decisions:
     """Plain training: compute every node once, keep each tensor until its last reader."""
     last = graph.last_use()
-    keep = frozenset((t, i) for i in range(len(graph)) for t in range(i + 1, last[i] + 1))
+    keep = Keep({i: ((i + 1, last[i]),) for i in range(len(graph)) if last[i] > i})
     return Decisions(frozenset(), frozenset(), frozenset(), keep)
 
 
@@ -150,16 +269,22 @@ def build_steps(graph: TrainingGraph, decisions: Decisions) -> list[dict]:
         recompute_at.setdefault(t, []).append(i)
     for t, i in decisions.page_in:
         page_in_at.setdefault(t, []).append(i)
-    keep_at: dict[int, set[int]] = {}
-    for t, i in decisions.keep:
-        keep_at.setdefault(t, set()).add(i)
+    # Linear in the steps, whatever the keeps: after stage t exactly the tensors kept into t + 1 are
+    # resident (checked below), so the ones to free in stage t are among those whose run of keeps
+    # ends at t, and the ones that must be resident after it are those whose run starts at t + 1.
+    keep = decisions.keep
+    ends_at: dict[int, list[int]] = {}
+    starts_at: dict[int, list[int]] = {}
+    for i, runs in keep.runs.items():
+        for a, b in runs:
+            ends_at.setdefault(b, []).append(i)
+            starts_at.setdefault(a, []).append(i)
 
     steps: list[dict] = []
     resident: set[int] = set()
     for t in range(T):
         computed = sorted(recompute_at.get(t, [])) + [t]
         paged_in = set(page_in_at.get(t, []))
-        keep_next = keep_at.get(t + 1, set())
         # last position in this stage at which each tensor is read or made
         last_touch: dict[int, int] = {}
         for k in computed:
@@ -169,13 +294,13 @@ def build_steps(graph: TrainingGraph, decisions: Decisions) -> list[dict]:
         for i in paged_in:
             last_touch[i] = max(last_touch.get(i, -1), i)
         # what came in from the previous stage but is neither read here nor kept goes first
-        for i in sorted(resident):
-            if i not in last_touch and i not in keep_next:
+        for i in sorted(ends_at.get(t, ())):
+            if i in resident and i not in last_touch:
                 steps.append({"op": "free", "node": i})
                 resident.discard(i)
         releases: dict[int, list[int]] = {}
         for i, pos in last_touch.items():
-            if i not in keep_next:
+            if (t + 1, i) not in keep:
                 releases.setdefault(pos, []).append(i)
         for k in sorted(set(computed) | paged_in):
             if k in paged_in:
@@ -190,7 +315,7 @@ def build_steps(graph: TrainingGraph, decisions: Decisions) -> list[dict]:
                 if i in resident:
                     steps.append({"op": "free", "node": i})
                     resident.discard(i)
-        missing = keep_next - resident
+        missing = {i for i in starts_at.get(t + 1, ()) if i not in resident}
         if missing:
             raise RuntimeError(f"decisions keep nodes {sorted(missing)} into stage {t + 1} that are not resident")
     for i in sorted(resident):
