@@ -106,7 +106,7 @@ def segment_decisions(graph: TrainingGraph, checkpoints: set[int]) -> Decisions:
     _, _, read_at = recompute_on_demand(graph, dropped, lambda i: T - 1 if i in checkpoints else last[i])
     recompute, keep, _ = recompute_on_demand(
         graph, dropped, lambda i: max(last[i], read_at.get(i, i)) if i in checkpoints else last[i])
-    return Decisions(frozenset(recompute), frozenset(), frozenset(), frozenset(keep))
+    return Decisions(frozenset(recompute), frozenset(), frozenset(), keep)
 
 
 def sqrt_n_decisions(graph: TrainingGraph) -> Decisions:

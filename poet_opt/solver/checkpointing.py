@@ -5,7 +5,7 @@ greedy heuristics and the sqrt(n) and DTR baselines build their plans on."""
 from __future__ import annotations
 
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Decisions
+from poet_opt.schedule.decisions import Decisions, Keep
 
 
 def checkpoint_decisions(graph: TrainingGraph, dropped: set[int]) -> Decisions:
@@ -13,19 +13,19 @@ def checkpoint_decisions(graph: TrainingGraph, dropped: set[int]) -> Decisions:
     no longer reads it, recomputed (with whatever it needs that is gone too) in the first later
     stage that reads it, and then kept until its last reader: segment-wise checkpointing."""
     recompute, keep, _ = recompute_on_demand(graph, dropped)
-    return Decisions(frozenset(recompute), frozenset(), frozenset(), frozenset(keep))
+    return Decisions(frozenset(recompute), frozenset(), frozenset(), keep)
 
 
 def recompute_on_demand(graph: TrainingGraph, dropped: set[int], kept_until=None):
     """The replay behind checkpointing: each forward tensor in `dropped` is freed once the forward
     pass no longer reads it and recomputed, with whatever it needs that is gone too, in the first
     later stage that reads it; every other tensor stays resident until stage ``kept_until(i)``
-    (default: its last reader). Returns the (stage, node) recomputations and keeps, and per tensor
-    the last stage that reads it, recomputations included."""
+    (default: its last reader). Returns the (stage, node) recomputations, the keeps (a Keep), and
+    per tensor the last stage that reads it, recomputations included."""
     nodes, users = graph.nodes, graph.users()
     last = graph.last_use()
     resident_until = {}  # i -> last stage in which i is resident (from its latest materialization)
-    keep, recompute = set(), set()
+    keep_ranges, recompute = [], set()
     read_at: dict[int, int] = {}
 
     def hold(i, start):
@@ -34,7 +34,7 @@ def recompute_on_demand(graph: TrainingGraph, dropped: set[int], kept_until=None
             end = max([start, *forward_readers]) if start == i else max(start, last[i])
         else:
             end = last[i] if kept_until is None else kept_until(i)
-        keep.update((t, i) for t in range(start + 1, end + 1))
+        keep_ranges.append((i, start + 1, end))
         resident_until[i] = end
 
     for t in range(len(graph)):
@@ -52,4 +52,4 @@ def recompute_on_demand(graph: TrainingGraph, dropped: set[int], kept_until=None
         for k in needed | {t}:
             for d in nodes[k].deps:
                 read_at[d] = max(read_at.get(d, -1), t)
-    return recompute, keep, read_at
+    return recompute, Keep.from_ranges(keep_ranges), read_at

@@ -12,8 +12,8 @@ from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import (Budgets, Decisions, build_steps, paged_region_bytes, plain_decisions,
-                                         totals_of)
+from poet_opt.schedule.decisions import (Budgets, Decisions, Keep, build_steps, paged_region_bytes,
+                                         plain_decisions, totals_of)
 from poet_opt.solver.backends import interrupted
 from poet_opt.solver.baselines import dtr_decisions, sqrt_n_decisions, without_idle_keeps
 from poet_opt.solver.checkpointing import checkpoint_decisions
@@ -24,14 +24,14 @@ def paging_decisions(graph: TrainingGraph, paged: set[int]) -> Decisions:
     and read back in every stage that reads it, instead of being kept."""
     last = graph.last_use()
     users = graph.users()
-    keep = set()
+    keep = {}
     page_in = set()
     for i in range(len(graph)):
         if i in paged:
             page_in.update((t, i) for t in users[i])
-        else:
-            keep.update((t, i) for t in range(i + 1, last[i] + 1))
-    return Decisions(frozenset(), frozenset(page_in), frozenset(paged), frozenset(keep))
+        elif last[i] > i:
+            keep[i] = ((i + 1, last[i]),)
+    return Decisions(frozenset(), frozenset(page_in), frozenset(paged), Keep(keep))
 
 
 def _peak_stage(graph: TrainingGraph, steps: list[dict]) -> tuple[int, set[int]]:
@@ -287,7 +287,7 @@ def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_
             how[g] = 0
             away[i].remove((a, b))
             live[a + 1:b] += size[i]
-    keep, page_in, recompute, page_out = set(), set(), set(), set()
+    page_in, recompute, page_out = set(), set(), set()
     for g in np.flatnonzero(how > 0).tolist():
         i, b = int(owner[g]), int(gap_b[g])
         if how[g] == 1:
@@ -295,12 +295,23 @@ def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_
             page_out.add(i)
         else:
             recompute.add((b, i))
-    for i in range(T):
-        gone = {t for a, b in away.get(i, ()) for t in range(a + 1, b + 1)}
-        keep.update((t, i) for t in range(i + 1, last[i] + 1) if t not in gone)
-    decisions = Decisions(frozenset(recompute), frozenset(page_in), frozenset(page_out), frozenset(keep))
+    keep = Keep({i: _without(i + 1, last[i], away.get(i, ())) for i in range(T)})
+    decisions = Decisions(frozenset(recompute), frozenset(page_in), frozenset(page_out), keep)
     totals = totals_of(graph, costs, build_steps(graph, decisions))
     if (totals["peak_ram_bytes"] > budgets.ram_bytes or totals["runtime_s"] > budgets.runtime_s
             or totals["storage_bytes"] > budgets.storage_bytes):
         return None
     return decisions
+
+
+def _without(first: int, last: int, gaps) -> tuple[tuple[int, int], ...]:
+    """The stages first..last (inclusive) less stages a+1..b of each gap (a, b): the runs in which a
+    tensor with those gaps dropped is kept."""
+    runs, at = [], first
+    for a, b in sorted(gaps):
+        if a + 1 > at:
+            runs.append((at, min(a, last)))
+        at = max(at, b + 1)
+    if at <= last:
+        runs.append((at, last))
+    return tuple((x, y) for x, y in runs if x <= y)
