@@ -133,6 +133,9 @@ def claim(s: Schedule) -> str:
         return f"within {gap_text} of the least energy {where} {model}"
     reason = {"time_limit": "the time limit ran out", "interrupted": "interrupted",
               "stopped": "the solver stopped at its tolerances"}.get(status, status)
+    if status == "time_limit" and str(solver.get("full_milp", "")).startswith("skipped"):
+        # the limit did not run out on a search: the graph is too large for the full MILP in it
+        reason = "the best heuristic schedule: the full MILP is too large to build and solve within the time limit"
     return f"not proven optimal ({reason}); within {gap_text} of the least energy {where} {model}"
 
 

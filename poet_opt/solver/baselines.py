@@ -30,13 +30,15 @@ checkpoint, so both baselines still apply, with those tensors held like gradient
 
 from __future__ import annotations
 
+import bisect
 import math
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of
+from poet_opt.schedule.decisions import Budgets, Decisions, Keep, build_steps, plain_decisions, totals_of
 from poet_opt.solver.checkpointing import recompute_on_demand
 
 BASELINES = ("checkpoint-all", "sqrt-n", "dtr")
@@ -113,7 +115,10 @@ def sqrt_n_decisions(graph: TrainingGraph) -> Decisions:
     return segment_decisions(graph, sqrt_n_checkpoints(graph))
 
 
-def dtr_decisions(graph: TrainingGraph, costs: NodeCosts, ram_bytes: float) -> Optional[Decisions]:
+def dtr_decisions(graph: TrainingGraph, costs: NodeCosts, ram_bytes: float,
+                  deadline: Optional[float] = None) -> Optional[Decisions]:
+    """None when DTR runs out of memory, or when ``time.perf_counter()`` passes ``deadline`` (each
+    stage scans what is resident: quadratic in the graph)."""
     nodes, T = graph.nodes, len(graph)
     size = [n.bytes for n in nodes]
     last = graph.last_use()
@@ -126,6 +131,8 @@ def dtr_decisions(graph: TrainingGraph, costs: NodeCosts, ram_bytes: float) -> O
     clock = 0
     recompute, keep = set(), set()
     for t in range(T):
+        if deadline is not None and t % 64 == 0 and time.perf_counter() > deadline:
+            return None
         needed, stack = set(), [d for d in nodes[t].deps if d not in resident]
         while stack:
             i = stack.pop()
@@ -178,16 +185,25 @@ def without_idle_keeps(graph: TrainingGraph, decisions: Decisions) -> Decisions:
     unchanged; but a MILP counts a kept tensor for the whole stage, and would reject the plan as a
     MIP start (DTR evicts tensors it kept into a stage before that stage reads them)."""
     nodes = graph.nodes
-    read_in: dict[int, set[int]] = {}
+    reads_of: dict[int, set[int]] = {}  # tensor -> stages that read it
     for t in range(len(graph)):
-        read_in.setdefault(t, set()).update(nodes[t].deps)
+        for d in nodes[t].deps:
+            reads_of.setdefault(d, set()).add(t)
     for t, k in decisions.recompute:
-        read_in.setdefault(t, set()).update(nodes[k].deps)
-    keep = set(decisions.keep)
-    for t, i in sorted(decisions.keep, reverse=True):
-        if i not in read_in.get(t, ()) and (t + 1, i) not in keep:
-            keep.discard((t, i))
-    return Decisions(decisions.recompute, decisions.page_in, decisions.page_out, frozenset(keep))
+        for d in nodes[k].deps:
+            reads_of.setdefault(d, set()).add(t)
+    # Runs are never adjacent, so the keep after a run's last stage is absent and each run loses
+    # its tail back to the last stage in it that reads the tensor (all of it when none does).
+    trimmed = {}
+    for i, runs in decisions.keep.runs.items():
+        stages = sorted(reads_of.get(i, ()))
+        kept = []
+        for a, b in runs:
+            k = bisect.bisect_right(stages, b) - 1
+            if k >= 0 and stages[k] >= a:
+                kept.append((a, stages[k]))
+        trimmed[i] = tuple(kept)
+    return Decisions(decisions.recompute, decisions.page_in, decisions.page_out, Keep(trimmed))
 
 
 def evaluate(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budgets, name: str,

@@ -377,9 +377,11 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     # plain-training floor as its bound. Without a time limit the user asked to wait for the optimum.
     full_decisions = decision_count(graph, mode)
     # replaying the chosen plan into steps, after every phase here: seconds at 2000 nodes
-    reserve = 0.0 if time_limit is None else FINISH_S_PER_NODE_SQUARED * len(graph) ** 2
+    reserve = 0.0 if time_limit is None else FINISH_S_PER_NODE * len(graph)
     skip_full = time_limit is not None and full_decisions > FULL_MILP_MAX_DECISIONS and backend == "highs"
-    if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes:
+    gap_milp_fits = time_limit is None or GAP_MILP_BUILD_S_PER_NODE_SQUARED * len(graph) ** 2 <= 0.5 * (
+        time_limit - (time.perf_counter() - began) - reserve)
+    if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not interrupted():
         # The compact gap MILP's optimum is a plan of the full space: a better start in a second or
         # two (not a bound). Its time counts against the user's limit; it gets most of it when the
         # full MILP is out of reach.
@@ -529,9 +531,12 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
 
 
 GAP_MILP_TIME_S = 10.0
-# build_steps of the chosen plan, once every solver phase is over, takes about 1e-6 s x nodes^2 (4 s
-# at 2001 nodes, 7 s on a loaded machine): the phases leave twice that of the time limit for it.
-FINISH_S_PER_NODE_SQUARED = 2e-6
+# Building the gap MILP, which cannot be stopped, takes about 3e-7 s x nodes^2 (1.2 s at 2000
+# nodes, 22 s at 10,000): not started unless it leaves as long again of the time limit.
+GAP_MILP_BUILD_S_PER_NODE_SQUARED = 4e-7
+# Replaying the chosen plan into steps, validating and summarising it, once every solver phase is
+# over: linear in the graph (about 2 s at 100,000 nodes); the phases leave this much for it.
+FINISH_S_PER_NODE = 4e-5
 # The window relaxation's share of the time limit (poet_opt/solver/bounds.py), and its time without one
 # (the full MILP then runs to the optimum anyway: the window can only spare it when the start is
 # already within the gap). Below WINDOW_BOUND_MIN_DECISIONS binaries the full MILP proves more, sooner.

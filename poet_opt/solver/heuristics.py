@@ -102,6 +102,9 @@ def greedy_checkpointing(graph: TrainingGraph, costs: NodeCosts, budgets: Budget
 
 
 REPLAYING_GREEDY_MAX_NODES = 600
+# gap_plan scores every gap over the peak stage at each step: 13 s at 4000 nodes, hours at 100,000.
+# Past this size spill_plan (linear) is the start.
+GAP_PLAN_MAX_NODES = 20_000
 
 
 def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
@@ -114,17 +117,19 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         return interrupted() or (deadline is not None and time.perf_counter() > deadline)
 
     found = []
-    plain = plain_decisions(graph)
     if graph.plain_peak_bytes() <= budgets.ram_bytes:
-        found.append(plain)
+        found.append(plain_decisions(graph))
     else:
-        if mode != "none":
-            found.append(gap_plan(graph, costs, budgets, allow_paging=mode in ("joint", "paging"),
-                                  allow_remat=mode in ("joint", "remat")))
-        # The replaying greedy loops re-run the whole plan per step (their keep sets grow with the
-        # square of the graph): minutes at 1000 nodes, where gap_plan alone takes seconds.
-        small = len(graph) <= REPLAYING_GREEDY_MAX_NODES and not late()
-        if mode in ("joint", "paging") and small:
+        paging = mode in ("joint", "paging")
+        if paging:  # tenths of a second at 10,000 nodes: first, so that a plan exists at any size
+            found.append(spill_plan(graph, costs, budgets, deadline))
+        if mode != "none" and len(graph) <= GAP_PLAN_MAX_NODES and not late():
+            found.append(gap_plan(graph, costs, budgets, allow_paging=paging,
+                                  allow_remat=mode in ("joint", "remat"), deadline=deadline))
+        # The replaying greedy loops re-run the whole plan per step: minutes at 1000 nodes, where
+        # gap_plan alone takes seconds.
+        small = len(graph) <= REPLAYING_GREEDY_MAX_NODES
+        if paging and small and not late():
             found.append(greedy_paging(graph, costs, budgets, deadline))
         remat = mode in ("joint", "remat") and not interrupted()
         if remat and small and not late():
@@ -132,12 +137,15 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         # the greedy pagers do not count storage: a plan over the storage budget (a wear budget
         # makes it small) is no start at all; nor is one that runs on weights after their update
         found = [d for d in found if _admissible(graph, costs, budgets, d)]
-        if remat:
+        if remat and (small or not late()):
             # the baselines take one replay each, and the solver must never end above one that fits
-            # (tests/test_baselines.py): kept past the deadline
+            # (tests/test_baselines.py): kept past the deadline on small graphs, where they take
+            # milliseconds; on large ones DTR alone scans what is resident at every stage (minutes
+            # at 10,000 nodes) and the time limit comes first
             usable = [d for d in found if plan_runtime_s(costs, d) <= budgets.runtime_s]
             beat = min((plan_energy_j(graph, costs, d) for d in usable), default=None)
-            found += [d for d in _fitting_baselines(graph, costs, budgets, beat=beat)
+            found += [d for d in _fitting_baselines(graph, costs, budgets, beat=beat,
+                                                    deadline=None if small else deadline)
                       if _admissible(graph, costs, budgets, d)]
 
     return sorted(found, key=lambda d: plan_energy_j(graph, costs, d))
@@ -180,13 +188,17 @@ def fits_storage(costs: NodeCosts, budgets: Budgets, decisions: Decisions) -> bo
 
 
 def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
-                       beat: Optional[float] = None) -> list[Decisions]:
+                       beat: Optional[float] = None, deadline: Optional[float] = None) -> list[Decisions]:
     """The DTR and sqrt(n) baselines' plans where they fit: the benchmark showed a time-limited
     solve ending above DTR's energy when the greedy starts were worse than it, and the solver
     must never lose to a baseline it could have started from. ``beat``: the energy of a fitting
     start in hand; a baseline that costs no less cannot lower it and is not replayed (the replays
     took 25 s at 2000 nodes)."""
-    plans = [sqrt_n_decisions(graph), dtr_decisions(graph, costs, budgets.ram_bytes)]
+    def late() -> bool:
+        return interrupted() or (deadline is not None and time.perf_counter() > deadline)
+
+    plans = [None if late() else sqrt_n_decisions(graph)]
+    plans.append(None if late() else dtr_decisions(graph, costs, budgets.ram_bytes, deadline=deadline))
     fitting = []
     for d in plans:
         if d is None or (beat is not None and plan_energy_j(graph, costs, d) >= beat):
@@ -199,7 +211,7 @@ def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
 
 
 def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_paging: bool = True,
-             allow_remat: bool = True) -> Decisions | None:
+             allow_remat: bool = True, deadline: Optional[float] = None) -> Decisions | None:
     """Plain training, except that a tensor may leave RAM in a *gap* between two stages that touch
     it (make or read it), and come back for the stage after the gap: paged in (it is paged out once,
     right after it is made), or recomputed there when it is a forward node whose inputs are all in
@@ -211,7 +223,7 @@ def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_
     after it) and fast at any size: recomputed nodes only read resident inputs, so RAM in use within
     a stage peaks when its own node runs, and the plan's peak is the largest per-stage sum of resident
     tensors, kept in one array and updated per dropped gap. The plan is replayed once at the end, so a
-    mismatch fails safely (None)."""
+    mismatch fails safely (None); so does passing ``deadline``."""
     import numpy as np
 
     nodes, T = graph.nodes, len(graph)
@@ -248,6 +260,8 @@ def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_
                 and (cap is None or b <= cap[i]) and all(resident(d, b) for d in nodes[i].deps))
 
     while True:
+        if interrupted() or (deadline is not None and time.perf_counter() > deadline):
+            return None  # no plan yet: the loop only stops once the peak fits
         t = int(np.argmax(live))
         if live[t] <= budgets.ram_bytes:
             break
@@ -315,3 +329,113 @@ def _without(first: int, last: int, gaps) -> tuple[tuple[int, int], ...]:
     if at <= last:
         runs.append((at, last))
     return tuple((x, y) for x, y in runs if x <= y)
+
+
+SPILL_DEADLINE_CHECK_EVERY = 512
+
+
+def spill_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
+               deadline: Optional[float] = None) -> Decisions | None:
+    """A plan for graphs of any size, in time and memory about linear in the graph: start with every
+    tensor out of RAM in every *gap* between two stages that touch it (paged out once, right after
+    it is made, and paged back in for the stage after each gap; streamed weights read again from
+    storage), so that each stage holds only what its own node reads and writes; then put gaps
+    back, those that save the most energy per byte-stage of RAM first, wherever RAM stays within
+    the budget. Paging and weight re-reads only, no recomputation of activations: it is the start
+    that needs no search, where gap_plan's search over the peak stage takes minutes (it scores
+    every gap over the peak at each step) and the MILPs cannot be built. Past ``deadline`` it stops
+    putting gaps back: the plan is valid at every point of that loop. None when even the all-out
+    plan breaks a budget."""
+    import numpy as np
+
+    nodes, T = graph.nodes, len(graph)
+    size = np.array([n.bytes for n in nodes], dtype=np.int64)
+    users, last = graph.users(), graph.last_use()
+    cap = graph.last_compute_stage() if graph.streams_weights else None
+    owner, gap_a, gap_b = [], [], []
+    for i in range(T):
+        if size[i] <= 0:
+            continue
+        touches = sorted({i, *users[i]})
+        for a, b in zip(touches, touches[1:]):
+            if b - a < 2:
+                continue
+            if nodes[i].op == "param":
+                if nodes[i].deps or (cap is not None and b > cap[i]):
+                    continue  # weights come back by a read from storage, and only before their update
+            owner.append(i), gap_a.append(a), gap_b.append(b)
+    owner, gap_a, gap_b = (np.array(v, dtype=np.int64) for v in (owner, gap_a, gap_b))
+    diff = np.zeros(T + 1, dtype=np.int64)
+    np.add.at(diff, np.arange(T), size)
+    np.add.at(diff, np.asarray(last, dtype=np.int64) + 1, -size)
+    np.add.at(diff, gap_a + 1, -size[owner])
+    np.add.at(diff, gap_b, size[owner])
+    live = np.cumsum(diff)[:T]
+    if live.max(initial=0) > budgets.ram_bytes:
+        return None
+    is_param = np.array([nodes[i].op == "param" for i in owner.tolist()], dtype=bool)
+    gaps_of = np.bincount(owner, minlength=T)
+    # energy a gap costs when dropped: its page-in (or weights read), and its share of the one page-out
+    joules = np.where(is_param, costs.compute_j[owner],
+                      costs.page_in_j[owner] + costs.page_out_j[owner] / np.maximum(gaps_of[owner], 1))
+    density = joules / (size[owner].astype(float) * (gap_b - gap_a - 1))
+    dropped = np.ones(len(owner), dtype=bool)
+    ram = budgets.ram_bytes
+    for k, g in enumerate(np.argsort(-density, kind="stable").tolist()):
+        if k % SPILL_DEADLINE_CHECK_EVERY == 0 and (interrupted() or (deadline is not None
+                                                                      and time.perf_counter() > deadline)):
+            break
+        a, b, s = int(gap_a[g]), int(gap_b[g]), int(size[owner[g]])
+        window = live[a + 1:b]
+        if window.max() + s <= ram:
+            window += s
+            dropped[g] = False
+    if not _spill_within_storage(owner, gap_a, gap_b, size, is_param, dropped, live, ram, costs, budgets):
+        return None
+    away: dict[int, list[tuple[int, int]]] = {}
+    recompute, page_in, page_out = set(), set(), set()
+    for g in np.flatnonzero(dropped).tolist():
+        i, a, b = int(owner[g]), int(gap_a[g]), int(gap_b[g])
+        away.setdefault(i, []).append((a, b))
+        if is_param[g]:
+            recompute.add((b, i))
+        else:
+            page_in.add((b, i))
+            page_out.add(i)
+    keep = Keep({i: _without(i + 1, last[i], away.get(i, ())) for i in range(T)})
+    decisions = Decisions(frozenset(recompute), frozenset(page_in), frozenset(page_out), keep)
+    if not fits_storage(costs, budgets, decisions) or plan_runtime_s(costs, decisions) > budgets.runtime_s:
+        return None
+    if totals_of(graph, costs, build_steps(graph, decisions))["peak_ram_bytes"] > ram:
+        return None  # the per-stage sums above disagree with the replay: fail safely
+    return decisions
+
+
+def _spill_within_storage(owner, gap_a, gap_b, size, is_param, dropped, live, ram, costs, budgets) -> bool:
+    """Keep whole tensors in RAM again, instead of paging them, until the paged regions fit the
+    storage budget (each region is whole erase blocks: on an SD card 4 MiB for a tensor of a few
+    KiB), those that free the fewest byte-stages of RAM per byte of storage first, where RAM allows.
+    Updates ``dropped`` and ``live``; False when storage cannot be met this way."""
+    import numpy as np
+
+    paged = dropped & ~is_param
+    region = costs.storage_bytes
+    used = float(region[np.unique(owner[paged])].sum()) if paged.any() else 0.0
+    limit = float(budgets.storage_bytes) * (1 + 1e-12)
+    if used <= limit:
+        return True
+    by_tensor: dict[int, list[int]] = {}
+    for g in np.flatnonzero(paged).tolist():
+        by_tensor.setdefault(int(owner[g]), []).append(g)
+    relief = {i: sum(int(size[i]) * int(gap_b[g] - gap_a[g] - 1) for g in gs) / max(float(region[i]), 1.0)
+              for i, gs in by_tensor.items()}
+    for i in sorted(by_tensor, key=lambda i: (relief[i], i)):
+        gs = by_tensor[i]
+        if all(live[int(gap_a[g]) + 1:int(gap_b[g])].max() + int(size[i]) <= ram for g in gs):
+            for g in gs:
+                live[int(gap_a[g]) + 1:int(gap_b[g])] += int(size[i])
+                dropped[g] = False
+            used -= float(region[i])
+            if used <= limit:
+                return True
+    return False
