@@ -79,6 +79,19 @@ class _Group(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            self._main(args, prog_name, complete_var, **extra)
+        except SystemExit as exc:
+            from poet_opt.solver.backends import abandoned_runs_alive
+
+            if abandoned_runs_alive():
+                sys.stdout.flush()
+                sys.stderr.flush()
+                code = exc.code
+                os._exit(code if isinstance(code, int) and not isinstance(code, bool) else (0 if code is None else 1))
+            raise
+
+    def _main(self, args, prog_name, complete_var, **extra):
         handled = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _raise_terminated) if handled else None
         _TERMINATED.clear()

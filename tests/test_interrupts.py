@@ -3,7 +3,9 @@ was found), and exits 130. A Ctrl-C that lands in an early phase is not forgotte
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,10 +33,11 @@ def _interrupt_after(delay_s: float, *args: str, tmp_path: Path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ctrl_c_in_the_first_seconds_stops_within_two_seconds(tmp_path):
+@pytest.mark.parametrize("delay_s", [1.0])
+def test_ctrl_c_in_the_first_seconds_stops_within_two_seconds(tmp_path, delay_s):
     out_file = tmp_path / "plan.json"
     code, took, out, err = _interrupt_after(
-        2.0, "solve", "--model", "resnet50", "--device", "rpi4", "--ram", "20MB", "--gap", "0", "--out",
+        delay_s, "solve", "--model", "resnet50", "--device", "rpi4", "--ram", "20MB", "--gap", "0", "--out",
         str(out_file), tmp_path=tmp_path)
     assert code == 130, (out, err)
     assert took < 2.0 + 1.0, took  # 2 s promised; a loaded CI core gets a little slack
@@ -44,3 +47,21 @@ def test_ctrl_c_in_the_first_seconds_stops_within_two_seconds(tmp_path):
     else:
         assert "interrupted" in out and "claim" in out
         assert out_file.exists()  # the best valid plan so far, written because --out was given
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_deep_in_a_long_solve_keeps_the_best_schedule_and_stops_within_two_seconds(tmp_path):
+    """At 20 s ResNet-50's full MILP (180k columns, --gap 0: minutes to the end) is in HiGHS's
+    presolve or search, which called nothing back for 10 s after a Ctrl-C before HiGHS ran in a
+    thread of its own. Progress says which phase runs at least every few seconds throughout."""
+    out_file = tmp_path / "plan.json"
+    code, took, out, err = _interrupt_after(
+        20.0, "solve", "--model", "resnet50", "--device", "rpi4", "--ram", "20MB", "--gap", "0", "--out",
+        str(out_file), tmp_path=tmp_path)
+    assert code == 130, (out, err)
+    assert took < 2.0 + 1.0, took
+    assert "interrupted" in out and "claim" in out and out_file.exists()
+    assert json.loads(out_file.read_text())["solver"]["status"] == "interrupted"
+    stamps = [float(m) for m in re.findall(r"^  \[\s*([0-9.]+)s\] ", err, flags=re.M)]
+    assert len(stamps) >= 4, err
+    assert max(b - a for a, b in zip(stamps, stamps[1:])) <= 5.0, err

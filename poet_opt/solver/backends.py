@@ -158,6 +158,10 @@ def highs_lp(milp: Milp, *, relax: bool = False):
 # fraction of the limit (the whole solve promises limit x 1.05 + 2 s).
 HIGHS_GRACE_S = 0.5
 HIGHS_GRACE_REL = 0.01
+# How long after a Ctrl-C a HiGHS run is waited for (the promise is 2 s to stop in all), and how
+# often a run that calls nothing back is said to be alive.
+INTERRUPT_GRACE_S = 0.7
+HEARTBEAT_S = 3.0
 _ABANDONED: list[threading.Thread] = []
 
 
@@ -170,6 +174,17 @@ def _wait_for_abandoned_runs() -> None:
 
 
 ABANDONED_EXIT_WAIT_S = 30.0
+
+
+def abandoned_runs_alive(wait_s: float = 0.3) -> bool:
+    """Whether a HiGHS run given up on (after a time limit or a Ctrl-C) is still inside HiGHS after
+    ``wait_s`` more seconds. A command that must end now (exit 130 within 2 s of a Ctrl-C) then
+    leaves by os._exit after flushing its output: interpreter shutdown would wait for it, or crash
+    when it comes back into Python."""
+    until = time.perf_counter() + wait_s
+    for worker in _ABANDONED:
+        worker.join(max(0.0, until - time.perf_counter()))
+    return any(worker.is_alive() for worker in _ABANDONED)
 
 
 def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult:
@@ -237,38 +252,49 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
         h.cbSimplexInterrupt.subscribe(on_lp_interrupt)
         h.cbIpmInterrupt.subscribe(on_lp_interrupt)
         h.cbMipImprovingSolution.subscribe(on_solution)
-        if time_limit is None:
-            h.run()
-        else:
-            # HiGHS checks its time limit only now and then: its MIP presolve on ResNet-50's full model
-            # (190k columns) ran 8-70 s past a 120 s limit on a loaded machine, with no callback in
-            # between (benchmarks/HARD.md). It runs in a thread (highspy releases the GIL) that is
-            # given up on past the limit and a grace: the answer is then what the callbacks saw, and
-            # the thread stops itself at HiGHS's next check (each callback asks it to).
-            failure: list[BaseException] = []
+        # HiGHS checks its time limit and interrupt flag only now and then: its MIP presolve on
+        # ResNet-50's full model (190k columns) ran 8-70 s past a 120 s limit on a loaded machine,
+        # and 10 s past a Ctrl-C, with no callback in between (benchmarks/HARD.md). It runs in a
+        # thread (highspy releases the GIL) that is given up on past the limit and a grace, or
+        # INTERRUPT_GRACE_S after a Ctrl-C: the answer is then what the callbacks saw, and the
+        # thread stops itself at HiGHS's next check (each callback asks it to). Meanwhile this
+        # thread says every few seconds that the search is alive, whatever phase HiGHS is in.
+        failure: list[BaseException] = []
 
-            def run():
-                try:
-                    h.run()
-                except BaseException as exc:  # raised in the caller's thread, as without one
-                    failure.append(exc)
+        def run():
+            try:
+                h.run()
+            except BaseException as exc:  # raised in the caller's thread, as without one
+                failure.append(exc)
 
-            worker = threading.Thread(target=run, name="highs", daemon=True)
-            worker.start()
-            wait_until = started + float(time_limit) + HIGHS_GRACE_S + HIGHS_GRACE_REL * float(time_limit)
-            while worker.is_alive() and time.perf_counter() < wait_until:
-                worker.join(min(0.2, max(0.0, wait_until - time.perf_counter())))
-            if worker.is_alive():
-                abandoned.set()
-                _ABANDONED.append(worker)
-                x, objective = seen["x"], seen["objective"]
-                if x is not None and not _satisfies(milp, x):
-                    x = objective = None
-                # without a plan of its own the caller falls back on its starts, as after a time limit
-                return SolveResult("interrupted" if stop.is_set() else "time_limit", x, objective, seen["bound"],
-                                   time.perf_counter() - started, "highs")
-            if failure:
-                raise failure[0]
+        worker = threading.Thread(target=run, name="highs", daemon=True)
+        worker.start()
+        wait_until = (math.inf if time_limit is None
+                      else started + float(time_limit) + HIGHS_GRACE_S + HIGHS_GRACE_REL * float(time_limit))
+        stop_seen = None
+        while worker.is_alive():
+            now = time.perf_counter()
+            if now >= wait_until:
+                break
+            if stop.is_set():
+                stop_seen = now if stop_seen is None else stop_seen
+                if now - stop_seen >= INTERRUPT_GRACE_S:
+                    break
+            if progress is not None and now - started - last_report[0] >= HEARTBEAT_S:
+                last_report[0] = now - started
+                progress(Progress(now - started, None, seen["bound"], None, "MILP (presolve or search)"))
+            worker.join(min(0.2, max(0.0, wait_until - now)))
+        if worker.is_alive():
+            abandoned.set()
+            _ABANDONED.append(worker)
+            x, objective = seen["x"], seen["objective"]
+            if x is not None and not _satisfies(milp, x):
+                x = objective = None
+            # without a plan of its own the caller falls back on its starts, as after a time limit
+            return SolveResult("interrupted" if stop.is_set() else "time_limit", x, objective, seen["bound"],
+                               time.perf_counter() - started, "highs")
+        if failure:
+            raise failure[0]
         interrupted = stop.is_set()
     solve_s = time.perf_counter() - started
 

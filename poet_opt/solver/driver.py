@@ -368,6 +368,12 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                     *, backend: str, time_limit: Optional[float], gap: float, threads, progress, start) -> _Outcome:
     """Heuristic starts, the restricted MILP, then the full MILP, in the graph's own node order."""
     began = time.perf_counter()
+
+    def phase(name: str) -> None:  # the user sees which phase runs, however long it takes
+        if progress is not None:
+            progress(Progress(time.perf_counter() - began, None, None, None, name))
+
+    phase("heuristic starts")
     # the greedy loops replay the whole plan per step: they get a third of the time at most
     candidates = starting_points(graph, costs, budgets, mode,
                                  deadline=None if time_limit is None else began + 0.3 * time_limit)
@@ -392,6 +398,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
             limit = min(time_limit * 0.7, 0.6 * left)
         if time_limit is not None:  # what the heuristics left
             limit = max(0.05, min(limit, 0.9 * left))
+        phase("restricted (gap) MILP")
         best = gap_milp_plan(graph, costs, budgets, mode, time_limit=limit, threads=threads)
         if best is not None and not candidates:
             candidates = [best]
@@ -440,6 +447,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
             # already proven within the gap by the floor: one small LP says by how much less
             limit = min(limit, WINDOW_BOUND_TIME_S)
         if limit > 0.1:
+            phase("window bound")
             window = window_bound(graph, costs, budgets, mode, time_limit=limit, threads=threads,
                                   stop_at=best_start * (1 - gap))
             solve_s += 0.0 if window is None else window.solve_s
@@ -475,13 +483,17 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                 not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
             break  # no time to build the tightened MILP: the heuristic plans below stand
         started = time.perf_counter()
+        phase("building the full MILP")
         form = Formulation(graph, costs, budgets, mode, runtime_margin=margin, cost_cap=cost_cap)
         build_s = time.perf_counter() - started
         mip_start = next((x for x in map(form.encode, candidates) if x is not None), None)
         # the re-solve shares the one time limit the user gave
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - began) - reserve)
+        offset = time.perf_counter() - began  # the MILP counts from its own start: one clock for the user
         result = solve_milp(form.milp, backend=backend, time_limit=remaining, gap=gap, threads=threads,
-                            progress=progress, start=mip_start)
+                            progress=None if progress is None else
+                            (lambda p, offset=offset: progress(replace(p, elapsed_s=p.elapsed_s + offset))),
+                            start=mip_start)
         first = first or result  # the exact budget's bound stays valid whatever happens next
         solve_s += result.solve_s
         if result.x is None:
