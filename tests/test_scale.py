@@ -3,15 +3,19 @@ carries. Timing targets are measured by benchmarks/scale.py, not here."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import make_test_device
 from poet_opt.device.costs import node_costs
 from poet_opt.solver.formulation import Formulation
-from poet_opt.solver.heuristics import gap_plan, greedy_paging
+from poet_opt.solver.heuristics import gap_plan, greedy_paging, spill_plan
 from poet_opt.device.profiles import load_profile
 from poet_opt.model.random_graph import random_training_graph
-from poet_opt.schedule.decisions import build_steps, totals_of
+from poet_opt.schedule.decisions import Keep, build_steps, totals_of
 from poet_opt.solver.driver import resolve_budgets
 from poet_opt.model.zoo import build_model
 
@@ -250,3 +254,49 @@ def test_input_kept_rows_stop_the_lp_recomputing_in_slivers():
     assert loose < 1.003 < 1.009 < tight
     # the suffix-sum columns are part of a MIP start like every other column
     assert form.Q.max() >= 0 and form.encode(start) is not None
+
+
+_PAIRS = st.frozensets(st.tuples(st.integers(0, 30), st.integers(0, 8)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_PAIRS, _PAIRS)
+def test_keep_runs_behave_as_the_set_of_their_pairs(a, b):
+    ka, kb = Keep.of(a), Keep.of(b)
+    assert set(ka) == a and len(ka) == len(a) and bool(ka) == bool(a)
+    assert ka == a and a == ka and (ka == kb) == (a == b)
+    for t in range(-1, 32):
+        for i in range(-1, 10):
+            assert ((t, i) in ka) == ((t, i) in a)
+    assert ka | kb == a | b and ka | b == a | b and set(a | kb) == a | b
+    assert pickle.loads(pickle.dumps(ka)) == ka and hash(Keep.of(set(a))) == hash(ka)
+    assert Keep.from_ranges((i, t, t) for t, i in a) == ka
+    assert all(x[1] + 1 < y[0] for runs in ka.runs.values() for x, y in zip(runs, runs[1:]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_spill_plan_is_valid_and_fits_down_to_the_largest_working_set(seed):
+    """The start that needs no search holds, at the all-out extreme, only what each node reads and
+    writes: it must fit every budget down to the largest working set of one step when storage and
+    time allow, and each plan must pass the independent validator."""
+    from poet_opt.schedule import validator
+    from poet_opt.schedule.document import Schedule
+
+    graph = random_training_graph(5 + 3 * seed, seed, max_fan_in=3, skip_prob=0.5, zero_cost_prob=0.2)
+    device = make_test_device() if seed % 3 else load_profile("stm32f746")
+    costs = node_costs(graph, device)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    for ram in (lo, (lo + hi) // 2, hi - 1):
+        budgets = resolve_budgets(graph, device, costs, max(ram, lo))
+        plan = spill_plan(graph, costs, budgets)
+        if seed % 3:  # storage in 4 KiB blocks, 1 GiB of it: the all-out plan always fits
+            assert plan is not None, ram
+        if plan is None:
+            continue
+        steps = build_steps(graph, plan)
+        totals = totals_of(graph, costs, steps)
+        assert totals["peak_ram_bytes"] <= budgets.ram_bytes
+        assert not plan.recompute  # paging only: no parameters in these graphs
+        doc = Schedule(model=graph.name, mode="joint", graph=graph, profile=device, costs=costs, budgets=budgets,
+                       decisions=plan, steps=steps, totals=totals, plain={}, solver={}).to_dict()
+        validator.replay(doc)
