@@ -410,6 +410,41 @@ def _gurobi_python_available() -> bool:
     return True
 
 
+class Heartbeat:
+    """Says which phase of a solve runs, every HEARTBEAT_S, from a thread of its own: phases that
+    call nothing back (heuristics, building a MILP, a restricted MILP) still show that the solve is
+    alive, and a solve that ends within its first seconds says nothing (an error stays one line).
+    ``phase(None)`` hands over to a solver that reports for itself."""
+
+    def __init__(self, progress: Optional[Callable[[Progress], None]]):
+        self._progress = progress
+        self._name: Optional[str] = None
+        self._began = self._said = time.perf_counter()
+        self._done = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def phase(self, name: Optional[str]) -> None:
+        self._name = name
+
+    def _beat(self) -> None:
+        while not self._done.wait(0.25):
+            now, name = time.perf_counter(), self._name
+            if name is not None and now - self._said >= HEARTBEAT_S:
+                self._said = now
+                self._progress(Progress(now - self._began, None, None, None, name))
+
+    def __enter__(self) -> "Heartbeat":
+        if self._progress is not None:
+            self._thread = threading.Thread(target=self._beat, name="poet-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def print_progress(p: Progress) -> None:
     inc = "-" if p.incumbent is None else f"{p.incumbent:.6g} J"
     bnd = "-" if p.bound is None else f"{p.bound:.6g} J"

@@ -17,7 +17,8 @@ from poet_opt.schedule.decisions import (Budgets, Decisions, build_steps, lifeti
                                          stored_param_bytes, totals_of, update_region_bytes, wear_levelled,
                                          wear_storage_cap)
 from poet_opt.schedule.document import Schedule
-from poet_opt.solver.backends import Progress, SolveResult, interrupt_scope, interrupted, relative_gap, solve_milp
+from poet_opt.solver.backends import (Heartbeat, Progress, SolveResult, interrupt_scope, interrupted, relative_gap,
+                                     solve_milp)
 from poet_opt.solver.bounds import window_bound
 from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
@@ -194,10 +195,10 @@ def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began
             # an equal share of what is left: orders that finish early leave their time to the rest
             share = max(0.05, (time_limit - (time.perf_counter() - began)) / (len(orders) - k))
         here = graph if label == "given" else graph.reordered(ids)
-        outcome = _solve_in_order(here, node_costs(here, profile) if here is not graph else costs, profile, budgets,
-                                  mode,
-                                  backend=backend, time_limit=share, gap=gap, threads=threads, progress=progress,
-                                  start=_start_for(start, ids))
+        with Heartbeat(progress) as heartbeat:
+            outcome = _solve_in_order(here, node_costs(here, profile) if here is not graph else costs, profile,
+                                      budgets, mode, backend=backend, time_limit=share, gap=gap, threads=threads,
+                                      progress=progress, start=_start_for(start, ids), heartbeat=heartbeat)
         outcome.label, outcome.order = label, tuple(ids)
         outcomes.append(outcome)
         if outcome.status == "interrupted" or interrupted():
@@ -365,14 +366,12 @@ def _start_for(start, ids: list[int]):
 
 
 def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfile, budgets: Budgets, mode: str,
-                    *, backend: str, time_limit: Optional[float], gap: float, threads, progress, start) -> _Outcome:
+                    *, backend: str, time_limit: Optional[float], gap: float, threads, progress, start,
+                    heartbeat: Optional["Heartbeat"] = None) -> _Outcome:
     """Heuristic starts, the restricted MILP, then the full MILP, in the graph's own node order."""
     began = time.perf_counter()
 
-    def phase(name: str) -> None:  # the user sees which phase runs, however long it takes
-        if progress is not None:
-            progress(Progress(time.perf_counter() - began, None, None, None, name))
-
+    phase = heartbeat.phase if heartbeat is not None else (lambda name: None)
     phase("heuristic starts")
     # the greedy loops replay the whole plan per step: they get a third of the time at most
     candidates = starting_points(graph, costs, budgets, mode,
@@ -489,6 +488,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         mip_start = next((x for x in map(form.encode, candidates) if x is not None), None)
         # the re-solve shares the one time limit the user gave
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - began) - reserve)
+        phase(None)  # HiGHS reports from here on, and says it is alive when it calls nothing back
         offset = time.perf_counter() - began  # the MILP counts from its own start: one clock for the user
         result = solve_milp(form.milp, backend=backend, time_limit=remaining, gap=gap, threads=threads,
                             progress=None if progress is None else
