@@ -230,18 +230,13 @@ def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_
     size = np.array([n.bytes for n in nodes], dtype=np.int64)
     users, last = graph.users(), graph.last_use()
     live = np.zeros(T + 1, dtype=np.int64)
-    owner, gap_a, gap_b = [], [], []
     for i in range(T):
         live[i] += size[i]
         live[last[i] + 1] -= size[i]
-        touches = sorted({i, *users[i]})
-        for a, b in zip(touches, touches[1:]):
-            if b - a >= 2 and size[i] > 0:  # a gap with stages inside it
-                owner.append(i), gap_a.append(a), gap_b.append(b)
     live = np.cumsum(live)[:T]
     if live.max(initial=0) <= budgets.ram_bytes:
         return plain_decisions(graph)
-    owner, gap_a, gap_b = np.array(owner, dtype=np.int64), np.array(gap_a), np.array(gap_b)
+    owner, gap_a, gap_b = _gaps(graph, users)
     n_gaps = len(owner)
     how = np.zeros(n_gaps, dtype=np.int8)  # 0 kept, 1 paged in after the gap, 2 recomputed after it
     paged_out = np.zeros(T, dtype=bool)
@@ -334,6 +329,22 @@ def _without(first: int, last: int, gaps) -> tuple[tuple[int, int], ...]:
 SPILL_DEADLINE_CHECK_EVERY = 512
 
 
+def _gaps(graph: TrainingGraph, users):
+    """Every gap (a, b), two consecutive stages that touch (make or read) tensor i with stages in
+    between, of every tensor with bytes: three arrays (tensor, a, b)."""
+    import numpy as np
+
+    owner, gap_a, gap_b = [], [], []
+    for i, node in enumerate(graph.nodes):
+        if node.bytes <= 0:
+            continue
+        touches = sorted({i, *users[i]})
+        for a, b in zip(touches, touches[1:]):
+            if b - a >= 2:
+                owner.append(i), gap_a.append(a), gap_b.append(b)
+    return tuple(np.array(v, dtype=np.int64) for v in (owner, gap_a, gap_b))
+
+
 def spill_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
                deadline: Optional[float] = None) -> Decisions | None:
     """A plan for graphs of any size, in time and memory about linear in the graph: start with every
@@ -352,19 +363,11 @@ def spill_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
     size = np.array([n.bytes for n in nodes], dtype=np.int64)
     users, last = graph.users(), graph.last_use()
     cap = graph.last_compute_stage() if graph.streams_weights else None
-    owner, gap_a, gap_b = [], [], []
-    for i in range(T):
-        if size[i] <= 0:
-            continue
-        touches = sorted({i, *users[i]})
-        for a, b in zip(touches, touches[1:]):
-            if b - a < 2:
-                continue
-            if nodes[i].op == "param":
-                if nodes[i].deps or (cap is not None and b > cap[i]):
-                    continue  # weights come back by a read from storage, and only before their update
-            owner.append(i), gap_a.append(a), gap_b.append(b)
-    owner, gap_a, gap_b = (np.array(v, dtype=np.int64) for v in (owner, gap_a, gap_b))
+    owner, gap_a, gap_b = _gaps(graph, users)
+    # weights come back by a read from storage, and only before their update
+    readable = np.array([nodes[i].op != "param" or (not nodes[i].deps and (cap is None or b <= cap[i]))
+                         for i, b in zip(owner.tolist(), gap_b.tolist())], dtype=bool)
+    owner, gap_a, gap_b = owner[readable], gap_a[readable], gap_b[readable]
     diff = np.zeros(T + 1, dtype=np.int64)
     np.add.at(diff, np.arange(T), size)
     np.add.at(diff, np.asarray(last, dtype=np.int64) + 1, -size)
