@@ -370,7 +370,6 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                     heartbeat: Optional["Heartbeat"] = None) -> _Outcome:
     """Heuristic starts, the restricted MILP, then the full MILP, in the graph's own node order."""
     began = time.perf_counter()
-
     phase = heartbeat.phase if heartbeat is not None else (lambda name: None)
     phase("heuristic starts")
     # the greedy loops replay the whole plan per step: they get a third of the time at most
@@ -381,7 +380,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     # 190k columns do not finish it in 90 s; 1000 nodes make 1.6M): the best start stands, with the
     # plain-training floor as its bound. Without a time limit the user asked to wait for the optimum.
     full_decisions = decision_count(graph, mode)
-    # replaying the chosen plan into steps, after every phase here: seconds at 2000 nodes
+    # replaying, validating and summarising the chosen plan, after every phase here
     reserve = 0.0 if time_limit is None else FINISH_S_PER_NODE * len(graph)
     skip_full = time_limit is not None and full_decisions > FULL_MILP_MAX_DECISIONS and backend == "highs"
     gap_milp_fits = time_limit is None or GAP_MILP_BUILD_S_PER_NODE_SQUARED * len(graph) ** 2 <= 0.5 * (
