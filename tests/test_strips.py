@@ -3,6 +3,9 @@ its structure is the unstriped graph's when nothing is split."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
 from poet_opt.model.strips import fit_strips, partition, receptive, touching
@@ -176,3 +179,58 @@ def test_resnet18_strips_fit_the_nrf52840_budget():
                                               strips=ks), 200 * 1024)
     assert graph.largest_working_set()[0] <= 200 * 1024
     assert "layer1.0.conv1#0@s2" in {n.name for n in graph.nodes}
+
+
+@pytest.fixture(scope="module")
+def vww_strip_plan(tmp_path_factory):
+    """mcu-vww in four strips per tensor at 64 KiB: without strips one node needs 108 KiB."""
+    from test_cli import cli
+
+    out = tmp_path_factory.mktemp("strips") / "vww.json"
+    result = cli("solve", "--model", "mcu-vww", "--device", "nrf52840", "--ram", "64KiB", "--weights", "streamed",
+                 "--strips", "4", "--time-limit", "10", "-q", "--json", "--out", out, "--export", out.with_suffix(".h"))
+    assert result.exit_code == 0, result.stderr
+    return json.loads(out.read_text()), json.loads(result.stdout), out.with_suffix(".h").read_text()
+
+
+def test_strips_option_plans_below_the_unsplit_working_set(vww_strip_plan):
+    from poet_opt.schedule.validator import validate
+
+    doc, summary, _ = vww_strip_plan
+    validate(doc)
+    names = {n["name"] for n in doc["graph"]["nodes"]}
+    assert {"conv0@s0", "stats:bn0@s3", "gstats:bn0@s3", "wgrad:conv0@s3", "grad:relu0@s2"} <= names
+    assert doc["totals"]["peak_ram_bytes"] <= 64 * 1024 and doc["memory"]["fits_device"]
+    assert build_model("mcu-vww", weights="streamed").min_working_set_bytes() > 64 * 1024
+
+
+def test_header_exports_a_strip_plan(vww_strip_plan):
+    doc, _, header = vww_strip_plan
+    assert "stats:bn0@s3" in header and "wgrad:conv0@s3" in header
+    assert header.count("{") > len(doc["steps"])  # a row per step
+
+
+def test_executors_refuse_a_strip_plan_in_one_line(vww_strip_plan, tmp_path):
+    """Neither the PyTorch executor nor the firmware generator runs strips: they say so, naming a
+    strip node, rather than mis-run the plan."""
+    from test_cli import assert_one_line_error, cli
+
+    from poet_opt.errors import PoetError
+    from poet_opt.executor.runner import check_schedule
+    from poet_opt.firmware import codegen
+    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.network import lower_network
+
+    doc, _, _ = vww_strip_plan
+    network = lower_network(zoo_module("mcu-vww"), (1, 1, 96, 96), weights="streamed")
+    with pytest.raises(PoetError, match=r"splits activations into strips \(node .*@s\d.*PyTorch executor"):
+        check_schedule(network, doc)
+    with pytest.raises(PoetError, match=r"splits activations into strips .*firmware generator"):
+        codegen.generate(network, doc, None, None, steps=1, lr=0.1, x=None, y=None)
+    data = tmp_path / "big.npz"
+    np.savez(data, x=np.zeros((1, 3, 192, 192), np.float32), y=np.zeros(1, np.int64))
+    cnn = "poet_opt.examples.torch_models:tiny_cnn"
+    for command, who in (("emulate", "the firmware generator"), ("run", "the PyTorch executor")):
+        result = cli(command, "--torch", cnn, "--input-shape", "1,3,192,192", "--device", "nrf52840", "--ram",
+                     "200KiB", "--steps", "1", "--lr", "0.1", "--data", data, *(["-q"] if command == "emulate" else []))
+        assert_one_line_error(result, "--ram", "split into strips", who)

@@ -35,7 +35,7 @@ class _Replay:
 
         self.t, self.graph, self.params, self.x, self.y, self.lr = torch, graph, params, x, y, lr
         meta = graph.meta["strips"]
-        self.layers, self.records = meta["layers"], meta["nodes"]
+        self.layers, self.records, self.alias = meta["layers"], meta["nodes"], meta["grad_alias"]
         self.parts = {name: [tuple(r) for r in rows] for name, rows in meta["tensors"].items()}
         self.values: dict = {}
         self.weight_grads: dict = {}
@@ -58,6 +58,9 @@ class _Replay:
     def rows_of(self, env, layer: str, lo: int, hi: int, prefix: str = ""):
         """Rows [lo, hi) of tensor ``layer`` (or of its gradient, prefix "grad:"), from the strips
         in ``env`` that hold them."""
+        if prefix == "grad:" and layer in self.alias:  # a weight slice: its channels of the concat's gradient
+            c0, c1 = self.channels[layer]
+            return self.rows_of(env, self.alias[layer], lo, hi, prefix)[:, c0:c1]
         pieces = []
         for j, (a, b) in enumerate(self.strips(layer)):
             if a < hi and lo < b:

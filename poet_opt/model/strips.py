@@ -172,6 +172,7 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
         return any(len(strips_of(j)) > 1 for j in (u, *ops[u].inputs))
 
     grad: dict[int, list[int]] = {}
+    alias: dict[str, str] = {}  # weight slice -> the concat whose gradient strips it reads
     gstats: dict[int, int] = {}
     host: dict[tuple[int, int], int] = {}  # (weighted layer u, strip j of its input) -> node of that term
     last_reader: dict[int, int] = {}  # layer -> its last data-gradient node that reads its weights
@@ -281,7 +282,13 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
                                {"role": "bn_gstats", "layer": ops[u].name, "rows": rows})
                 gstats[u] = prev
         ids = []
-        for j, rows in enumerate(strips_of(f)):
+        only = users[f][0] if len(users[f]) == 1 else None
+        if only is not None and ops[only].op == "concat" and len(strips_of(f)) > 1:
+            # a weight slice over strips reads its channels of the concat's gradient strips: a copy
+            # per slice and strip would be one more tensor to hold or page for every pair
+            ids = grad[only]
+            alias[o_f.name] = ops[only].name
+        for j, rows in enumerate(strips_of(f) if not ids else ()):
             terms = [(u, *term(u, f, j, rows)) for u in users[f]]
             weighted = [t for t in terms if t[3]]
             plain = [t for t in terms if not t[3]]
@@ -329,7 +336,7 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
                 emit_wgrad(u, upto_last=u != f or not any(needs_grad[x] for x in ops[u].inputs))
     layers = {o.name: {"op": o.op, "shape": list(o.shape), "inputs": [ops[x].name for x in o.inputs],
                        "window": list(o.window), "params": o.params} for o in ops}
-    meta = {**meta, "strips": {"layers": layers, "per_height": {str(h): k for h, k in sorted(strips.items()) if k > 1},
+    meta = {**meta, "strips": {"layers": layers, "grad_alias": alias, "per_height": {str(h): k for h, k in sorted(strips.items()) if k > 1},
                                "tensors": {o.name: pp for o, pp in zip(ops, parts) if pp and len(pp) > 1},
                                "nodes": info}}
     return TrainingGraph.build(name, nodes, meta=meta)
@@ -359,3 +366,52 @@ def fit_strips(build, budget_bytes: int, max_rounds: int = 32) -> TrainingGraph:
         counts = {**counts, **{h: min(h, 2 * counts.get(h, 1)) for h in heights}}
         graph = build(counts)
     return graph
+
+
+STRIP_OPS = ("batchnorm_stats", "batchnorm_grad_stats", "conv2d_wgrad")
+
+
+def strip_node(nodes) -> str | None:
+    """The first node of a graph or schedule document (dicts with name and op) that belongs to
+    activation strips, or None."""
+    import re
+
+    for n in nodes:
+        name, op = (n["name"], n.get("op", "")) if isinstance(n, dict) else (n.name, n.op)
+        if op in STRIP_OPS or re.search(rf"{STRIP_MARK}\d+(\+\d+)?$", name):
+            return name
+    return None
+
+
+def refuse_strips(nodes, who: str, field: str) -> None:
+    """Executors without strip kernels refuse a strip plan rather than run it wrongly."""
+    name = strip_node(nodes)
+    if name is not None:
+        raise PoetError(f"the plan splits activations into strips (node {name}); {who} does not run activation "
+                        "strips yet", field=field)
+
+
+def refuse_needing_strips(graph: TrainingGraph, device_ram_bytes: int, stack_bytes: int, who: str,
+                          device: str) -> None:
+    """A model that only fits the device with its activations in strips (poet-opt solve plans it)
+    is refused by executors that do not run strips, in one line, before any solve."""
+    from poet_opt.units import format_bytes
+
+    working, node = graph.largest_working_set()
+    if working + stack_bytes > device_ram_bytes and any(n.bytes and n.op == "conv2d" for n in graph.nodes):
+        raise PoetError(f"computing {node.name} holds {format_bytes(working)} at once, more than {device}'s "
+                        f"{format_bytes(device_ram_bytes)} of RAM with the stack: it needs its activations split "
+                        f"into strips (poet-opt solve plans them), which {who} does not run yet", field="--ram")
+
+
+def low_memory(graph: TrainingGraph) -> TrainingGraph:
+    """The strip graph in the greedy low-memory execution order (model/orders.py): the builder
+    emits it layer by layer, which holds every strip of a layer's gradient at once; the greedy
+    order walks strip by strip, so that the starting plans page far fewer tensors. (Plain
+    training's peak, the weights, is the same in both, so ``--order auto`` would not try it.)"""
+    from poet_opt.model.orders import low_memory_order
+
+    if not (graph.meta.get("strips") or {}).get("tensors"):
+        return graph
+    order = low_memory_order(graph)
+    return graph if order is None else graph.reordered(order)
