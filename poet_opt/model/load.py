@@ -65,6 +65,7 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         if working + stack_reserve_bytes <= device_ram_bytes:
             return streamed, name
         graph.meta["streamed_working_set"] = {"bytes": working, "node": node.name}
+        graph.meta["strips_tried"] = streamed.meta.get("strips_tried", False)
         return graph, name
     if weights not in ("resident", "streamed"):
         raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
@@ -149,4 +150,7 @@ def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserv
     budget = device_ram_bytes - stack_reserve_bytes
     budget = budget if ram_bytes is None else min(budget, ram_bytes)
     striped = fit_strips(build, budget)
-    return low_memory(striped) if striped.largest_working_set()[0] <= budget else graph
+    if striped.largest_working_set()[0] <= budget:
+        return low_memory(striped)
+    graph.meta["strips_tried"] = True  # for the refusal: strips were tried and did not help
+    return graph
