@@ -39,7 +39,7 @@ def _reference(ops, params, x, y):
             v = x.clone().requires_grad_(True)
         elif o.op == "conv2d":
             k, s, pad = o.window
-            v = F.conv2d(ins[0], p["weight"], p.get("bias"), stride=s, padding=pad)
+            v = F.conv2d(ins[0], p["weight"], p.get("bias"), stride=s, padding=pad, groups=_groups(o, ops))
         elif o.op == "batchnorm":
             v = F.batch_norm(ins[0], None, None, p["weight"], p["bias"], training=True, eps=1e-5)
         elif o.op == "relu":
@@ -58,11 +58,17 @@ def _reference(ops, params, x, y):
     return loss, out
 
 
+def _groups(o, ops) -> int:
+    cin = ops[o.inputs[0]].shape[0]
+    return cin if o.params in (o.shape[0] * o.window[0] ** 2, o.shape[0] * o.window[0] ** 2 + o.shape[0]) \
+        and cin == o.shape[0] > 1 else 1
+
+
 def _params(ops, gen):
     params = {}
     for o in ops:
         if o.op == "conv2d":
-            cin = next(q for q in ops if q is ops[o.inputs[0]]).shape[0]
+            cin = ops[o.inputs[0]].shape[0] // _groups(o, ops)
             params[o.name] = {"weight": torch.randn(o.shape[0], cin, o.window[0], o.window[0], generator=gen,
                                                     dtype=torch.float64) * 0.4}
             if o.params > o.shape[0] * cin * o.window[0] ** 2:
@@ -260,3 +266,42 @@ def test_resnet18_plans_on_the_nrf52840_in_strips():
     memory = plan.memory()
     assert doc["totals"]["peak_ram_bytes"] <= budget
     assert memory["fits_device"] and memory["fits_storage"] and memory["total_bytes"] <= profile.memory.ram_bytes
+
+
+def test_the_strip_plan_trains_as_pytorch_sgd(vww_strip_plan):
+    """The PyTorch execution of the solved plan itself (its recomputes, page-outs, page-ins and
+    frees, each compute on resident tensors only) trains mcu-vww in strips for two SGD steps with
+    the loss and weights of torch autograd and torch.optim.SGD on the unsplit network (float64)."""
+    from poet_opt.cli import load_graph
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.executor.strips import run_plan
+    from poet_opt.model.zoo import _ZOO
+
+    doc, _, _ = vww_strip_plan
+    graph, _ = load_graph("mcu-vww", None, batch_size=1, bytes_per_element=4, weights="streamed",
+                          profile=load_profile("nrf52840"), ram=["64KiB"], strips="4")
+    names = [n["name"] for n in doc["graph"]["nodes"]]
+    assert sorted(names) == sorted(n.name for n in graph.nodes)
+    steps = [(s["op"], names[s["node"]]) for s in doc["steps"]]
+    assert any(op == "page_in" for op, _ in steps) and any(op == "compute" and "@s" in n for op, n in steps)
+
+    net = _Net((1, 96, 96))
+    _ZOO["mcu-vww"][3](net)
+    gen = torch.Generator().manual_seed(3)
+    params = _params(net.ops, gen)
+    mine = {name: {r: v.clone() for r, v in layer.items()} for name, layer in params.items()}
+    x = torch.randn(1, 1, 96, 96, generator=gen, dtype=torch.float64)
+    y = torch.tensor([1])
+    reference = [p.requires_grad_(True) for layer in params.values() for p in layer.values()]
+    sgd = torch.optim.SGD(reference, lr=0.05)
+    for _ in range(2):
+        sgd.zero_grad()
+        loss, _ = _reference(net.ops, params, x, y)
+        loss.backward()
+        sgd.step()
+        ran = run_plan(graph, steps, mine, x, y, 0.05)
+        _close(ran["loss"], loss.detach(), "loss")
+        assert ran["peak_bytes"] <= 64 * 1024
+    for name, layer in params.items():
+        for role, p in layer.items():
+            _close(mine[name][role], p.detach(), f"{name}.{role} after two steps")

@@ -162,7 +162,7 @@ class _Replay:
             if op == "avgpool":
                 return F.avg_pool2d(local, k, s)
             w = self.weights(env, name)
-            return F.conv2d(local, w["weight"], w.get("bias"), stride=s)
+            return F.conv2d(local, w["weight"], w.get("bias"), stride=s, groups=layer.get("groups", 1))
         xs = [env[self.strip_name(i, j)] for i in inputs]
         if op == "batchnorm":
             w = self.weights(env, name)
@@ -221,7 +221,7 @@ class _Replay:
             if op == "conv2d":
                 w = self.weights(env, u)["weight"]
                 size = (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
-                local = t.nn.grad.conv2d_input(size, w, g, stride=s)
+                local = t.nn.grad.conv2d_input(size, w, g, stride=s, groups=layer.get("groups", 1))
             else:  # pooling: the vector-Jacobian product of the local window, re-run on its input rows
                 if op == "maxpool":  # where the maximum of every touched window is
                     xin = self._window_input(env, layer, f, (m0, m1), fill=-math.inf)
@@ -289,7 +289,7 @@ class _Replay:
         k, s, _ = layer["window"]
         local = self._window_input(env, layer, x, (lo, hi))
         w = self.params[u]
-        out = {"weight": t.nn.grad.conv2d_weight(local, w["weight"].shape, g, stride=s)}
+        out = {"weight": t.nn.grad.conv2d_weight(local, w["weight"].shape, g, stride=s, groups=layer.get("groups", 1))}
         if "bias" in w:
             out["bias"] = g.sum(dim=(0, 2, 3))
         return out
@@ -327,3 +327,54 @@ def _slice_channels(tiles: dict, layers: dict) -> dict[str, tuple[int, int]]:
             out[name] = (lo, hi)
             lo = hi
     return out
+
+
+def run_plan(graph, steps, params: dict, x, y, lr: float) -> dict:
+    """Execute a strip plan: ``steps`` are (op, node name) pairs (compute, page_out, page_in, free)
+    of a schedule of ``graph``. A compute reads only tensors resident at that moment (else
+    KeyError: the plan would be wrong), a page-out copies to a dict that stands for the storage,
+    a page-in copies back, a free drops; a recompute runs the node again. An update applies SGD to
+    ``params`` in place once; a node that reads weights after their update raises. Returns the loss,
+    the weight gradients and the peak of the resident bytes as the graph sizes them."""
+    r = _Replay(graph, params, x, y, lr)
+    by_name = {n.name: n for n in graph.nodes}
+    resident: dict = {}
+    storage: dict = {}
+    updated: set[int] = set()
+    live = peak = 0
+    loss = None
+    for op, name in steps:
+        node = by_name[name]
+        if op == "compute":
+            stale = [graph.nodes[d].name for d in node.deps if d in updated and d not in node.updates]
+            if stale or node.id in updated or (set(node.updates) & updated):
+                raise ValueError(f"{name} runs on weights already updated in place ({stale or name})")
+            env = {graph.nodes[d].name: resident[d] for d in node.deps}
+            value = r.compute(node, r.records[name], env)
+            updated |= set(node.updates)
+            if name == "loss" and loss is None:
+                loss = value
+        elif op == "page_out":
+            storage[node.id] = _copied(resident[node.id])
+            continue
+        elif op == "page_in":
+            value = _copied(storage[node.id])
+        elif op == "free":
+            del resident[node.id]
+            live -= node.bytes
+            continue
+        else:
+            raise ValueError(f"unknown step {op!r}")
+        if node.id not in resident:
+            live += node.bytes
+        resident[node.id] = value
+        peak = max(peak, live)
+    return {"loss": loss, "weight_grads": r.weight_grads, "peak_bytes": peak}
+
+
+def _copied(value):
+    if isinstance(value, tuple):
+        return tuple(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value.clone() if hasattr(value, "clone") else value

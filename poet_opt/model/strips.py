@@ -67,6 +67,19 @@ def _name(base: str, parts, j: int) -> str:
     return base if len(parts) == 1 else f"{base}{STRIP_MARK}{j}"
 
 
+def _conv_layout(o, ops) -> dict:
+    """A convolution's groups and bias, from its parameter count (the zoo records neither): each
+    output channel has cin / groups * k * k weights, and one bias when it has one."""
+    if o.op != "conv2d" or not o.window:
+        return {}
+    cin, cout, k2 = ops[o.inputs[0]].shape[0], o.shape[0], o.window[0] ** 2
+    for bias in (0, 1):
+        per, rest = divmod(o.params - bias * cout, cout * k2)
+        if not rest and per and cin % per == 0:
+            return {"groups": cin // per, "bias": bool(bias)}
+    raise PoetError(f"{o.name}: {o.params} parameters are no convolution's layout", field="--strips")
+
+
 def strip_counts(ops: Sequence, strips) -> dict[int, int]:
     """{H: strips} from an int (the same count at every height, capped at H) or such a dict."""
     if isinstance(strips, dict):
@@ -335,7 +348,7 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
             if u in train and u in param and needs_own(u):
                 emit_wgrad(u, upto_last=u != f or not any(needs_grad[x] for x in ops[u].inputs))
     layers = {o.name: {"op": o.op, "shape": list(o.shape), "inputs": [ops[x].name for x in o.inputs],
-                       "window": list(o.window), "params": o.params} for o in ops}
+                       "window": list(o.window), "params": o.params, **_conv_layout(o, ops)} for o in ops}
     meta = {**meta, "strips": {"layers": layers, "grad_alias": alias, "per_height": {str(h): k for h, k in sorted(strips.items()) if k > 1},
                                "tensors": {o.name: pp for o, pp in zip(ops, parts) if pp and len(pp) > 1},
                                "nodes": info}}
