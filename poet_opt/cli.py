@@ -124,7 +124,7 @@ def main():
 def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, bytes_per_element: int,
                input_shape: str | None = None, torch: str | None = None, onnx: str | None = None,
                trainable="all", costs: str | None = None, optimizer: str = "none", weights: str = "resident",
-               profile=None, ram=None, weight_tile=None):
+               profile=None, ram=None, weight_tile=None, strips="auto"):
     """--model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE, exactly one
     (poet_opt.model.load.load_training_graph); ``profile`` decides --weights auto; streamed layers
     with more weights than ``weight_tile`` (default: a quarter of the smallest ``ram``) are sliced."""
@@ -144,10 +144,13 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
     return load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                bytes_per_element=bytes_per_element, input_shape=input_shape, trainable=trainable,
                                costs=costs, optimizer=optimizer, weights=weights, tile_bytes=tile, ram_bytes=largest,
-                               **device)
+                               strips=strips, **device)
 
 
 def WEIGHTS_OPTION(command):
+    command = click.option(
+        "--strips", default="auto", show_default=True, help="streamed zoo models: split activations along H into "
+        "strips (docs/streaming.md); auto: only when a node would not fit the device otherwise; off; or N")(command)
     command = click.option(
         "--weight-tile", default=None, help="streamed weights: split a layer whose weights exceed this (e.g. 48KiB) "
         "into slices of its output features; default a quarter of the RAM budget")(command)
@@ -200,7 +203,7 @@ def WEIGHTS_OPTION(command):
 @_one_line_errors
 def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, order, gap, batch_size, torch_spec, onnx_file,
           input_shape, trainable, optimizer, costs_file, out, allow_oversize, min_lifetime_steps, weights, weight_tile,
-          export_file, prefix, as_json, quiet):
+          strips, export_file, prefix, as_json, quiet):
     """Solve for the energy-optimal training schedule under RAM and runtime budgets."""
     from poet_opt.device.profiles import load_profile
     from poet_opt.files import write_json_atomic, write_text_atomic
@@ -213,7 +216,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
     graph, name = load_graph(model, graph_file, batch_size=batch_size, input_shape=input_shape,
                              bytes_per_element=profile.memory.bytes_per_element, torch=torch_spec, onnx=onnx_file,
                              trainable=trainable, costs=costs_file, optimizer=optimizer, weights=weights, profile=profile,
-                             ram=[ram], weight_tile=weight_tile)
+                             ram=[ram], weight_tile=weight_tile, strips=strips)
     if not allow_oversize:
         check_weights_fit(graph, profile)
     _check_not_inputs([("--out", out), ("--export", export_file)], graph_file=graph_file, device=device,
@@ -543,7 +546,7 @@ def _table(rows) -> str:
 @_one_line_errors
 def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runtime, modes, time_limit, order, gap, jobs,
            scheduler, warm, batch_size, torch_spec, onnx_file, input_shape, trainable, optimizer, costs_file, out_dir,
-           allow_oversize, as_json, min_lifetime_steps, weights, weight_tile, quiet):
+           allow_oversize, as_json, min_lifetime_steps, weights, weight_tile, strips, quiet):
     """Sweep RAM budgets and plot the energy-memory Pareto front (docs/pareto.md)."""
     from poet_opt import pareto as pf
     from poet_opt.device.profiles import load_profile
@@ -577,7 +580,7 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
                                     bytes_per_element=4 if graph_file else profiles[0].memory.bytes_per_element,
                                     torch=torch_spec, onnx=onnx_file, trainable=trainable, costs=costs_file,
                                     optimizer=optimizer, weights=weights, profile=profiles[0], ram=rams,
-                                    weight_tile=weight_tile)
+                                    weight_tile=weight_tile, strips=strips)
         built_once = built_once or subject.streams_weights
     if built_once:
         kwargs = {}

@@ -83,6 +83,10 @@ def run_training(*, torch_model, input_shape, device, ram, steps: int, lr: float
         Storage(storage).close()
     say("tracing the model")
     network = prepare(torch_model, input_shape, trainable=trainable)
+    from poet_opt.model.strips import refuse_needing_strips
+
+    refuse_needing_strips(network.graph, profile.memory.ram_bytes, profile.memory.stack_reserve_bytes,
+                          "the PyTorch executor", profile.name)
     say("solving")
     schedule = solve(network.graph, profile, ram=ram, mode=mode, time_limit=time_limit)
     stats = []

@@ -492,6 +492,9 @@ class _Writer:
 def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, steps: int, lr: float,
              x: np.ndarray, y: np.ndarray) -> GeneratedStep:
     """poet_train.c for ``steps`` SGD steps at ``lr`` on the batch ``x`` with labels ``y``."""
+    from poet_opt.model.strips import refuse_strips
+
+    refuse_strips(doc["graph"]["nodes"], "the firmware generator", "--model")
     if any(o % 4 for o in plan.step_offsets) or any(o % 4 for offs in plan.operand_offsets for o in offs):
         raise PoetError(f"device.alignment_bytes is {plan.alignment}; fp32 tensors need offsets that are "
                         "multiples of 4", field="--device")

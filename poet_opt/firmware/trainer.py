@@ -131,6 +131,9 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         if resident + STACK_BYTES > profile.memory.ram_bytes:
             network = lower_network(module, shape, trainable=trainable, name=model, weights="streamed",
                                     tile_bytes=tile)
+    from poet_opt.model.strips import refuse_needing_strips
+
+    refuse_needing_strips(network.graph, profile.memory.ram_bytes, STACK_BYTES, "the firmware generator", profile.name)
     classes = network.layers[network.output].elements // network.input_shape[0]
     if (y < 0).any() or (y >= classes).any():
         raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")

@@ -15,7 +15,7 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
                         input_shape=None, trainable="all", costs=None, optimizer: str = "none",
                         weights: str = "resident", device_ram_bytes: int | None = None,
                         stack_reserve_bytes: int = 0, tile_bytes: int | None = None,
-                        ram_bytes: int | None = None) -> tuple[TrainingGraph, str]:
+                        ram_bytes: int | None = None, strips="auto") -> tuple[TrainingGraph, str]:
     """Exactly one of ``model`` (zoo name), ``graph_file`` (node-link JSON), ``torch`` (FILE.py:FACTORY or
     package.module:FACTORY) or ``onnx`` (FILE.onnx). ``input_shape``: for zoo models without the batch
     (``3x32x32``); for torch and ONNX the whole tensor, batch first (``1,3,32,32``). ``costs``: a CSV/YAML
@@ -26,7 +26,11 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     budget asked, or plain training's peak if less; at least the smallest working set) exceed ``device_ram_bytes`` and
     streaming brings them within it (else resident, with what streaming would need in
     ``meta["streamed_working_set"]`` for the message). ``tile_bytes``: with streamed weights, split
-    layers with more weights than that into slices (model/tiling.py). Returns (graph, display name)."""
+    layers with more weights than that into slices (model/tiling.py). ``strips`` (zoo models, streamed
+    weights; model/strips.py): "auto" splits activations into strips along H only when some node's
+    working set and ``stack_reserve_bytes`` exceed ``device_ram_bytes`` otherwise, with the fewest
+    strips that bring every node within ``ram_bytes`` and the device; "off" never; N: at most N
+    strips per tensor. Returns (graph, display name)."""
     given = [(flag, value) for flag, value in (("--model", model), ("--graph", graph_file), ("--torch", torch),
                                                 ("--onnx", onnx)) if value]
     if len(given) != 1:
@@ -38,6 +42,10 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         from poet_opt.model.measured_costs import MeasuredCosts, load_costs
 
         table = costs = costs if isinstance(costs, MeasuredCosts) else load_costs(costs)
+    strips = _strips_value(strips)
+    if strips not in ("auto", "off") and (weights == "resident" or model is None):
+        raise PoetError("activation strips need a zoo model (--model) with streamed weights (--weights streamed)",
+                        field="--strips")
     if weights == "auto":
         graph, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
@@ -51,11 +59,13 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         streamed, _ = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
                                           trainable=trainable, costs=costs, optimizer=optimizer, weights="streamed",
-                                          tile_bytes=tile_bytes)
+                                          tile_bytes=tile_bytes, device_ram_bytes=device_ram_bytes,
+                                          stack_reserve_bytes=stack_reserve_bytes, ram_bytes=ram_bytes, strips=strips)
         working, node = streamed.largest_working_set()
         if working + stack_reserve_bytes <= device_ram_bytes:
             return streamed, name
         graph.meta["streamed_working_set"] = {"bytes": working, "node": node.name}
+        graph.meta["strips_tried"] = streamed.meta.get("strips_tried", False)
         return graph, name
     if weights not in ("resident", "streamed"):
         raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
@@ -82,9 +92,13 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     elif flag == "--model":
         from poet_opt.model.zoo import build_model
 
-        graph = build_model(model, batch_size=batch_size, input_shape=input_shape,
-                            bytes_per_element=bytes_per_element, trainable=trainable, **streaming)
-        name = model
+        def zoo(counts=None):
+            return build_model(model, batch_size=batch_size, input_shape=input_shape,
+                               bytes_per_element=bytes_per_element, trainable=trainable, strips=counts, **streaming)
+
+        graph, name = zoo(), model
+        if weights == "streamed" and strips != "off":
+            graph = _striped(graph, zoo, strips, device_ram_bytes, stack_reserve_bytes, ram_bytes)
     elif flag == "--torch":
         from poet_opt.model.torch_import import import_torch
 
@@ -109,3 +123,34 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
 
         graph = apply_costs(graph, table)
     return graph, name
+
+
+def _strips_value(strips):
+    text = str(strips).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    if isinstance(strips, int) and not isinstance(strips, bool) and strips >= 1:
+        return strips
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
+
+
+def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserve_bytes: int, ram_bytes):
+    """The graph with its activations in strips (model/strips.py) as ``strips`` asks: N strips at
+    every height, or, for "auto" and only when some node cannot fit the device otherwise, the
+    fewest that bring every node within the RAM budget and the device (unchanged when none do,
+    so that the working-set check says what does not fit)."""
+    from poet_opt.model.strips import fit_strips, low_memory
+
+    if strips != "auto":
+        return low_memory(build(strips))
+    if device_ram_bytes is None or graph.largest_working_set()[0] + stack_reserve_bytes <= device_ram_bytes:
+        return graph
+    budget = device_ram_bytes - stack_reserve_bytes
+    budget = budget if ram_bytes is None else min(budget, ram_bytes)
+    striped = fit_strips(build, budget)
+    if striped.largest_working_set()[0] <= budget:
+        return low_memory(striped)
+    graph.meta["strips_tried"] = True  # for the refusal: strips were tried and did not help
+    return graph

@@ -96,6 +96,10 @@ def min_peak_order(graph: TrainingGraph, max_states: int = MAX_DP_STATES,
         following: dict[int, tuple[int, int, int, int]] = {}
         ready_next: dict[int, tuple[int, ...]] = {}
         for done, ready in ready_of.items():
+            # also within a level: a wide one (thousands of weights ready at once, as activation
+            # strips make) takes seconds, and 64 of them minutes
+            if deadline is not None and time.perf_counter() > deadline:
+                return None
             peak, held = best[done][:2]
             for v in ready:
                 nxt = done | 1 << v

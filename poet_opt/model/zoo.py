@@ -37,6 +37,9 @@ class _Op:
     # of two activations) or "" (nothing: weights are parameters, add only routes gradients);
     # "in+out" joins two.
     saves: str = ""
+    # (kernel, stride, padding) along H and W of a convolution or pooling: what a strip of its output
+    # reads of its input (model/strips.py); () when unknown (importers) or not a window.
+    window: tuple[int, ...] = ()
 
     @property
     def elements(self) -> int:
@@ -60,12 +63,12 @@ class _Net:
     def shape(self, x: int) -> tuple[int, ...]:
         return self.ops[x].shape
 
-    def _add(self, name, op, inputs, shape, flops, params=0, saves="") -> int:
+    def _add(self, name, op, inputs, shape, flops, params=0, saves="", window=()) -> int:
         if min(shape) < 1:
             raise PoetError(f"the input is too small for this model: {name} would have shape {shape}",
                             field="--input-shape")
         assert all(o.name != name for o in self.ops), name
-        self.ops.append(_Op(name, op, tuple(shape), tuple(inputs), float(flops), params, saves))
+        self.ops.append(_Op(name, op, tuple(shape), tuple(inputs), float(flops), params, saves, tuple(window)))
         return len(self.ops) - 1
 
     def conv(self, x, name, cout, k, stride=1, groups=1, bias=False):
@@ -74,7 +77,7 @@ class _Net:
         ho, wo = ((d + 2 * (k // 2) - k) // stride + 1 for d in (h, w))
         weights = cout * (cin // groups) * k * k
         return self._add(name, "conv2d", (x,), (cout, ho, wo), 2 * weights * ho * wo,
-                         weights + (cout if bias else 0))
+                         weights + (cout if bias else 0), window=(k, stride, k // 2))
 
     def bn(self, x, name):
         return self._add(name, "batchnorm", (x,), self.shape(x), 5 * math.prod(self.shape(x)),
@@ -91,12 +94,16 @@ class _Net:
     def maxpool(self, x, name, k, stride, pad):
         c, h, w = self.shape(x)
         ho, wo = ((d + 2 * pad - k) // stride + 1 for d in (h, w))
-        return self._add(name, "maxpool", (x,), (c, ho, wo), k * k * c * ho * wo, saves="in")
+        return self._add(name, "maxpool", (x,), (c, ho, wo), k * k * c * ho * wo, saves="in", window=(k, stride, pad))
 
     def avgpool(self, x, name, out_hw=None):
         """Global average pooling to (C,), or adaptive pooling to (C, *out_hw)."""
         shape = (self.shape(x)[0],) + tuple(out_hw or ())
-        return self._add(name, "avgpool", (x,), shape, math.prod(self.shape(x)))
+        h = self.shape(x)[1] if len(self.shape(x)) == 3 else 0
+        even = len(shape) == 3 and h % shape[1] == 0 and h // shape[1] == self.shape(x)[2] // shape[2] and \
+            self.shape(x)[2] % shape[2] == 0  # then adaptive pooling is a plain k x k window
+        window = (h // shape[1], h // shape[1], 0) if even else ()
+        return self._add(name, "avgpool", (x,), shape, math.prod(self.shape(x)), window=window)
 
     def linear(self, x, name, out, cls_token=False):
         """A (C,H,W) input is flattened; a (seq, d) input is projected token by token, or only its
@@ -294,11 +301,13 @@ MODELS: dict[str, str] = {name: spec[0] for name, spec in _ZOO.items()}
 
 def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_element: int = 4,
                 trainable="all", weights: str = "resident", optimizer: str = "none",
-                tile_bytes: int | None = None) -> TrainingGraph:
+                tile_bytes: int | None = None, strips=None) -> TrainingGraph:
     """The training graph of a zoo model. ``input_shape`` is (C, H, W) for CNNs, (features,) for the
     MLP, (seq_len,) for transformers; it may also be a string such as ``"3x64x64"`` or ``"256"``.
     ``trainable`` is ``"all"``, ``"last:N"`` (the last N operators that have parameters) or node
-    names (a list or a comma-separated string; ``layer4`` also selects ``layer4.*``)."""
+    names (a list or a comma-separated string; ``layer4`` also selects ``layer4.*``). ``strips``
+    (streamed weights only): split every (C, H, W) tensor into that many strips along H (at most
+    H), or a dict {H: strips} per height (model/strips.py)."""
     key = _model_key(name)
     description, default_shape, to_builder, declare = _ZOO[key]
     batch_size = _positive_int(batch_size, "--batch-size")
@@ -314,7 +323,7 @@ def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_e
     meta = {"model": key, "description": description, "batch_size": batch_size, "input_shape": list(shape),
             "bytes_per_element": bytes_per_element, "forward_layers": len(net.ops) - 1}
     return _training_graph(key, net.ops, batch_size, bytes_per_element, trainable, meta, weights=weights,
-                           optimizer=optimizer, tile_bytes=tile_bytes)
+                           optimizer=optimizer, tile_bytes=tile_bytes, strips=strips)
 
 
 def _model_key(name) -> str:
@@ -397,7 +406,8 @@ WEIGHTS = ("resident", "streamed")
 
 
 def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainable, meta: dict, *,
-                    weights: str = "resident", optimizer: str = "none", tile_bytes: int | None = None) -> TrainingGraph:
+                    weights: str = "resident", optimizer: str = "none", tile_bytes: int | None = None,
+                    strips=None) -> TrainingGraph:
     """Forward nodes, a loss on the last op, then one ``grad:f`` node per forward op f whose output
     gradient some trainable weight needs, in reverse forward order.
 
@@ -421,6 +431,15 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
     needs_grad = []
     for i, o in enumerate(ops):  # inputs come first, so one pass settles "f or an ancestor trains"
         needs_grad.append(i in train or any(needs_grad[j] for j in o.inputs))
+    if strips is not None:
+        from poet_opt.model.strips import strip_counts, strip_graph
+
+        if not streamed or (optimizer or "none") not in ("none", "sgd"):
+            raise PoetError("activation strips need streamed weights and plain SGD", field="--strips")
+        meta = {**meta, "trainable": trainable if isinstance(trainable, str) or trainable is None else list(trainable),
+                "param_count": sum(o.params for o in ops), "trainable_param_count": sum(ops[i].params for i in train),
+                "weights": "streamed", "optimizer": "sgd", "optimizer_state_bytes": 0, "tiles": tiles}
+        return strip_graph(name, ops, batch, bpe, train, needs_grad, meta, strip_counts(ops, strips))
     users: list[list[int]] = [[] for _ in ops]
     for i, o in enumerate(ops):
         for j in o.inputs:

@@ -34,8 +34,8 @@ def check_weights_fit(graph, profile) -> None:
         raise PoetError(f"no plan can run on {profile.name}: computing {node.name} holds its inputs, weights and output, "
                         f"{format_bytes(working)}, at once; with the stack reserve "
                         f"{format_bytes(profile.memory.stack_reserve_bytes)} that is more than its "
-                        f"{format_bytes(profile.memory.ram_bytes)} (weights are sliced to fit, "
-                        "but splitting activations into strips is not supported yet); train a smaller model or plan anyway with --allow-oversize", field="--device")
+                        f"{format_bytes(profile.memory.ram_bytes)} (weights are sliced to fit, {_strips_note(graph)}); "
+                        "train a smaller model or plan anyway with --allow-oversize", field="--device")
     if need > profile.memory.ram_bytes:
         raise PoetError(f"no plan can run on {profile.name}: weights {format_bytes(graph.param_bytes)}, gradients "
                         f"{format_bytes(graph.param_grad_bytes)}, stack reserve "
@@ -49,8 +49,17 @@ def _streaming_hint(graph) -> str:
     tried = graph.meta.get("streamed_working_set")
     if tried:  # --weights auto tried it
         return (f"streamed weights would not fit either (computing {tried['node']} holds "
-                f"{format_bytes(tried['bytes'])} at once; splitting activations into strips is not supported yet); ")
+                f"{format_bytes(tried['bytes'])} at once, {_strips_note(graph)}); ")
     return "stream the weights from storage (--weights streamed), " if graph.param_bytes else ""
+
+
+def _strips_note(graph) -> str:
+    """What activation strips (model/strips.py) did about the node that does not fit."""
+    if (graph.meta.get("strips") or {}).get("tensors"):
+        return "even with its activations in strips"
+    if graph.meta.get("strips_tried"):
+        return "and no number of activation strips brings every node within it"
+    return "and activations are whole: --strips splits a zoo CNN's into strips"
 
 
 def check_fits_device(schedule, firmware) -> None:

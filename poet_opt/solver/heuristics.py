@@ -101,6 +101,61 @@ def greedy_checkpointing(graph: TrainingGraph, costs: NodeCosts, budgets: Budget
                          deadline=deadline)
 
 
+def farthest_use_paging(graph: TrainingGraph, budgets: Budgets) -> Decisions | None:
+    """Plain order, each stage holding what it reads; what does not fit into the next stage waits
+    on storage, the largest read farthest ahead first (after Belady's rule): weights and the input are
+    read again from storage, anything else is paged out once and in where it is read. It fits any
+    budget that holds every node's working set, in one linear pass: the start for graphs too large
+    for the replaying greedy loops (activation strips make thousands of nodes) where no other fits."""
+    nodes = graph.nodes
+    size = [n.bytes for n in nodes]
+    reread = [n.op in ("input", "param") for n in nodes]
+    uses: list[list[int]] = [[] for _ in nodes]
+    for n in nodes:
+        for d in set(n.deps):
+            uses[d].append(n.id)
+    pointer = [0] * len(nodes)  # index of the next use in uses[i]
+
+    def next_use(i: int, after: int) -> int | None:
+        u = uses[i]
+        while pointer[i] < len(u) and u[pointer[i]] <= after:
+            pointer[i] += 1
+        return u[pointer[i]] if pointer[i] < len(u) else None
+
+    recompute, page_in, page_out, keep = set(), set(), set(), set()
+    kept: set[int] = set()
+    for t, node in enumerate(nodes):
+        deps = set(node.deps)
+        for i in deps - kept:
+            (recompute if reread[i] else page_in).add((t, i))
+            if not reread[i]:
+                page_out.add(i)
+        if sum(size[i] for i in kept | deps | {t}) > budgets.ram_bytes:
+            return None
+        if t + 1 == len(nodes):
+            break
+        wanted = set(nodes[t + 1].deps)
+        room = budgets.ram_bytes - sum(size[i] for i in wanted - (kept | deps | {t})) - size[t + 1]
+        ahead = sorted((_keep_rank(next_use(i, t) - t, size[i]), i)
+                       for i in kept | deps | {t} if next_use(i, t) is not None)
+        kept = set()
+        for _, i in ahead:
+            if size[i] <= room:
+                kept.add(i)
+                room -= size[i]
+            elif not reread[i]:
+                page_out.add(i)
+        keep.update((t + 1, i) for i in kept)
+    return Decisions(frozenset(recompute), frozenset(page_in), frozenset(page_out), frozenset(keep))
+
+
+def _keep_rank(distance: int, nbytes: int) -> tuple:
+    """Which tensors stay for the next stage first: what it reads, then the least bytes times
+    stages held. Every paged tensor takes a whole erase block of storage however small it is, so
+    holding many small tensors and paging a few large ones keeps the plan within the storage."""
+    return (0, 0) if distance == 1 else (1, nbytes * distance)
+
+
 REPLAYING_GREEDY_MAX_NODES = 600
 # gap_plan scores every gap over the peak stage at each step: 13 s at 4000 nodes, hours at 100,000.
 # Past this size spill_plan (linear) is the start.
@@ -137,6 +192,9 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         # the greedy pagers do not count storage: a plan over the storage budget (a wear budget
         # makes it small) is no start at all; nor is one that runs on weights after their update
         found = [d for d in found if _admissible(graph, costs, budgets, d)]
+        if not found and mode in ("joint", "paging"):  # the last resort, where nothing else fits
+            found = [d for d in [farthest_use_paging(graph, budgets)] if _admissible(graph, costs, budgets, d)
+                     and plan_runtime_s(costs, d) <= budgets.runtime_s]
         if remat and (small or not late()):
             # the baselines take one replay each, and the solver must never end above one that fits
             # (tests/test_baselines.py): kept past the deadline on small graphs, where they take

@@ -1,0 +1,380 @@
+"""What each node of a strip graph (poet_opt.model.strips) computes, in PyTorch, on strip tensors.
+
+``replay`` runs a strip graph's nodes once each, in the graph's order, every node reading only the
+tensors its ``deps`` name (a node that needs more raises KeyError: the graph would be wrong), with
+plain torch operations: convolutions on the input rows a strip reads, padded with zeros (or -inf
+for max pooling) where the rows run past the tensor; batch norm from the chained statistics; data
+gradients gathered from the output-gradient strips whose windows touch a strip's rows; weight
+gradients accumulated strip by strip; the SGD update applied in place where the graph puts it.
+It keeps every tensor (no RAM budget): it checks the graph's maths, not a schedule. The
+reference it is compared with is torch autograd on the unsplit network (tests/test_strips.py).
+
+Layers are the zoo's forward operators as ``graph.meta["strips"]["layers"]`` records them; their
+parameters are given per layer: conv ``weight`` (and ``bias``), batch norm ``weight`` and ``bias``
+(gamma, beta), linear ``weight`` and ``bias``, in PyTorch's shapes; a weight slice ``L#j`` takes
+its rows of ``L``'s tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+EPS = 1e-5  # batch norm's, as torch.nn.BatchNorm2d's default
+
+
+def replay(graph, params: dict, x, y, lr: float) -> dict:
+    """Run ``graph`` on input ``x`` (N, C, H, W) and class labels ``y``; ``params``: layer -> {role:
+    tensor}, updated in place by the graph's SGD updates. Returns {"loss", "values" (node -> tensor),
+    "weight_grads" (layer -> {role: gradient}, as each update applied it)}."""
+    return _Replay(graph, params, x, y, lr).run()
+
+
+class _Replay:
+    def __init__(self, graph, params, x, y, lr):
+        import torch
+
+        self.t, self.graph, self.params, self.x, self.y, self.lr = torch, graph, params, x, y, lr
+        meta = graph.meta["strips"]
+        self.layers, self.records, self.alias = meta["layers"], meta["nodes"], meta["grad_alias"]
+        self.parts = {name: [tuple(r) for r in rows] for name, rows in meta["tensors"].items()}
+        self.values: dict = {}
+        self.weight_grads: dict = {}
+        self.channels = _slice_channels(graph.meta.get("tiles") or {}, self.layers)
+
+    def run(self) -> dict:
+        for node in self.graph.nodes:
+            env = {self.graph.nodes[d].name: self.values[self.graph.nodes[d].name] for d in node.deps}
+            self.values[node.name] = self.compute(node, self.records[node.name], env)
+        return {"loss": self.values["loss"], "values": self.values, "weight_grads": self.weight_grads}
+
+    # -- strips ------------------------------------------------------------------------------------
+
+    def strips(self, layer: str) -> list[tuple[int, int]]:
+        return self.parts.get(layer) or [(0, self.layers[layer]["shape"][1])]
+
+    def strip_name(self, layer: str, j: int, prefix: str = "") -> str:
+        return f"{prefix}{layer}" if layer not in self.parts else f"{prefix}{layer}@s{j}"
+
+    def rows_of(self, env, layer: str, lo: int, hi: int, prefix: str = ""):
+        """Rows [lo, hi) of tensor ``layer`` (or of its gradient, prefix "grad:"), from the strips
+        in ``env`` that hold them."""
+        if prefix == "grad:" and layer in self.alias:  # a weight slice: its channels of the concat's gradient
+            c0, c1 = self.channels[layer]
+            return self.rows_of(env, self.alias[layer], lo, hi, prefix)[:, c0:c1]
+        pieces = []
+        for j, (a, b) in enumerate(self.strips(layer)):
+            if a < hi and lo < b:
+                whole = env[self.strip_name(layer, j, prefix)]
+                pieces.append(whole[:, :, max(lo, a) - a:min(hi, b) - a])
+        return self.t.cat(pieces, dim=2)
+
+    def whole(self, env, layer: str, prefix: str = ""):
+        shape = self.layers[layer]["shape"]
+        if len(shape) != 3:
+            return env[prefix + layer]
+        return self.rows_of(env, layer, 0, shape[1], prefix)
+
+    def weights(self, env, layer: str) -> dict:
+        env[f"param:{layer}"]  # the weights a node reads are in its deps
+        return self.params[layer]
+
+    # -- nodes -------------------------------------------------------------------------------------
+
+    def compute(self, node, rec, env):
+        role = rec["role"]
+        if role == "param":
+            return None
+        if role == "loss":
+            logits = env[self.graph.nodes[node.deps[0]].name]
+            return self.t.nn.functional.cross_entropy(logits, self.y)
+        if role == "forward":
+            return self.forward(rec["layer"], rec["rows"], env)
+        if role == "bn_stats":
+            xs = env[self.strip_name(self.layers[rec["layer"]]["inputs"][0], self._index(rec))]
+            count = xs.numel() // xs.shape[1]
+            mean = xs.mean(dim=(0, 2, 3))
+            m2 = ((xs - mean[None, :, None, None]) ** 2).sum(dim=(0, 2, 3))
+            prev = self._previous(env, "stats:", rec)
+            if prev is None:
+                return (count, mean, m2)
+            n_a, mean_a, m2_a = prev  # Chan et al.: merge two partitions' means and squared deviations
+            n = n_a + count
+            delta = mean - mean_a
+            return (n, mean_a + delta * count / n, m2_a + m2 + delta ** 2 * n_a * count / n)
+        if role == "bn_gstats":
+            layer = rec["layer"]
+            j = self._index(rec)
+            g = env[self.strip_name(layer, j, "grad:")]
+            xhat = self._xhat(env, layer, env[self.strip_name(self.layers[layer]["inputs"][0], j)])
+            sums = (g.sum(dim=(0, 2, 3)), (g * xhat).sum(dim=(0, 2, 3)))
+            prev = self._previous(env, "gstats:", rec)
+            return sums if prev is None else (prev[0] + sums[0], prev[1] + sums[1])
+        if role == "grad":
+            return self.gradient(rec, env)
+        if role in ("wgrad", "update"):
+            return self.weight_gradient(rec, env)
+        raise ValueError(f"unknown role {role!r} of node {node.name}")
+
+    def _index(self, rec) -> int:
+        return self.strips(rec["layer"]).index(tuple(rec["rows"]))
+
+    def _previous(self, env, prefix, rec):
+        j = self._index(rec)
+        return env[f"{prefix}{rec['layer']}@s{j - 1}"] if j else None
+
+    def _stats(self, env, layer):
+        n, mean, m2 = env[f"stats:{layer}@s{len(self.strips(layer)) - 1}"]
+        return mean, m2 / n
+
+    def _xhat(self, env, layer, xs):
+        mean, var = self._stats(env, layer)
+        return (xs - mean[None, :, None, None]) / self.t.sqrt(var + EPS)[None, :, None, None]
+
+    def _window_input(self, env, layer: dict, name_in: str, rows, prefix: str = "", fill: float = 0.0):
+        """The input rows output rows [a, b) read, padded past the tensor with ``fill`` (and along W)."""
+        k, s, p = layer["window"]
+        h = self.layers[name_in]["shape"][1]
+        r0, r1 = rows[0] * s - p, (rows[1] - 1) * s - p + k
+        local = self.rows_of(env, name_in, max(0, r0), min(h, r1), prefix)
+        pad = (p, p, max(0, -r0), max(0, r1 - h))
+        return self.t.nn.functional.pad(local, pad, value=fill)
+
+    def forward(self, name: str, rows, env):
+        F = self.t.nn.functional
+        layer = self.layers[name]
+        op, inputs = layer["op"], layer["inputs"]
+        if op == "input":
+            return self.x if rows is None else self.x[:, :, rows[0]:rows[1]]
+        if rows is None:  # a whole tensor (global pooling, the linear head)
+            xs = [self.whole(env, i) for i in inputs]
+            if op == "avgpool":
+                return xs[0].mean(dim=(2, 3))
+            if op == "linear":
+                w = self.weights(env, name)
+                return F.linear(xs[0].flatten(1), w["weight"], w.get("bias"))
+            raise ValueError(f"no whole kernel for {op}")
+        j = self.strips(name).index(tuple(rows))
+        if op in ("conv2d", "maxpool", "avgpool"):
+            k, s, _ = layer["window"]
+            local = self._window_input(env, layer, inputs[0], rows, fill=-math.inf if op == "maxpool" else 0.0)
+            if op == "maxpool":
+                return F.max_pool2d(local, k, s)
+            if op == "avgpool":
+                return F.avg_pool2d(local, k, s)
+            w = self.weights(env, name)
+            return F.conv2d(local, w["weight"], w.get("bias"), stride=s, groups=layer.get("groups", 1))
+        xs = [env[self.strip_name(i, j)] for i in inputs]
+        if op == "batchnorm":
+            w = self.weights(env, name)
+            if name not in self.parts:
+                return F.batch_norm(xs[0], None, None, w["weight"], w["bias"], training=True, eps=EPS)
+            return self._xhat(env, name, xs[0]) * w["weight"][None, :, None, None] + w["bias"][None, :, None, None]
+        if op == "relu":
+            return self.t.relu(xs[0])
+        if op == "add":
+            return xs[0] + xs[1]
+        if op == "concat":
+            return self.t.cat(xs, dim=1)
+        raise ValueError(f"no strip kernel for {op}")
+
+    # -- gradients ---------------------------------------------------------------------------------
+
+    def gradient(self, rec, env):
+        f, rows = rec["of"], rec["rows"]
+        shape = self.layers[f]["shape"]
+        j = self.strips(f).index(tuple(rows)) if rows is not None else 0
+        total = env[rec["prev"]] if rec["prev"] else 0
+        if rec["logits"]:
+            logits = env[f]
+            onehot = self.t.nn.functional.one_hot(self.y, logits.shape[1]).to(logits.dtype)
+            total = total + (self.t.softmax(logits, dim=1) - onehot) / logits.shape[0]
+        for u in rec["terms"]:
+            total = total + self.term(u, f, j, rows, shape, env)
+        for u in rec["updates"]:
+            self.apply(u, self.fused_weight_gradient(u, env))
+        return total
+
+    def term(self, u: str, f: str, j: int, rows, shape, env):
+        F, t = self.t.nn.functional, self.t
+        layer = self.layers[u]
+        op = layer["op"]
+        if len(layer["shape"]) != 3:  # a whole user: global average pooling or the linear head
+            g = env[f"grad:{u}"]
+            if op == "avgpool":
+                full = (g / (shape[1] * shape[2]))[:, :, None, None].expand(-1, -1, shape[1], shape[2])
+            elif op == "linear":
+                full = (g @ self.weights(env, u)["weight"]).reshape(g.shape[0], *shape)
+            else:
+                raise ValueError(f"no whole gradient for {op}")
+            return full if rows is None else full[:, :, rows[0]:rows[1]]
+        lo, hi = rows if rows is not None else (0, shape[1])
+        if op in ("conv2d", "maxpool", "avgpool"):
+            k, s, p = layer["window"]
+            from poet_opt.model.strips import touching
+
+            m0, m1 = touching((lo, hi), layer["window"], layer["shape"][1])
+            out = t.zeros(self.x.shape[0], shape[0], hi - lo, shape[2], dtype=self.x.dtype)
+            if m0 >= m1:
+                return out
+            g = self.rows_of(env, u, m0, m1, "grad:")
+            r0 = m0 * s - p
+            if op == "conv2d":
+                w = self.weights(env, u)["weight"]
+                size = (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
+                local = t.nn.grad.conv2d_input(size, w, g, stride=s, groups=layer.get("groups", 1))
+            else:  # pooling: the vector-Jacobian product of the local window, re-run on its input rows
+                if op == "maxpool":  # where the maximum of every touched window is
+                    xin = self._window_input(env, layer, f, (m0, m1), fill=-math.inf)
+                else:  # average pooling is linear: its gradient reads no input (the graph keeps none)
+                    xin = t.zeros(size_of_window(g, shape, layer["window"], m0, m1), dtype=g.dtype)
+                xin = xin.detach().requires_grad_(True)
+                pooled = (F.max_pool2d if op == "maxpool" else F.avg_pool2d)(xin, k, s)
+                (local,) = t.autograd.grad(pooled, xin, g)
+            local = local[:, :, :, p:p + shape[2]]
+            a, b = max(lo, r0), min(hi, r0 + local.shape[2])
+            if a < b:
+                out[:, :, a - lo:b - lo] = local[:, :, a - r0:b - r0]
+            return out
+        g = env[self.strip_name(u, j, "grad:")]
+        if op == "relu":
+            return g * (env[self.strip_name(u, j)] > 0)
+        if op == "add":
+            return g
+        if op == "concat":
+            c0, c1 = self.channels[f]
+            return g[:, c0:c1]
+        if op == "batchnorm":
+            w = self.weights(env, u)
+            xs = env[self.strip_name(f, j)]
+            if u not in self.parts:  # one strip: its own batch statistics
+                mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
+                xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + EPS)[None, :, None, None]
+                n = xs.numel() // xs.shape[1]
+                sums = (g.sum(dim=(0, 2, 3)), (g * xhat).sum(dim=(0, 2, 3)))
+                rstd = 1 / t.sqrt(var + EPS)
+            else:
+                _, var = self._stats(env, u)
+                xhat = self._xhat(env, u, xs)
+                n = self.x.shape[0] * layer["shape"][1] * layer["shape"][2]
+                sums = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
+                rstd = 1 / t.sqrt(var + EPS)
+            scale = (w["weight"] * rstd)[None, :, None, None]
+            return scale * (g - sums[0][None, :, None, None] / n - xhat * sums[1][None, :, None, None] / n)
+        raise ValueError(f"no strip gradient for {op}")
+
+    def fused_weight_gradient(self, u: str, env) -> dict:
+        """The weight gradient of layer u whose update a data-gradient node applies."""
+        layer = self.layers[u]
+        op = layer["op"]
+        if op == "batchnorm" and u in self.parts:
+            s0, s1 = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
+            return {"weight": s1, "bias": s0}
+        return self.strip_weight_gradient(u, None, env)
+
+    def strip_weight_gradient(self, u: str, rows, env) -> dict:
+        t = self.t
+        layer = self.layers[u]
+        op, (x,) = layer["op"], layer["inputs"]
+        shape = layer["shape"]
+        if op == "linear":
+            g, xs = env[f"grad:{u}"], self.whole(env, x).flatten(1)
+            return {"weight": g.t() @ xs, "bias": g.sum(0)}
+        lo, hi = rows if rows is not None else (0, shape[1])
+        g = self.rows_of(env, u, lo, hi, "grad:")
+        if op == "batchnorm":  # one strip: its own batch statistics
+            xs = self.whole(env, x)
+            mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
+            xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + EPS)[None, :, None, None]
+            return {"weight": (g * xhat).sum(dim=(0, 2, 3)), "bias": g.sum(dim=(0, 2, 3))}
+        k, s, _ = layer["window"]
+        local = self._window_input(env, layer, x, (lo, hi))
+        w = self.params[u]
+        out = {"weight": t.nn.grad.conv2d_weight(local, w["weight"].shape, g, stride=s, groups=layer.get("groups", 1))}
+        if "bias" in w:
+            out["bias"] = g.sum(dim=(0, 2, 3))
+        return out
+
+    def weight_gradient(self, rec, env):
+        u = rec["layer"]
+        part = self.strip_weight_gradient(u, rec.get("rows"), env)
+        if rec.get("prev"):
+            part = {role: env[rec["prev"]][role] + v for role, v in part.items()}
+        if rec["role"] == "update" or rec["update"]:
+            self.apply(u, part)
+            return None
+        return part
+
+    def apply(self, u: str, grads: dict) -> None:
+        self.weight_grads[u] = grads
+        with self.t.no_grad():
+            for role, g in grads.items():
+                self.params[u][role].sub_(self.lr * g)
+
+
+def size_of_window(g, shape, window, m0: int, m1: int) -> tuple[int, ...]:
+    """The padded input a window operator's output rows [m0, m1) read."""
+    k, s, p = window
+    return (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
+
+
+def _slice_channels(tiles: dict, layers: dict) -> dict[str, tuple[int, int]]:
+    """Weight slice L#j -> the output channels [lo, hi) of L it computes."""
+    out = {}
+    for names in tiles.values():
+        lo = 0
+        for name in names:
+            hi = lo + layers[name]["shape"][0]
+            out[name] = (lo, hi)
+            lo = hi
+    return out
+
+
+def run_plan(graph, steps, params: dict, x, y, lr: float) -> dict:
+    """Execute a strip plan: ``steps`` are (op, node name) pairs (compute, page_out, page_in, free)
+    of a schedule of ``graph``. A compute reads only tensors resident at that moment (else
+    KeyError: the plan would be wrong), a page-out copies to a dict that stands for the storage,
+    a page-in copies back, a free drops; a recompute runs the node again. An update applies SGD to
+    ``params`` in place once; a node that reads weights after their update raises. Returns the loss,
+    the weight gradients and the peak of the resident bytes as the graph sizes them."""
+    r = _Replay(graph, params, x, y, lr)
+    by_name = {n.name: n for n in graph.nodes}
+    resident: dict = {}
+    storage: dict = {}
+    updated: set[int] = set()
+    live = peak = 0
+    loss = None
+    for op, name in steps:
+        node = by_name[name]
+        if op == "compute":
+            stale = [graph.nodes[d].name for d in node.deps if d in updated and d not in node.updates]
+            if stale or node.id in updated or (set(node.updates) & updated):
+                raise ValueError(f"{name} runs on weights already updated in place ({stale or name})")
+            env = {graph.nodes[d].name: resident[d] for d in node.deps}
+            value = r.compute(node, r.records[name], env)
+            updated |= set(node.updates)
+            if name == "loss" and loss is None:
+                loss = value
+        elif op == "page_out":
+            storage[node.id] = _copied(resident[node.id])
+            continue
+        elif op == "page_in":
+            value = _copied(storage[node.id])
+        elif op == "free":
+            del resident[node.id]
+            live -= node.bytes
+            continue
+        else:
+            raise ValueError(f"unknown step {op!r}")
+        if node.id not in resident:
+            live += node.bytes
+        resident[node.id] = value
+        peak = max(peak, live)
+    return {"loss": loss, "weight_grads": r.weight_grads, "peak_bytes": peak}
+
+
+def _copied(value):
+    if isinstance(value, tuple):
+        return tuple(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value.clone() if hasattr(value, "clone") else value

@@ -1,0 +1,307 @@
+"""Activation strips (model/strips.py): the strip graph's maths equals the unsplit network's, and
+its structure is the unstriped graph's when nothing is split."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from poet_opt.model.strips import partition, receptive, touching
+from poet_opt.model.zoo import _Net, build_model, training_graph
+
+torch = pytest.importorskip("torch")
+
+
+def _small_cnn() -> _Net:
+    """Convolutions with stride 1 and 2 and padding, batch norm, ReLU, a residual add with a
+    strided 1x1 shortcut, max and average pooling, global pooling and a linear head."""
+    net = _Net((3, 16, 14))
+    x = net.act(net.bn(net.conv(0, "conv1", 4, 3), "bn1"), "relu1")
+    y = net.bn(net.conv(x, "conv2", 6, 3, 2), "bn2")
+    x = net.act(net.add(y, net.conv(x, "down", 6, 1, 2), "add"), "relu2")
+    x = net.maxpool(x, "pool", 3, 2, 1)
+    x = net.act(net.conv(x, "conv3", 8, 3, bias=True), "relu3")
+    x = net.avgpool(x, "avg", (2, 2))
+    net.linear(net.avgpool(x, "gap"), "fc", 5)
+    return net
+
+
+def _reference(ops, params, x, y):
+    """The unsplit network in torch autograd: the loss, every tensor (its .grad kept)."""
+    F = torch.nn.functional
+    out = []
+    for o in ops:
+        ins = [out[i] for i in o.inputs]
+        p = params.get(o.name, {})
+        if o.op == "input":
+            v = x.clone().requires_grad_(True)
+        elif o.op == "conv2d":
+            k, s, pad = o.window
+            v = F.conv2d(ins[0], p["weight"], p.get("bias"), stride=s, padding=pad, groups=_groups(o, ops))
+        elif o.op == "batchnorm":
+            v = F.batch_norm(ins[0], None, None, p["weight"], p["bias"], training=True, eps=1e-5)
+        elif o.op == "relu":
+            v = torch.relu(ins[0])
+        elif o.op == "add":
+            v = ins[0] + ins[1]
+        elif o.op == "maxpool":
+            v = F.max_pool2d(ins[0], o.window[0], o.window[1], o.window[2])
+        elif o.op == "avgpool":
+            v = F.avg_pool2d(ins[0], o.window[0], o.window[1]) if o.window else ins[0].mean(dim=(2, 3))
+        elif o.op == "linear":
+            v = F.linear(ins[0].flatten(1), p["weight"], p["bias"])
+        v.retain_grad()
+        out.append(v)
+    loss = F.cross_entropy(out[-1], y)
+    return loss, out
+
+
+def _groups(o, ops) -> int:
+    cin = ops[o.inputs[0]].shape[0]
+    return cin if o.params in (o.shape[0] * o.window[0] ** 2, o.shape[0] * o.window[0] ** 2 + o.shape[0]) \
+        and cin == o.shape[0] > 1 else 1
+
+
+def _params(ops, gen):
+    params = {}
+    for o in ops:
+        if o.op == "conv2d":
+            cin = ops[o.inputs[0]].shape[0] // _groups(o, ops)
+            params[o.name] = {"weight": torch.randn(o.shape[0], cin, o.window[0], o.window[0], generator=gen,
+                                                    dtype=torch.float64) * 0.4}
+            if o.params > o.shape[0] * cin * o.window[0] ** 2:
+                params[o.name]["bias"] = torch.randn(o.shape[0], generator=gen, dtype=torch.float64)
+        elif o.op == "batchnorm":
+            params[o.name] = {"weight": 1 + 0.3 * torch.randn(o.shape[0], generator=gen, dtype=torch.float64),
+                              "bias": 0.3 * torch.randn(o.shape[0], generator=gen, dtype=torch.float64)}
+        elif o.op == "linear":
+            fan_in = o.params // o.shape[0] - 1
+            params[o.name] = {"weight": torch.randn(o.shape[0], fan_in, generator=gen, dtype=torch.float64) * 0.3,
+                              "bias": torch.randn(o.shape[0], generator=gen, dtype=torch.float64)}
+    return params
+
+
+def _close(a, b, what):
+    scale = max(float(b.abs().max()), 1e-30)
+    err = float((a - b).abs().max()) / scale
+    assert err <= 1e-9, f"{what}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("strips,tile", [({16: 3, 8: 3, 4: 2, 2: 2}, None), ({16: 5, 8: 2, 4: 4, 2: 2}, 4 * 3 * 9 * 8),
+                                         ({16: 16, 8: 8, 4: 4, 2: 2}, None)])
+def test_strip_graph_replays_autograd_and_sgd_exactly(strips, tile):
+    """Every node of the strip graph run in PyTorch on its strips, reading only its deps, gives the
+    unsplit network's loss, gradients of every tensor and weight (summed over strips), and one
+    SGD step equal to torch.optim.SGD's; tile: conv2's weights in slices too (a concat over strips)."""
+    from poet_opt.executor.strips import replay
+
+    net = _small_cnn()
+    graph = training_graph("cnn", net.ops, 2, 8, "all", {}, weights="streamed", tile_bytes=tile, strips=strips)
+    assert any("@s" in n.name for n in graph.nodes) and any(n.op == "batchnorm_stats" for n in graph.nodes)
+    assert {n.name for n in graph.nodes} >= {"conv2#0@s1", "stats:bn1@s2", "gstats:bn2@s1", "wgrad:conv1@s0"} \
+        if tile else {"conv2@s1", "stats:bn1@s2", "gstats:bn2@s1", "wgrad:conv1@s0"}
+    gen = torch.Generator().manual_seed(0)
+    params = _params(net.ops, gen)
+    x = torch.randn(2, 3, 16, 14, generator=gen, dtype=torch.float64)
+    y = torch.tensor([1, 3])
+    lr = 0.1
+
+    loss, tensors = _reference(net.ops, params, x, y)
+    reference = [p for layer in params.values() for p in layer.values()]
+    for p in reference:
+        p.requires_grad_(True)
+    loss, tensors = _reference(net.ops, params, x, y)
+    loss.backward()
+
+    tiles = graph.meta["tiles"]
+    mine = {}
+    for o in net.ops:
+        if o.name not in params:
+            continue
+        if o.name in tiles:
+            lo = 0
+            for name in tiles[o.name]:
+                hi = lo + graph.meta["strips"]["layers"][name]["shape"][0]
+                mine[name] = {r: v.detach()[lo:hi].clone() for r, v in params[o.name].items()}
+                lo = hi
+        else:
+            mine[o.name] = {r: v.detach().clone() for r, v in params[o.name].items()}
+    result = replay(graph, mine, x, y, lr)
+
+    _close(result["loss"], loss.detach(), "loss")
+    parts = graph.meta["strips"]["tensors"]
+    values = result["values"]
+    checked = 0
+    for o, t in zip(net.ops, tensors):
+        if o.op == "input":
+            continue
+        if o.name in parts:
+            got = torch.cat([values[f"grad:{o.name}@s{j}"] for j in range(len(parts[o.name]))], dim=2)
+            value = torch.cat([values[f"{o.name}@s{j}"] for j in range(len(parts[o.name]))], dim=2)
+        else:
+            got, value = values[f"grad:{o.name}"], values[o.name]
+        _close(value, t.detach(), f"{o.name}")
+        _close(got, t.grad, f"grad:{o.name}")
+        checked += 1
+    assert checked == len(net.ops) - 1  # every tensor but the input, which needs no gradient
+    for name, layer in params.items():
+        pieces = tiles.get(name, [name])
+        for role, p in layer.items():
+            grad = torch.cat([result["weight_grads"][piece][role] for piece in pieces])
+            _close(grad, p.grad, f"weight gradient of {name}.{role}")
+    sgd = torch.optim.SGD(reference, lr=lr)
+    sgd.step()
+    for name, layer in params.items():
+        pieces = tiles.get(name, [name])
+        for role, p in layer.items():
+            _close(torch.cat([mine[piece][role] for piece in pieces]), p.detach(), f"{name}.{role} after SGD")
+
+
+@pytest.mark.parametrize("model,kw", [("resnet18-cifar", {"tile_bytes": 50 * 1024}), ("mcu-vww", {}),
+                                      ("mobilenetv2", {}), ("vgg16-cifar", {"tile_bytes": 100_000})])
+def test_one_strip_is_the_unstriped_graph(model, kw):
+    """strips=1 builds exactly the graph the streamed-weights builder builds: names, sizes,
+    FLOPs, dependencies, updates."""
+    plain = build_model(model, weights="streamed", **kw)
+    striped = build_model(model, weights="streamed", strips=1, **kw)
+
+    def shape(g):
+        return [(n.name, n.kind, n.bytes, round(n.flops, 3), n.op, tuple(sorted(g.nodes[d].name for d in n.deps)),
+                 tuple(g.nodes[p].name for p in n.updates), n.writes_bytes) for n in g.nodes]
+
+    assert shape(plain) == shape(striped)
+
+
+def test_windows_cover_the_receptive_rows():
+    assert partition(32, 3) == [(0, 11), (11, 21), (21, 32)]
+    assert receptive((0, 4), (3, 1, 1), 32) == (0, 5) and receptive((4, 8), (3, 2, 1), 32) == (7, 16)
+    assert touching((7, 16), (3, 2, 1), 16) == (3, 9) and touching((1, 2), (1, 2, 0), 16) == (1, 1)
+
+
+@pytest.fixture(scope="module")
+def vww_strip_plan(tmp_path_factory):
+    """mcu-vww in four strips per tensor at 64 KiB: without strips one node needs 108 KiB."""
+    from test_cli import cli
+
+    out = tmp_path_factory.mktemp("strips") / "vww.json"
+    result = cli("solve", "--model", "mcu-vww", "--device", "nrf52840", "--ram", "64KiB", "--weights", "streamed",
+                 "--strips", "4", "--time-limit", "4", "-q", "--json", "--out", out, "--export", out.with_suffix(".h"))
+    assert result.exit_code == 0, result.stderr
+    return json.loads(out.read_text()), json.loads(result.stdout), out.with_suffix(".h").read_text()
+
+
+def test_strips_option_plans_below_the_unsplit_working_set(vww_strip_plan):
+    from poet_opt.schedule.validator import validate
+
+    doc, summary, _ = vww_strip_plan
+    validate(doc)
+    names = {n["name"] for n in doc["graph"]["nodes"]}
+    assert {"conv0@s0", "stats:bn0@s3", "gstats:bn0@s3", "wgrad:conv0@s3", "grad:relu0@s2"} <= names
+    assert doc["totals"]["peak_ram_bytes"] <= 64 * 1024 and doc["memory"]["fits_device"]
+    assert build_model("mcu-vww", weights="streamed").min_working_set_bytes() > 64 * 1024
+
+
+def test_header_exports_a_strip_plan(vww_strip_plan):
+    doc, _, header = vww_strip_plan
+    assert "stats:bn0@s3" in header and "wgrad:conv0@s3" in header
+    assert header.count("{") > len(doc["steps"])  # a row per step
+
+
+def test_executors_refuse_a_strip_plan_in_one_line(vww_strip_plan, tmp_path):
+    """Neither the PyTorch executor nor the firmware generator runs strips: they say so, naming a
+    strip node, rather than mis-run the plan."""
+    from test_cli import assert_one_line_error, cli
+
+    from poet_opt.errors import PoetError
+    from poet_opt.executor.runner import check_schedule
+    from poet_opt.firmware import codegen
+    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.network import lower_network
+
+    doc, _, _ = vww_strip_plan
+    network = lower_network(zoo_module("mcu-vww"), (1, 1, 96, 96), weights="streamed")
+    with pytest.raises(PoetError, match=r"splits activations into strips \(node .*@s\d.*PyTorch executor"):
+        check_schedule(network, doc)
+    with pytest.raises(PoetError, match=r"splits activations into strips .*firmware generator"):
+        codegen.generate(network, doc, None, None, steps=1, lr=0.1, x=None, y=None)
+    data = tmp_path / "big.npz"
+    np.savez(data, x=np.zeros((1, 3, 192, 192), np.float32), y=np.zeros(1, np.int64))
+    cnn = "poet_opt.examples.torch_models:tiny_cnn"
+    for command, who in (("emulate", "the firmware generator"), ("run", "the PyTorch executor")):
+        result = cli(command, "--torch", cnn, "--input-shape", "1,3,192,192", "--device", "nrf52840", "--ram",
+                     "200KiB", "--steps", "1", "--lr", "0.1", "--data", data, *(["-q"] if command == "emulate" else []))
+        assert_one_line_error(result, "--ram", "split into strips", who)
+
+
+def test_resnet18_plans_on_the_nrf52840_in_strips():
+    """The graph `poet-opt solve --model resnet18-cifar --device nrf52840 --ram 200KiB` plans (auto
+    strips) holds every node within 200 KiB, and the start the solver keeps at that size (the
+    farthest-use paging plan) replays through the independent validator within the budget and the
+    device's RAM. The full command (3 minutes) is in docs/streaming.md, run by benchmarks/docs_check.py."""
+    from poet_opt.device.costs import node_costs
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.model.load import load_training_graph
+    from poet_opt.schedule import validator
+    from poet_opt.schedule.decisions import Budgets, build_steps, stored_param_bytes, totals_of
+    from poet_opt.schedule.document import Schedule
+    from poet_opt.solver.heuristics import farthest_use_paging
+
+    profile = load_profile("nrf52840")
+    budget = 200 * 1024
+    graph, _ = load_training_graph("resnet18-cifar", weights="auto", device_ram_bytes=profile.memory.ram_bytes,
+                                   stack_reserve_bytes=profile.memory.stack_reserve_bytes, tile_bytes=budget // 4,
+                                   ram_bytes=budget)
+    assert graph.streams_weights and graph.largest_working_set()[0] <= budget
+    assert graph.meta["strips"]["per_height"] == {"8": 4, "16": 8, "32": 16}
+    costs = node_costs(graph, profile)
+    budgets = Budgets(budget, float("inf"), profile.storage.capacity_bytes - stored_param_bytes(graph, profile.storage))
+    decisions = farthest_use_paging(graph, budgets)
+    steps = build_steps(graph, decisions)
+    plan = Schedule(model=graph.name, mode="joint", graph=graph, profile=profile, costs=costs, budgets=budgets,
+                    decisions=decisions, steps=steps, totals=totals_of(graph, costs, steps), plain={}, solver={})
+    doc = plan.to_dict()
+    validator.replay(doc)
+    memory = plan.memory()
+    assert doc["totals"]["peak_ram_bytes"] <= budget
+    assert memory["fits_device"] and memory["fits_storage"] and memory["total_bytes"] <= profile.memory.ram_bytes
+
+
+def test_the_strip_plan_trains_as_pytorch_sgd(vww_strip_plan):
+    """The PyTorch execution of the solved plan itself (its recomputes, page-outs, page-ins and
+    frees, each compute on resident tensors only) trains mcu-vww in strips for two SGD steps with
+    the loss and weights of torch autograd and torch.optim.SGD on the unsplit network (float64)."""
+    from poet_opt.cli import load_graph
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.executor.strips import run_plan
+    from poet_opt.model.zoo import _ZOO
+
+    doc, _, _ = vww_strip_plan
+    graph, _ = load_graph("mcu-vww", None, batch_size=1, bytes_per_element=4, weights="streamed",
+                          profile=load_profile("nrf52840"), ram=["64KiB"], strips="4")
+    names = [n["name"] for n in doc["graph"]["nodes"]]
+    assert sorted(names) == sorted(n.name for n in graph.nodes)
+    steps = [(s["op"], names[s["node"]]) for s in doc["steps"]]
+    assert any(op == "page_in" for op, _ in steps) and any(op == "compute" and "@s" in n for op, n in steps)
+
+    net = _Net((1, 96, 96))
+    _ZOO["mcu-vww"][3](net)
+    gen = torch.Generator().manual_seed(3)
+    params = _params(net.ops, gen)
+    mine = {name: {r: v.clone() for r, v in layer.items()} for name, layer in params.items()}
+    x = torch.randn(1, 1, 96, 96, generator=gen, dtype=torch.float64)
+    y = torch.tensor([1])
+    reference = [p.requires_grad_(True) for layer in params.values() for p in layer.values()]
+    sgd = torch.optim.SGD(reference, lr=0.05)
+    for _ in range(2):
+        sgd.zero_grad()
+        loss, _ = _reference(net.ops, params, x, y)
+        loss.backward()
+        sgd.step()
+        ran = run_plan(graph, steps, mine, x, y, 0.05)
+        _close(ran["loss"], loss.detach(), "loss")
+        assert ran["peak_bytes"] <= 64 * 1024
+    for name, layer in params.items():
+        for role, p in layer.items():
+            _close(mine[name][role], p.detach(), f"{name}.{role} after two steps")
