@@ -35,7 +35,7 @@ class Keep:
     to the backward pass, so the pairs grow with the square of the graph (2.8 billion at 100,000
     nodes) while the runs grow with the number of times a tensor leaves RAM and comes back. It
     behaves as a frozenset of pairs (membership, iteration, length, equality, union), and
-    ``runs`` and ``starting_at``/``ending_at`` serve the code that must stay linear."""
+    ``runs`` serves the code that must stay linear."""
 
     def __init__(self, runs: Optional[dict] = None):
         # tensor -> sorted tuple of disjoint, non-adjacent inclusive stage ranges (first, last)
@@ -79,9 +79,6 @@ class Keep:
     @property
     def runs(self) -> dict:
         return self._runs
-
-    def tensors(self):
-        return self._runs.keys()
 
     def __contains__(self, pair) -> bool:
         try:
