@@ -159,7 +159,7 @@ def highs_lp(milp: Milp, *, relax: bool = False):
 HIGHS_GRACE_S = 0.5
 HIGHS_GRACE_REL = 0.01
 # How long after a Ctrl-C a HiGHS run is waited for (the promise is 2 s to stop in all), and how
-# often a run that calls nothing back is said to be alive.
+# often a phase that calls nothing back is said to be alive (Heartbeat).
 INTERRUPT_GRACE_S = 0.7
 HEARTBEAT_S = 3.0
 _ABANDONED: list[threading.Thread] = []
@@ -257,8 +257,7 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
         # and 10 s past a Ctrl-C, with no callback in between (benchmarks/HARD.md). It runs in a
         # thread (highspy releases the GIL) that is given up on past the limit and a grace, or
         # INTERRUPT_GRACE_S after a Ctrl-C: the answer is then what the callbacks saw, and the
-        # thread stops itself at HiGHS's next check (each callback asks it to). Meanwhile this
-        # thread says every few seconds that the search is alive, whatever phase HiGHS is in.
+        # thread stops itself at HiGHS's next check (each callback asks it to).
         failure: list[BaseException] = []
 
         def run():
@@ -280,9 +279,6 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
                 stop_seen = now if stop_seen is None else stop_seen
                 if now - stop_seen >= INTERRUPT_GRACE_S:
                     break
-            if progress is not None and now - started - last_report[0] >= HEARTBEAT_S:
-                last_report[0] = now - started
-                progress(Progress(now - started, None, seen["bound"], None, "MILP (presolve or search)"))
             worker.join(min(0.2, max(0.0, wait_until - now)))
         if worker.is_alive():
             abandoned.set()
@@ -414,7 +410,8 @@ class Heartbeat:
     """Says which phase of a solve runs, every HEARTBEAT_S, from a thread of its own: phases that
     call nothing back (heuristics, building a MILP, a restricted MILP) still show that the solve is
     alive, and a solve that ends within its first seconds says nothing (an error stays one line).
-    ``phase(None)`` hands over to a solver that reports for itself."""
+    A solver that reports for itself reports through ``relay()``: on the same clock, and the
+    heartbeat keeps quiet while it speaks (HiGHS's presolve can call nothing back for minutes)."""
 
     def __init__(self, progress: Optional[Callable[[Progress], None]]):
         self._progress = progress
@@ -425,6 +422,17 @@ class Heartbeat:
 
     def phase(self, name: Optional[str]) -> None:
         self._name = name
+
+    def relay(self) -> Optional[Callable[[Progress], None]]:
+        """A progress callback for a solver that counts from its own start, from now on."""
+        if self._progress is None:
+            return None
+        offset = time.perf_counter() - self._began
+
+        def say(p: Progress) -> None:
+            self._said = time.perf_counter()
+            self._progress(replace(p, elapsed_s=p.elapsed_s + offset))
+        return say
 
     def _beat(self) -> None:
         while not self._done.wait(0.25):

@@ -370,7 +370,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                     heartbeat: Optional["Heartbeat"] = None) -> _Outcome:
     """Heuristic starts, the restricted MILP, then the full MILP, in the graph's own node order."""
     began = time.perf_counter()
-    phase = heartbeat.phase if heartbeat is not None else (lambda name: None)
+    heartbeat = heartbeat or Heartbeat(None)
+    phase = heartbeat.phase
     phase("heuristic starts")
     # the greedy loops replay the whole plan per step: they get a third of the time at most
     candidates = starting_points(graph, costs, budgets, mode,
@@ -487,12 +488,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         mip_start = next((x for x in map(form.encode, candidates) if x is not None), None)
         # the re-solve shares the one time limit the user gave
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - began) - reserve)
-        phase(None)  # HiGHS reports from here on, and says it is alive when it calls nothing back
-        offset = time.perf_counter() - began  # the MILP counts from its own start: one clock for the user
+        phase("MILP (presolve or search)")
         result = solve_milp(form.milp, backend=backend, time_limit=remaining, gap=gap, threads=threads,
-                            progress=None if progress is None else
-                            (lambda p, offset=offset: progress(replace(p, elapsed_s=p.elapsed_s + offset))),
-                            start=mip_start)
+                            progress=heartbeat.relay(), start=mip_start)
         first = first or result  # the exact budget's bound stays valid whatever happens next
         solve_s += result.solve_s
         if result.x is None:
