@@ -582,9 +582,12 @@ def _fitting_plan(graph, costs, budgets, mode, profile, decisions):
     if (mode in ("remat", "none") and (decisions.page_in or decisions.page_out)) or \
             (mode in ("paging", "none") and decisions.recompute):
         return None
-    pairs = (*decisions.recompute, *decisions.page_in, *decisions.keep)
-    if any(not (0 <= i < len(graph) and 0 <= t < len(graph)) for t, i in pairs) or \
-            any(not 0 <= i < len(graph) for i in decisions.page_out):
+    T = len(graph)
+    # the keeps by their runs: their pairs grow with the square of the graph
+    keeps = decisions.keep.runs.items()
+    if any(not (0 <= i < T and 0 <= t < T) for t, i in (*decisions.recompute, *decisions.page_in)) or \
+            any(not (0 <= i < T and 0 <= runs[0][0] and runs[-1][1] < T) for i, runs in keeps) or \
+            any(not 0 <= i < T for i in decisions.page_out):
         return None  # a plan for some other graph
     steps = build_steps(graph, decisions)
     plan = Schedule(model=graph.name, mode=mode, graph=graph, profile=profile, costs=costs, budgets=budgets,
