@@ -23,7 +23,7 @@ from poet_opt.solver.bounds import window_bound
 from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
-from poet_opt.solver.heuristics import fits_storage, starting_points
+from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points
 from poet_opt.units import format_bytes, format_seconds, parse_runtime, parse_size
 
 
@@ -563,15 +563,9 @@ def _builds_in_time(decisions: int, left_s: float) -> bool:
     return decisions * BUILD_S_PER_DECISION <= 0.5 * left_s
 
 
-def _energy(graph, costs, decisions) -> float:
-    """What totals_of(build_steps(...)) says, to the last bit (math.fsum is exactly rounded in any
-    order, and the steps hold one compute per node and per recomputation, one page-in per page-in and
-    one page-out per page-out), without the replay: that takes 4-7 s at 2000 nodes, and a solve
-    needs it up to six times."""
-    cj = math.fsum([*map(float, costs.compute_j), *(float(costs.compute_j[i]) for _, i in decisions.recompute)])
-    ij = math.fsum(float(costs.page_in_j[i]) for _, i in decisions.page_in)
-    oj = math.fsum(float(costs.page_out_j[i]) for i in decisions.page_out)
-    return math.fsum([cj, ij, oj])
+# What totals_of(build_steps(...)) says, to the last bit, without the replay (a solve needs it up to
+# six times): heuristics.plan_energy_j, one piece of code for the starts and the driver.
+_energy = plan_energy_j
 
 
 def _fitting_plan(graph, costs, budgets, mode, profile, decisions):
@@ -601,10 +595,7 @@ def _fitting_plan(graph, costs, budgets, mode, profile, decisions):
 
 def _fits_runtime(graph, costs, decisions, budgets) -> bool:
     # totals_of(build_steps(...))["runtime_s"] exactly, without the replay (see _energy)
-    replayed = math.fsum([*map(float, costs.compute_s), *(float(costs.compute_s[i]) for _, i in decisions.recompute),
-                          *(float(costs.page_in_s[i]) for _, i in decisions.page_in),
-                          *(float(costs.page_out_s[i]) for i in decisions.page_out)])
-    return replayed <= budgets.runtime_s * (1 + 1e-9)  # the validator's float tolerance
+    return plan_runtime_s(costs, decisions) <= budgets.runtime_s * (1 + 1e-9)  # the validator's float tolerance
 
 
 def _without_unread_page_outs(decisions):
