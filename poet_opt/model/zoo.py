@@ -301,13 +301,14 @@ MODELS: dict[str, str] = {name: spec[0] for name, spec in _ZOO.items()}
 
 def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_element: int = 4,
                 trainable="all", weights: str = "resident", optimizer: str = "none",
-                tile_bytes: int | None = None, strips=None) -> TrainingGraph:
+                tile_bytes: int | None = None, strips=None, rows=None) -> TrainingGraph:
     """The training graph of a zoo model. ``input_shape`` is (C, H, W) for CNNs, (features,) for the
     MLP, (seq_len,) for transformers; it may also be a string such as ``"3x64x64"`` or ``"256"``.
     ``trainable`` is ``"all"``, ``"last:N"`` (the last N operators that have parameters) or node
     names (a list or a comma-separated string; ``layer4`` also selects ``layer4.*``). ``strips``
     (streamed weights only): split every (C, H, W) tensor into that many strips along H (at most
-    H), or a dict {H: strips} per height (model/strips.py)."""
+    H), or a dict {H: strips} per height (model/strips.py). ``rows`` (streamed weights, transformers):
+    a row tiling {"blocks", "piece", "vocab_rows"} of the (seq, d) tensors (model/rows.py)."""
     key = _model_key(name)
     description, default_shape, to_builder, declare = _ZOO[key]
     batch_size = _positive_int(batch_size, "--batch-size")
@@ -323,7 +324,7 @@ def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_e
     meta = {"model": key, "description": description, "batch_size": batch_size, "input_shape": list(shape),
             "bytes_per_element": bytes_per_element, "forward_layers": len(net.ops) - 1}
     return _training_graph(key, net.ops, batch_size, bytes_per_element, trainable, meta, weights=weights,
-                           optimizer=optimizer, tile_bytes=tile_bytes, strips=strips)
+                           optimizer=optimizer, tile_bytes=tile_bytes, strips=strips, rows=rows)
 
 
 def _model_key(name) -> str:
@@ -407,7 +408,7 @@ WEIGHTS = ("resident", "streamed")
 
 def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainable, meta: dict, *,
                     weights: str = "resident", optimizer: str = "none", tile_bytes: int | None = None,
-                    strips=None) -> TrainingGraph:
+                    strips=None, rows=None) -> TrainingGraph:
     """Forward nodes, a loss on the last op, then one ``grad:f`` node per forward op f whose output
     gradient some trainable weight needs, in reverse forward order.
 
@@ -423,6 +424,8 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
         raise PoetError(f"unknown weights placement {weights!r}; choose {' or '.join(WEIGHTS)}", field="--weights")
     streamed = weights == "streamed"
     train = _resolve_trainable(ops, trainable)
+    if rows is not None:
+        return _tiled_graph(name, ops, batch, bpe, trainable, train, meta, streamed, optimizer, rows=rows)
     tiles: dict[str, list[str]] = {}
     if streamed and tile_bytes is not None:
         from poet_opt.model.tiling import tile_weights
@@ -526,6 +529,21 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
         meta.update(weights="streamed", optimizer=update.optimizer, optimizer_state_bytes=update.state_bytes,
                     tiles=tiles)
     return TrainingGraph.build(name, nodes, meta=meta)
+
+
+def _tiled_graph(name, ops, batch, bpe, trainable, train, meta, streamed, optimizer, *, rows) -> TrainingGraph:
+    """The row-tiled graph of a transformer (model/rows.py): it cuts the weights itself."""
+    from poet_opt.model.rows import row_graph
+
+    if not streamed or (optimizer or "none") not in ("none", "sgd"):
+        raise PoetError("row tiling needs streamed weights and plain SGD", field="--strips")
+    needs_grad: list[bool] = []
+    for i, o in enumerate(ops):
+        needs_grad.append(i in train or any(needs_grad[j] for j in o.inputs))
+    meta = {**meta, "trainable": trainable if isinstance(trainable, str) or trainable is None else list(trainable),
+            "param_count": sum(o.params for o in ops), "trainable_param_count": sum(ops[i].params for i in train),
+            "weights": "streamed", "optimizer": "sgd", "optimizer_state_bytes": 0, "tiles": {}}
+    return row_graph(name, ops, batch, bpe, train, needs_grad, meta, rows)
 
 
 class _Fused:

@@ -1,0 +1,362 @@
+"""What each node of a row-tiled transformer graph (poet_opt.model.rows) computes, in PyTorch.
+
+``replay`` runs the graph's nodes once each, in the graph's order, every node reading only the
+tensors its ``deps`` name (a node that needs more raises KeyError: the graph would be wrong).
+Tensors are (N, rows, features) pieces, vectors (the pooler's) (N, 1, features). The semantics
+are the zoo's, as examples/torch_models.py writes them in PyTorch: post-LN blocks, layer norm with
+eps 1e-5, exact (erf) GELU, scores scaled by 1/sqrt(d_head), the word table indexed by token id and
+the position table by position, the pooler on the [CLS] token, tanh, and cross-entropy on the
+logits. It keeps every tensor (no RAM budget): it checks the graph's maths, not a schedule
+(tests/test_rows.py compares it with autograd on the untiled model).
+
+Parameters are given per layer in PyTorch's shapes: linear ``weight`` (out, in) and ``bias``,
+layer norm ``weight`` and ``bias``, embedding ``weight`` (rows, d).
+"""
+
+from __future__ import annotations
+
+import math
+
+EPS = 1e-5  # torch.nn.LayerNorm's default
+
+
+def replay(graph, params: dict, ids, y, lr: float) -> dict:
+    """Run ``graph`` on token ids ``ids`` (N, seq) and labels ``y`` (N,); ``params``: layer ->
+    {role: tensor}, updated in place by the graph's SGD updates. Returns {"loss", "values",
+    "weight_grads" (layer -> {role: gradient}, assembled from the tiles' updates)}."""
+    return _Replay(graph, params, ids, y, lr).run()
+
+
+class _Replay:
+    def __init__(self, graph, params, ids, y, lr):
+        import torch
+
+        self.t, self.graph, self.params, self.ids, self.y, self.lr = torch, graph, params, ids, y, lr
+        meta = graph.meta["rows"]
+        self.blocks = [tuple(b) for b in meta["blocks"]]
+        self.layers, self.records, self.tiles = meta["layers"], meta["nodes"], meta["tiles"]
+        self.cols = {name: [tuple(c) for c in cs] for name, cs in meta["cols"].items()}
+        self.vocab_rows = meta["vocab_rows"]
+        self.values: dict = {}
+        self.weight_grads: dict = {}
+        self.seq = ids.shape[1]
+
+    def run(self) -> dict:
+        for node in self.graph.nodes:
+            env = {self.graph.nodes[d].name: self.values[self.graph.nodes[d].name] for d in node.deps}
+            self.values[node.name] = self.compute(node, self.records[node.name], env)
+        return {"loss": self.values["loss"], "values": self.values, "weight_grads": self.weight_grads}
+
+    # -- layout ------------------------------------------------------------------------------------
+
+    def vector(self, layer: str) -> bool:
+        return len(self.layers[layer]["shape"]) == 1 and self.layers[layer]["op"] != "input"
+
+    def heads(self, layer: str) -> bool:
+        lay = self.layers[layer]
+        return lay["op"] == "softmax" or lay["op"] == "matmul" and len(lay["shape"]) == 3
+
+    def name(self, layer: str, b: int, j: int, prefix: str = "") -> str:
+        return f"{prefix}{layer}@r{b}{'@h' if self.heads(layer) else '@c'}{j}"
+
+    def gather(self, env, layer: str, b: int, lo: int, hi: int, prefix: str = ""):
+        """Columns [lo, hi) of row block b of ``layer`` (or of its gradient), from its pieces."""
+        out = []
+        for j, (a, c) in enumerate(self.cols[layer]):
+            if a < hi and lo < c:
+                out.append(env[self.name(layer, b, j, prefix)][:, :, max(lo, a) - a:min(hi, c) - a])
+        return self.t.cat(out, dim=2)
+
+    def all_rows(self, env, layer: str, lo: int, hi: int):
+        return self.t.cat([self.gather(env, layer, b, lo, hi) for b in range(len(self.blocks))], dim=1)
+
+    def dh(self, scores: str) -> int:
+        return self.layers[self.layers[scores]["inputs"][0]]["shape"][-1] // self.layers[scores]["shape"][0]
+
+    def param(self, env, layer: str, tile) -> dict:
+        env[f"param:{layer}#{'.'.join(map(str, tile))}"]  # the tile a node reads is in its deps
+        return self.params[layer]
+
+    # -- nodes -------------------------------------------------------------------------------------
+
+    def compute(self, node, rec, env):
+        role = rec["role"]
+        t = self.t
+        if role == "param":
+            return None
+        if role == "loss":
+            return self.loss(rec, env)
+        if role in ("forward", "scores", "context"):
+            return self.forward(rec, env)
+        if role == "embed":
+            return self.embed(rec, env)
+        if role == "linear":
+            lay = self.layers[rec["layer"]]
+            x = self.layers[rec["layer"]]["inputs"][0]
+            xb = env[self.name(x, 0 if lay["cls"] else rec["b"], rec["k"])]
+            if lay["cls"]:
+                xb = xb[:, :1]
+            (o0, o1), (i0, i1) = self.cols[rec["layer"]][rec["j"]], self.cols[x][rec["k"]]
+            w = self.param(env, rec["layer"], (rec["j"], rec["k"]))
+            out = xb @ w["weight"][o0:o1, i0:i1].T
+            if rec["k"] == 0:
+                out = out + w["bias"][o0:o1]
+            return out if rec["prev"] is None else env[rec["prev"]] + out
+        if role == "ln_stats":
+            x = self.layers[rec["layer"]]["inputs"][0]
+            xs = env[self.name(x, rec["b"], rec["k"])]
+            count, mean = xs.shape[2], xs.mean(dim=2)
+            m2 = ((xs - mean[:, :, None]) ** 2).sum(dim=2)
+            if rec["prev"] is None:
+                return (count, mean, m2)
+            n_a, mean_a, m2_a = env[rec["prev"]]  # Chan et al.: merge two parts' means and squared deviations
+            n = n_a + count
+            delta = mean - mean_a
+            return (n, mean_a + delta * count / n, m2_a + m2 + delta ** 2 * n_a * count / n)
+        if role == "ln_gstats":
+            layer, b, k = rec["layer"], rec["b"], rec["k"]
+            x = self.layers[layer]["inputs"][0]
+            (c0, c1) = self.cols[layer][k]
+            gamma = self.param(env, layer, (k,))["weight"][c0:c1]
+            gg = env[self.name(layer, b, k, "grad:")] * gamma
+            xhat = self.xhat(env, layer, b, env[self.name(x, b, k)])
+            sums = (gg.sum(dim=2), (gg * xhat).sum(dim=2))
+            if rec["prev"] is None:
+                return sums
+            prev = env[rec["prev"]]
+            return (prev[0] + sums[0], prev[1] + sums[1])
+        if role == "grad":
+            return self.gradient(rec, env)
+        if role == "wgrad":
+            return self.weight_gradient(rec, env)
+        if role == "embed_update":
+            return self.embed_update(rec, env)
+        raise ValueError(f"unknown role {role!r} of node {node.name}")
+
+    def stats(self, env, layer: str, b: int):
+        n, mean, m2 = env[f"lnstats:{layer}@r{b}@c{len(self.cols[layer]) - 1}"]
+        return mean, m2 / n
+
+    def xhat(self, env, layer: str, b: int, xs):
+        mean, var = self.stats(env, layer, b)
+        return (xs - mean[:, :, None]) / self.t.sqrt(var + EPS)[:, :, None]
+
+    def token_rows(self, b: int, positional: bool, env):
+        r0, r1 = self.blocks[b]
+        env[f"input@r{b}@c0"]  # the token ids of the block are a dependency, positions too
+        if positional:
+            return self.t.arange(r0, r1).expand(self.ids.shape[0], -1)
+        return self.ids[:, r0:r1]
+
+    def embed(self, rec, env):
+        layer, b, j, v = rec["layer"], rec["b"], rec["j"], rec["v"]
+        lay = self.layers[layer]
+        (c0, c1) = self.cols[layer][j]
+        v0 = v * 0 + self._vocab(layer)[v][0]
+        v1 = self._vocab(layer)[v][1]
+        table = self.param(env, layer, (v, j))["weight"][v0:v1, c0:c1]
+        idx = self.token_rows(b, lay["positional"], env)
+        inside = (idx >= v0) & (idx < v1)
+        out = table[(idx - v0).clamp(0, v1 - v0 - 1)] * inside[:, :, None]
+        return out if rec["prev"] is None else env[rec["prev"]] + out
+
+    def _vocab(self, layer: str):
+        return [tuple(v) for v in self.tiles[layer]["vocab"]]
+
+    def forward(self, rec, env):
+        layer = rec["layer"]
+        lay = self.layers[layer]
+        op, inputs, b, j = lay["op"], lay["inputs"], rec["b"], rec["j"]
+        if op == "input":
+            r0, r1 = self.blocks[b]
+            return self.ids[:, r0:r1]
+        if op == "layernorm":
+            (c0, c1) = self.cols[layer][j]
+            w = self.param(env, layer, (j,))
+            return self.xhat(env, layer, b, env[self.name(inputs[0], b, j)]) * w["weight"][c0:c1] + w["bias"][c0:c1]
+        if op == "softmax":
+            return self.t.softmax(env[self.name(inputs[0], b, j)], dim=-1)
+        if op == "matmul" and len(lay["shape"]) == 3:  # scores of head j for row block b
+            dh = self.dh(layer)
+            q = self.gather(env, inputs[0], b, j * dh, (j + 1) * dh)
+            k = self.all_rows(env, inputs[1], j * dh, (j + 1) * dh)
+            return q @ k.transpose(1, 2) / math.sqrt(dh)
+        if op == "matmul":  # context: piece j of row block b
+            p, v = inputs
+            dh = self.dh(self._scores_of(p))
+            (c0, c1) = self.cols[layer][j]
+            out = []
+            for h in range(c0 // dh, (c1 - 1) // dh + 1):
+                lo, hi = max(c0, h * dh), min(c1, (h + 1) * dh)
+                out.append(env[self.name(p, b, h)] @ self.all_rows(env, v, lo, hi))
+            return self.t.cat(out, dim=2)
+        xs = [env[self.name(i, b, j)] for i in inputs]
+        if op == "add":
+            return xs[0] + xs[1]
+        if op == "gelu":
+            return self.t.nn.functional.gelu(xs[0])
+        if op == "tanh":
+            return self.t.tanh(xs[0])
+        raise ValueError(f"no row kernel for {op}")
+
+    def _scores_of(self, probs: str) -> str:
+        return self.layers[probs]["inputs"][0]
+
+    def logits_rows(self, env, b: int):
+        last = list(self.layers)[-1]
+        return last, self.gather(env, last, b, 0, self.layers[last]["shape"][-1])
+
+    def loss(self, rec, env):
+        last, logits = self.logits_rows(env, rec["b"])
+        if self.vector(last):
+            return self.t.nn.functional.cross_entropy(logits[:, 0], self.y)
+        r0, r1 = self.blocks[rec["b"]]  # per-token labels: the mean over every token, block by block
+        part = self.t.nn.functional.cross_entropy(logits.flatten(0, 1), self.y[:, r0:r1].flatten(), reduction="sum")
+        part = part / (self.y.numel())
+        return part if rec["prev"] is None else env[rec["prev"]] + part
+
+    # -- gradients ---------------------------------------------------------------------------------
+
+    def gradient(self, rec, env):
+        f, b, j = rec["of"], rec["b"], rec["j"]
+        total = env[rec["prev"]] if rec["prev"] else 0
+        (c0, c1) = (0, 0) if self.heads(f) else self.cols[f][j]
+        if rec["logits"]:
+            last, logits = self.logits_rows(env, b)
+            classes = logits.shape[2]
+            if self.vector(last):
+                onehot = self.t.nn.functional.one_hot(self.y, classes).to(logits.dtype)[:, None]
+                scale = logits.shape[0]
+            else:
+                r0, r1 = self.blocks[b]
+                onehot = self.t.nn.functional.one_hot(self.y[:, r0:r1], classes).to(logits.dtype)
+                scale = self.y.numel()
+            total = total + ((self.t.softmax(logits, dim=-1) - onehot) / scale)[:, :, c0:c1]
+        for term in rec["terms"]:
+            total = total + self.term(term, f, b, j, env)
+        return total
+
+    def term(self, term, f: str, b: int, j: int, env):
+        t = self.t
+        kind, u = term["kind"], term["layer"]
+        if kind == "linear":
+            lay = self.layers[u]
+            jj = term["j"]
+            (o0, o1), (c0, c1) = self.cols[u][jj], self.cols[f][j]
+            g = env[self.name(u, 0 if lay["cls"] or self.vector(u) else b, jj, "grad:")]
+            part = g @ self.param(env, u, (jj, j))["weight"][o0:o1, c0:c1]
+            if lay["cls"]:  # the pooler read the [CLS] token: the block's other rows get nothing
+                r0, r1 = self.blocks[b]
+                full = t.zeros(part.shape[0], r1 - r0, part.shape[2], dtype=part.dtype)
+                full[:, :1] = part
+                return full
+            return part
+        if kind == "add":
+            return env[self.name(u, b, j, "grad:")]
+        if kind == "gelu":
+            x = env[self.name(f, b, j)].detach().requires_grad_(True)
+            (dx,) = t.autograd.grad(t.nn.functional.gelu(x), x, env[self.name(u, b, j, "grad:")])
+            return dx
+        if kind == "tanh":
+            return env[self.name(u, b, j, "grad:")] * (1 - env[self.name(u, b, j)] ** 2)
+        if kind == "layernorm":
+            (c0, c1) = self.cols[u][j]
+            d = self.layers[u]["shape"][-1]
+            gamma = self.param(env, u, (j,))["weight"][c0:c1]
+            _, var = self.stats(env, u, b)
+            xhat = self.xhat(env, u, b, env[self.name(f, b, j)])
+            s1, s2 = env[f"lngstats:{u}@r{b}@c{len(self.cols[u]) - 1}"]
+            g = env[self.name(u, b, j, "grad:")] * gamma
+            return (g - s1[:, :, None] / d - xhat * s2[:, :, None] / d) / t.sqrt(var + EPS)[:, :, None]
+        if kind == "softmax":
+            p, dp = env[self.name(u, b, j)], env[self.name(u, b, j, "grad:")]
+            return p * (dp - (dp * p).sum(dim=-1, keepdim=True))
+        if kind in ("scores_q", "scores_k"):
+            dh = self.dh(u)
+            q_name, k_name = self.layers[u]["inputs"]
+            (c0, c1) = self.cols[f][j]
+            out = []
+            for h in range(c0 // dh, (c1 - 1) // dh + 1):
+                lo, hi = max(c0, h * dh), min(c1, (h + 1) * dh)
+                if kind == "scores_q":
+                    ds = env[self.name(u, b, h, "grad:")]
+                    out.append(ds @ self.all_rows(env, k_name, lo, hi) / math.sqrt(dh))
+                else:
+                    bq = term["b"]
+                    r0, r1 = self.blocks[b]
+                    ds = env[self.name(u, bq, h, "grad:")][:, :, r0:r1]
+                    out.append(ds.transpose(1, 2) @ self.gather(env, q_name, bq, lo, hi) / math.sqrt(dh))
+            return t.cat(out, dim=2)
+        if kind == "context_p":
+            p_name, v_name = self.layers[u]["inputs"]
+            dh = self.dh(self._scores_of(p_name))
+            dc = self.gather(env, u, b, j * dh, (j + 1) * dh, "grad:")
+            return dc @ self.all_rows(env, v_name, j * dh, (j + 1) * dh).transpose(1, 2)
+        if kind == "context_v":
+            p_name, _ = self.layers[u]["inputs"]
+            dh = self.dh(self._scores_of(p_name))
+            (c0, c1) = self.cols[f][j]
+            bq = term["b"]
+            r0, r1 = self.blocks[b]
+            out = []
+            for h in range(c0 // dh, (c1 - 1) // dh + 1):
+                lo, hi = max(c0, h * dh), min(c1, (h + 1) * dh)
+                p = env[self.name(p_name, bq, h)][:, :, r0:r1]
+                dc = self.gather(env, u, bq, lo, hi, "grad:")
+                out.append(p.transpose(1, 2) @ dc)
+            return t.cat(out, dim=2)
+        raise ValueError(f"no row gradient for {kind}")
+
+    # -- weight gradients --------------------------------------------------------------------------
+
+    def weight_gradient(self, rec, env):
+        layer, tile, b = rec["layer"], rec["tile"], rec["b"]
+        lay = self.layers[layer]
+        x = lay["inputs"][0]
+        if lay["op"] == "layernorm":
+            (j,) = tile
+            (c0, c1) = self.cols[layer][j]
+            g = env[self.name(layer, b, j, "grad:")]
+            xhat = self.xhat(env, layer, b, env[self.name(x, b, j)])
+            part = {"weight": (g * xhat).sum(dim=(0, 1)), "bias": g.sum(dim=(0, 1))}
+            where = {"weight": (slice(c0, c1),), "bias": (slice(c0, c1),)}
+        else:
+            j, k = tile
+            (o0, o1), (i0, i1) = self.cols[layer][j], self.cols[x][k]
+            g = env[self.name(layer, 0 if self.vector(layer) else b, j, "grad:")]
+            xs = env[self.name(x, 0 if lay["cls"] else b, k)]
+            if lay["cls"]:
+                xs = xs[:, :1]
+            part = {"weight": g.flatten(0, 1).T @ xs.flatten(0, 1)}
+            where = {"weight": (slice(o0, o1), slice(i0, i1))}
+            if k == 0:
+                part["bias"] = g.sum(dim=(0, 1))
+                where["bias"] = (slice(o0, o1),)
+        if rec["prev"]:
+            part = {role: env[rec["prev"]][role] + v for role, v in part.items()}
+        if not rec["update"]:
+            return part
+        self.param(env, layer, tile)
+        self.apply(layer, part, where)
+        return None
+
+    def embed_update(self, rec, env):
+        layer, v, j = rec["layer"], rec["v"], rec["j"]
+        (v0, v1), (c0, c1) = self._vocab(layer)[v], self.cols[layer][j]
+        grad = self.t.zeros(v1 - v0, c1 - c0, dtype=self.params[layer]["weight"].dtype)
+        for b in rec["blocks"]:  # the sparse gradient: the rows of the tokens seen
+            idx = self.token_rows(b, self.layers[layer]["positional"], env)
+            g = env[self.name(layer, b, j, "grad:")]
+            inside = (idx >= v0) & (idx < v1)
+            grad.index_add_(0, (idx[inside] - v0), g[inside])
+        self.param(env, layer, (v, j))
+        self.apply(layer, {"weight": grad}, {"weight": (slice(v0, v1), slice(c0, c1))})
+        return None
+
+    def apply(self, layer: str, grads: dict, where: dict) -> None:
+        store = self.weight_grads.setdefault(layer, {})
+        with self.t.no_grad():
+            for role, g in grads.items():
+                tensor = self.params[layer][role]
+                store.setdefault(role, self.t.zeros_like(tensor))[where[role]] = g
+                tensor[where[role]] -= self.lr * g
