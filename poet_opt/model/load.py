@@ -92,9 +92,10 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     elif flag == "--model":
         from poet_opt.model.zoo import build_model
 
-        def zoo(counts=None):
+        def zoo(counts=None, rows=None):
             return build_model(model, batch_size=batch_size, input_shape=input_shape,
-                               bytes_per_element=bytes_per_element, trainable=trainable, strips=counts, **streaming)
+                               bytes_per_element=bytes_per_element, trainable=trainable, strips=counts, rows=rows,
+                               **streaming)
 
         graph, name = zoo(), model
         if weights == "streamed" and strips != "off":
@@ -143,12 +144,22 @@ def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserv
     so that the working-set check says what does not fit)."""
     from poet_opt.model.strips import fit_strips, low_memory
 
-    if strips != "auto":
+    transformer = any(n.op == "matmul" for n in graph.nodes)
+    if strips != "auto" and not transformer:
         return low_memory(build(strips))
-    if device_ram_bytes is None or graph.largest_working_set()[0] + stack_reserve_bytes <= device_ram_bytes:
+    if strips == "auto" and (device_ram_bytes is None or
+                             graph.largest_working_set()[0] + stack_reserve_bytes <= device_ram_bytes):
         return graph
-    budget = device_ram_bytes - stack_reserve_bytes
-    budget = budget if ram_bytes is None else min(budget, ram_bytes)
+    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
+    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
+    if transformer:  # (seq, d) tensors: row tiling (model/rows.py), N row blocks for --strips N
+        if budget is None:
+            raise PoetError("row tiling of a transformer needs --ram or a device to fit", field="--strips")
+        tiled = build(rows={"budget": budget, **({} if strips == "auto" else {"blocks": strips})})
+        if tiled is not None:
+            return tiled
+        graph.meta["strips_tried"] = True
+        return graph
     # Strips split activations, never a weights slice (one output feature at the least): a slice
     # over the budget is refused at once, where doubling the strips rebuilt the graph 17 times (30 s)
     if max((n.bytes for n in graph.nodes if n.op == "param"), default=0) <= budget:

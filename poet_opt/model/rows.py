@@ -76,6 +76,7 @@ class _Builder:
         self.params: dict[tuple, int] = {}  # (layer, tile) -> param node
         self.tiles: dict[str, dict] = {}  # layer -> {"rows": [...], "cols": [...], "kind": ...}
         self.stats: dict[int, dict] = {}
+        self.acc: dict[tuple, int] = {}  # (layer, tile) -> the last link of its weight-gradient chain
         self.link_count: dict[str, int] = {}
         self.users: list[list[int]] = [[] for _ in ops]
         for u, o in enumerate(ops):
@@ -404,19 +405,25 @@ class _Builder:
                 plain = [t for t in terms if not t["own"]]
                 if terms or f == logits:
                     links[key] = [[t] for t in own[:-1]] + [own[-1:] + plain]
-            most = max((len(groups) for groups in links.values()), default=0)
             prev: dict[tuple[int, int], int] = {}
-            for n in range(most):  # link n of every piece in turn: one weight tile across row blocks
-                for key, groups in links.items():
-                    skip = most - len(groups)  # the final links of all pieces come last
-                    if n < skip:
-                        continue
-                    self.grad_link(f, key, groups[n - skip], n - skip == len(groups) - 1, prev, loss)
+            # piece by piece, so that one piece's partial sums are alive at a time; within a piece,
+            # link n of every row block in turn, so that a weight tile serves its data and weight
+            # gradients of every block while it is in RAM
+            for j in sorted({j for _, j in links}):
+                keys = [key for key in sorted(links) if key[1] == j]
+                most = max(len(links[key]) for key in keys)
+                for n in range(most):
+                    for key in keys:
+                        groups = links[key]
+                        skip = most - len(groups)  # the final links of all blocks come last
+                        if n >= skip:
+                            self.grad_link(f, key, groups[n - skip], n - skip == len(groups) - 1, prev, loss)
             for key in links:
                 self.grad[f][key] = prev[key]
-            for u in [*self.users[f], f]:
-                if u in self.train and (u != f or not any(self.needs_grad[x] for x in ops[u].inputs)):
-                    self.weight_update(u)
+            # weight gradients went along with the data gradients that read the same tiles; a layer
+            # whose input needs no gradient has none, and sums its own now
+            if f in self.train and not any(self.needs_grad[x] for x in ops[f].inputs):
+                self.weight_update(f)
 
     def grad_link(self, f: int, key, group: list[dict], final: bool, prev: dict, loss: int) -> None:
         b, j = key
@@ -439,6 +446,9 @@ class _Builder:
         for t in group:
             if "tile" in t:
                 self.host[t["tile"]] = prev[key]
+                u, jj, k, bu = t["tile"]
+                if u in self.train:  # the tile's weight gradient over this block, while the tile is in RAM
+                    self.wgrad_link(u, (jj,) if k is None else (jj, k), bu)
 
     def layernorm_gstats(self, u: int, x: int) -> None:
         o = self.ops[u]
@@ -478,38 +488,46 @@ class _Builder:
                              updates=(p,), writes=n * self.bpe)
             return
         if o.op == "layernorm":
-            tiles = [((j,), j, None) for j in range(len(self.cols(u)))]
+            tiles = [(j,) for j in range(len(self.cols(u)))]
         else:
-            tiles = [((j, k), j, k) for j in range(len(self.cols(u))) for k in range(len(self.cols(o.inputs[0])))]
+            tiles = [(j, k) for j in range(len(self.cols(u))) for k in range(len(self.cols(o.inputs[0])))]
+        for tile in tiles:  # the input needs no gradient: no data-gradient link has read the tiles
+            for b in range(len(self.rows(u))):
+                if (b, tile[0]) in self.grad[u]:
+                    self.wgrad_link(u, tile, b)
+
+    def wgrad_link(self, u: int, tile: tuple, b: int) -> None:
+        """The next link of tile's weight-gradient chain over row blocks: block b's part added to the
+        sum so far; the last block's link applies the update."""
+        o = self.ops[u]
+        g = self.grad[u]
         (x,) = o.inputs
-        for tile, j, k in tiles:
-            blocks = [b for b in range(len(self.rows(u))) if (b, j) in g]
-            p = self.params[u, tile]
-            n = self.nodes[p].bytes // self.bpe
-            acc = None
-            label = f"{o.name}#{'.'.join(map(str, tile))}"
-            for m, b in enumerate(blocks):
-                last = m == len(blocks) - 1
-                (r0, r1) = self.rows(u)[b]
-                xb = self.x_block(u, b)
-                deps = {g[b, j], self.fwd[x][xb, j if k is None else k]}
-                if o.op == "layernorm":
-                    deps.add(self.stats[u][b])
-                reader = self.host.get((u, j, k, b))
-                if reader is not None:  # the link that read the old tile in this block comes first
-                    deps.add(reader)
-                if acc is not None:
-                    deps.add(acc)
-                fields: dict = {}
-                if last:
-                    deps.add(p)
-                    fields = {"updates": (p,), "writes": n * self.bpe}
-                flops = 2.0 * (r1 - r0) * self.batch * n + (self.fpw * n if last else 0)
-                nm = f"update:{label}" if last else f"wgrad:{label}{ROW_MARK}{b}"
-                acc = self.add(nm, "backward", 0 if last else n * self.bpe, deps, flops,
-                               "sgd_update" if last else f"{o.op}_wgrad",
-                               {"role": "wgrad", "layer": o.name, "tile": list(tile), "b": b, "update": last,
-                                "prev": None if acc is None else self.nodes[acc].name}, **fields)
+        j = tile[0]
+        k = tile[1] if len(tile) == 2 else None
+        blocks = [bb for bb in range(len(self.rows(u))) if (bb, j) in g]
+        acc = self.acc.get((u, tile))
+        p = self.params[u, tile]
+        n = self.nodes[p].bytes // self.bpe
+        last = b == blocks[-1]
+        r0, r1 = self.rows(u)[b]
+        deps = {g[b, j], self.fwd[x][self.x_block(u, b), j if k is None else k]}
+        if o.op == "layernorm":
+            deps.add(self.stats[u][b])
+        reader = self.host.get((u, j, k, b))
+        if reader is not None:  # the link that read the old tile for this block comes first
+            deps.add(reader)
+        if acc is not None:
+            deps.add(acc)
+        fields: dict = {}
+        if last:
+            deps.add(p)
+            fields = {"updates": (p,), "writes": n * self.bpe}
+        label = f"{o.name}#{'.'.join(map(str, tile))}"
+        self.acc[u, tile] = self.add(
+            f"update:{label}" if last else f"wgrad:{label}{ROW_MARK}{b}", "backward", 0 if last else n * self.bpe, deps,
+            2.0 * (r1 - r0) * self.batch * n + (self.fpw * n if last else 0), "sgd_update" if last else f"{o.op}_wgrad",
+            {"role": "wgrad", "layer": o.name, "tile": list(tile), "b": b, "update": last,
+             "prev": None if acc is None else self.nodes[acc].name}, **fields)
 
 
 def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], needs_grad: list[bool], meta: dict,
@@ -542,52 +560,66 @@ def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], n
 
 def _estimate(ops, blocks: int, piece: int, vocab_rows: int) -> float:
     """Roughly how many nodes a tiling makes: three per weight tile and row block (forward, data
-    and weight gradient), the embeddings' tiles twice, attention per block and head."""
+    and weight gradient), the embeddings' tiles once per block and once for the update, attention
+    and the token-wise operators three times per block and head or piece."""
     total = 0.0
     for o in ops:
         if o.op == "linear":
             total += 3 * blocks * math.ceil(o.shape[-1] / piece) * math.ceil(ops[o.inputs[0]].shape[-1] / piece)
         elif o.op == "embedding":
             total += (blocks + 1) * math.ceil(o.params / o.shape[-1] / vocab_rows) * math.ceil(o.shape[-1] / piece)
-        elif o.op in ("softmax", "matmul") or o.op in TOKENWISE or o.op == "layernorm":
+        elif o.op != "input":
             total += 3 * blocks * (o.shape[0] if len(o.shape) == 3 else math.ceil(o.shape[-1] / piece))
     return total
 
 
 def row_tilings(ops, budget_bytes: int, bpe: int) -> list[dict]:
-    """Candidate tilings, fewest nodes first: row blocks of any count that divides the sequence
-    evenly or not, pieces of a power of two features, embedding tiles of the most table rows
-    that leave room for the rest of their nodes."""
+    """Candidate tilings, fewest nodes first: 1 to 16 row blocks, pieces of 8 to 256 features,
+    embedding tiles of as many table rows as leave half the budget to the rest of their nodes;
+    none whose weight tile alone exceeds half the budget (its update holds it and its sum)."""
     seq = ops[0].shape[0]
-    width = max(o.shape[-1] for o in ops if o.op != "input")
     out = []
-    blocks = 1
-    while True:
-        piece = 8
-        while piece <= width:
-            vocab_rows = max(1, budget_bytes // (2 * piece * bpe))
-            out.append({"blocks": blocks, "piece": piece, "vocab_rows": vocab_rows})
-            piece *= 2
-        if blocks >= seq:
-            break
-        blocks = min(seq, 2 * blocks)
-    return sorted(out, key=lambda t: _estimate(ops, t["blocks"], t["piece"], t["vocab_rows"]))
+    for blocks in sorted({*range(1, min(seq, 16) + 1), seq}):
+        for piece in (8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256):
+            if 2 * piece * piece * bpe > budget_bytes:
+                continue
+            out.append({"blocks": blocks, "piece": piece, "vocab_rows": max(1, budget_bytes // (2 * piece * bpe))})
+    return sorted(out, key=lambda t: (_estimate(ops, t["blocks"], t["piece"], t["vocab_rows"]), t["blocks"]))
 
 
-def fit_rows(build, ops, budget_bytes: int, bpe: int, max_tries: int = 12) -> TrainingGraph | None:
-    """The graph ``build(tiling)`` of the first candidate tiling, fewest nodes first, whose every
-    node's working set fits ``budget_bytes`` (checked on the largest node's working set computed
-    from the tiling alone before the graph is built); None when none of them does."""
-    tries = 0
-    for tiling in row_tilings(ops, budget_bytes, bpe):
-        if tiling["piece"] * tiling["piece"] * bpe > budget_bytes:  # one weight tile alone is too large
+def proxy(ops: Sequence) -> list:
+    """The model with its repeated encoder blocks cut to the first two: every kind of node, and so
+    every working set, of the whole (a block's nodes are the same in each but the last, which
+    leaves some out), at a sixth of bert-base's nodes, for trying tilings quickly."""
+    import re
+    from dataclasses import replace
+
+    keep: list = []
+    new_index: dict[int, int | None] = {}
+    for i, o in enumerate(ops):
+        m = re.match(r"layer(\d+)\.", o.name)
+        if m and int(m.group(1)) >= 2:
+            new_index[i] = None
             continue
-        graph = build(tiling)
-        tries += 1
-        if graph.largest_working_set()[0] <= budget_bytes:
-            return graph
+        # the first op after the dropped blocks reads the output of the last block kept
+        inputs = tuple(len(keep) - 1 if new_index[x] is None else new_index[x] for x in o.inputs)
+        new_index[i] = len(keep)
+        keep.append(replace(o, inputs=inputs))
+    return keep
+
+
+def fit_rows(build, ops, budget_bytes: int, bpe: int, *, blocks: int | None = None,
+             max_tries: int = 24) -> dict | None:
+    """The tiling with the fewest nodes, of the candidates tried (``row_tilings`` order; only those
+    of ``blocks`` row blocks if given), whose every node's working set fits ``budget_bytes``,
+    checked on ``build(proxy ops, tiling)``; None when none of the first ``max_tries`` does."""
+    small = proxy(ops)
+    candidates = [t for t in row_tilings(ops, budget_bytes, bpe) if blocks is None or t["blocks"] == blocks]
+    for tries, tiling in enumerate(candidates):
         if tries >= max_tries:
             break
+        if build(small, tiling).largest_working_set()[0] <= budget_bytes:
+            return tiling
     return None
 
 
