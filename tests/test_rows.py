@@ -156,3 +156,65 @@ def test_row_graph_replays_autograd_and_sgd_exactly(tiling):
     for name, layer in params.items():
         for role, p in layer.items():
             _close(mine[name][role], p.detach(), f"{name}.{role} after SGD")
+
+
+@pytest.fixture(scope="module")
+def bert_nrf52840():
+    """The graph `poet-opt solve --model bert-base --device nrf52840 --ram 200KiB` plans (streamed
+    weights, rows fitted to 200 KiB, as model/load.py asks for them; about 4 s)."""
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.model.zoo import build_model
+
+    return build_model("bert-base", weights="streamed", rows={"budget": 200 * 1024}), load_profile("nrf52840")
+
+
+def test_bert_base_rows_fit_the_nrf52840(bert_nrf52840):
+    """Every node of bert-base's row-tiled graph holds at most 200 KiB (whole, the gelu's gradient
+    alone holds 4.56 MiB), no node holds a whole (seq, d) tensor, and the pooler reads [CLS] only."""
+    graph, _ = bert_nrf52840
+    rows = graph.meta["rows"]
+    assert graph.streams_weights and graph.largest_working_set()[0] <= 200 * 1024
+    assert 20_000 < len(graph) < 100_000  # the solver's linear start handles 100,000 nodes in about 30 s
+    assert max(n.bytes for n in graph.nodes) <= 128 * 768 * 4 // 3
+    pooler = [n for n in graph.nodes if n.name.startswith("pooler.dense@r0")]
+    assert pooler and all(graph.nodes[d].name.startswith(("layer11.ffn.ln@r0@", "param:", "pooler.dense@r0"))
+                          for n in pooler for d in n.deps)
+    assert not any(n.name.startswith("layer11.ffn.ln@r1") for n in graph.nodes) or len(rows["blocks"]) == 1
+    updated = {p for n in graph.nodes for p in n.updates}  # every tile read is updated and written back once
+    assert updated == {n.id for n in graph.nodes if n.op == "param"}
+    assert sum(n.writes_bytes for n in graph.nodes) == sum(graph.nodes[p].bytes for p in updated)
+    assert {rows["nodes"][graph.nodes[p].name]["layer"] for p in updated} == \
+        {name for name, layer in rows["layers"].items() if layer["params"]}
+
+
+def test_bert_base_on_the_8gb_card_is_refused_on_storage(bert_nrf52840):
+    """The plan that fits 200 KiB pages thousands of tensors, each in its own 4 MiB allocation unit
+    of the SD card: more than the 8 GB card holds beside the weights. The refusal says so."""
+    from poet_opt.device.costs import node_costs
+    from poet_opt.schedule.decisions import Budgets, stored_param_bytes
+    from poet_opt.solver.heuristics import storage_shortfall
+
+    graph, profile = bert_nrf52840
+    free = profile.storage.capacity_bytes - stored_param_bytes(graph, profile.storage)
+    note = storage_shortfall(graph, node_costs(graph, profile), Budgets(200 * 1024, float("inf"), free))
+    assert note and "tensors, each in whole erase blocks" in note and "left beside the weights" in note
+
+
+def test_executors_refuse_a_row_plan_in_one_line():
+    """Neither the PyTorch executor nor the firmware generator runs row tiling: they say so in one
+    line naming a row node, rather than mis-run the plan."""
+    from poet_opt.errors import PoetError
+    from poet_opt.executor.runner import check_schedule
+    from poet_opt.firmware import codegen
+    from poet_opt.solver.driver import solve
+
+    net = _tiny_bert()
+    graph = training_graph("tiny", net.ops, 1, 4, "all", {}, weights="streamed",
+                           rows={"blocks": 2, "piece": 8, "vocab_rows": 4})
+    doc = solve(graph, "nrf52840", ram="64KiB", time_limit=5).to_dict()
+    for call, who in ((lambda: check_schedule(None, doc), "PyTorch executor"),
+                      (lambda: codegen.generate(None, doc, None, None, steps=1, lr=0.1, x=None, y=None),
+                       "firmware generator")):
+        with pytest.raises(PoetError, match=rf"tiles a transformer by token rows \(node \S+@r\d.*{who}") as info:
+            call()
+        assert "\n" not in str(info.value)

@@ -397,11 +397,19 @@ def strip_node(nodes) -> str | None:
 
 
 def refuse_strips(nodes, who: str, field: str) -> None:
-    """Executors without strip kernels refuse a strip plan rather than run it wrongly."""
+    """Executors without strip or row kernels refuse a strip plan, or a transformer's row-tiled one
+    (model/rows.py), rather than run it wrongly."""
+    from poet_opt.model.rows import row_node
+
+    nodes = list(nodes)
     name = strip_node(nodes)
     if name is not None:
         raise PoetError(f"the plan splits activations into strips (node {name}); {who} does not run activation "
                         "strips yet", field=field)
+    name = row_node(nodes)
+    if name is not None:
+        raise PoetError(f"the plan tiles a transformer by token rows (node {name}); {who} does not run row "
+                        "tiling yet", field=field)
 
 
 def refuse_needing_strips(graph: TrainingGraph, device_ram_bytes: int, stack_bytes: int, who: str,

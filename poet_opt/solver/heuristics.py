@@ -500,3 +500,21 @@ def _spill_within_storage(owner, gap_a, gap_b, size, is_param, dropped, live, ra
             if used <= limit:
                 return True
     return False
+
+
+def storage_shortfall(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> Optional[str]:
+    """Why no start was found when storage is what is missing: the spill plan that fits the RAM
+    pages more tensors than storage holds, each in its own whole erase blocks (a row-tiled bert-base
+    on an SD card of 4 MiB allocation units). None when storage is not the reason."""
+    from dataclasses import replace
+
+    from poet_opt.units import format_bytes
+
+    if not graph.streams_weights or not math.isfinite(budgets.storage_bytes):
+        return None
+    roomy = spill_plan(graph, costs, replace(budgets, storage_bytes=float("inf")))
+    if roomy is None or fits_storage(costs, budgets, roomy):
+        return None
+    return (f"the paging plan that fits {format_bytes(budgets.ram_bytes)} pages {len(roomy.page_out):,} tensors, "
+            f"each in whole erase blocks: {format_bytes(paged_region_bytes(costs, roomy))} of storage, more than the "
+            f"{format_bytes(budgets.storage_bytes)} left beside the weights")
