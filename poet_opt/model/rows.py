@@ -214,7 +214,8 @@ class _Builder:
                 for (b, j) in self.fwd[o.inputs[0]]:
                     ids[b, j] = self.add(self.name(i, b, j), "forward", self.nbytes(i, b, j),
                                          [self.fwd[x][b, j] for x in o.inputs],
-                                         o.flops * self.share(b, i) * self.colshare(i, j), o.op, {**rec, "b": b, "j": j})
+                                         o.flops * self.share(b, i) * self.colshare(i, j), o.op,
+                                         {**rec, "b": b, "j": j})
             else:
                 raise PoetError(f"{o.name} ({o.op}) cannot be tiled by rows", field="--strips")
         return self.loss()
@@ -440,7 +441,8 @@ class _Builder:
         nm = base if final else f"{base}+{self.link_count.get(base, 0)}"
         self.link_count[base] = self.link_count.get(base, 0) + 1
         prev[key] = self.add(nm, "backward", self.nbytes(f, b, j), deps, flops, f"{self.ops[f].op}_grad",
-                             {"role": "grad", "of": self.ops[f].name, "b": b, "j": j, "terms": [t["rec"] for t in group],
+                             {"role": "grad", "of": self.ops[f].name, "b": b, "j": j,
+                              "terms": [t["rec"] for t in group],
                               "prev": self.nodes[prev[key]].name if key in prev else None,
                               "logits": final and f == logits})
         for t in group:
