@@ -57,8 +57,12 @@ def _strips_note(graph) -> str:
     """What activation strips (model/strips.py) did about the node that does not fit."""
     if (graph.meta.get("strips") or {}).get("tensors"):
         return "even with its activations in strips"
+    transformer = any(n.op == "matmul" for n in graph.nodes)
     if graph.meta.get("strips_tried"):
-        return "and no number of activation strips brings every node within it"
+        return ("and no row tiling of its tokens brings every node within it" if transformer else
+                "and no number of activation strips brings every node within it")
+    if transformer:
+        return "and activations are whole: --strips tiles a zoo transformer's tokens into row blocks"
     return "and activations are whole: --strips splits a zoo CNN's into strips"
 
 
