@@ -68,7 +68,7 @@ def report(label: str, args: list[str]) -> None:
 
 def main() -> None:
     common = ["solve", "--model", "bert-base", "--ram", "200KiB", "--time-limit", "60", "-q"]
-    done, wall, rss = run(*common, "--device", "nrf52840")
+    done, wall, _ = run(*common, "--device", "nrf52840")
     print(f"nrf52840 (8 GB card): exit {done.returncode} after {wall:.1f} s\n  {done.stderr.strip()}")
     done, wall, _ = run(*common[:-1], "--device", "stm32f746", "-q")
     print(f"stm32f746: exit {done.returncode} after {wall:.1f} s\n  {done.stderr.strip()}")

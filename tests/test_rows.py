@@ -90,7 +90,7 @@ def _assemble(values, graph, layer, prefix=""):
     heads = lay["op"] == "softmax" or lay["op"] == "matmul" and len(lay["shape"]) == 3
     blocks = [(0, 1)] if len(lay["shape"]) == 1 else meta["blocks"]
     rows, present = [], []
-    for b, (r0, r1) in enumerate(blocks):
+    for b in range(len(blocks)):
         mark = "@h" if heads else "@c"
         names = [f"{prefix}{layer}@r{b}{mark}{j}" for j in range(len(meta["cols"][layer]))]
         if all(nm in values for nm in names):
@@ -157,6 +157,30 @@ def test_row_graph_replays_autograd_and_sgd_exactly(tiling):
         for role, p in layer.items():
             _close(mine[name][role], p.detach(), f"{name}.{role} after SGD")
 
+
+@pytest.mark.parametrize("trainable", ["last:2", "layer1"])
+def test_frozen_layers_stay_and_trained_ones_step_as_sgd(trainable):
+    """--trainable with row tiling: the trained layers' tiles take autograd's SGD step, the frozen
+    ones are read (the gradient passes through them) and never written."""
+    from poet_opt.executor.rows import replay
+
+    net = _tiny_bert()
+    graph = training_graph("tiny", net.ops, 1, 8, trainable, {}, weights="streamed",
+                           rows={"blocks": 2, "piece": 8, "vocab_rows": 4})
+    gen = torch.Generator().manual_seed(2)
+    params = _params(net.ops, gen)
+    mine = {name: {r: v.clone() for r, v in layer.items()} for name, layer in params.items()}
+    ids, y = torch.randint(0, 11, (1, 8), generator=gen), torch.tensor([1])
+    replay(graph, mine, ids, y, 0.1)
+    for p in (p for layer in params.values() for p in layer.values()):
+        p.requires_grad_(True)
+    F.cross_entropy(_reference(net.ops, params, ids)[-1], y).backward()
+    trained = {graph.meta["rows"]["nodes"][graph.nodes[p].name]["layer"] for n in graph.nodes for p in n.updates}
+    assert trained and trained != set(params)
+    for name, layer in params.items():
+        for role, p in layer.items():
+            want = p.detach() - 0.1 * p.grad if name in trained else p.detach()
+            _close(mine[name][role], want, f"{name}.{role}")
 
 @pytest.fixture(scope="module")
 def bert_nrf52840():

@@ -81,7 +81,6 @@ class _Replay:
 
     def compute(self, node, rec, env):
         role = rec["role"]
-        t = self.t
         if role == "param":
             return None
         if role == "loss":
@@ -152,8 +151,7 @@ class _Replay:
         layer, b, j, v = rec["layer"], rec["b"], rec["j"], rec["v"]
         lay = self.layers[layer]
         (c0, c1) = self.cols[layer][j]
-        v0 = v * 0 + self._vocab(layer)[v][0]
-        v1 = self._vocab(layer)[v][1]
+        v0, v1 = self._vocab(layer)[v]
         table = self.param(env, layer, (v, j))["weight"][v0:v1, c0:c1]
         idx = self.token_rows(b, lay["positional"], env)
         inside = (idx >= v0) & (idx < v1)

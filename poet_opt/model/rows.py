@@ -74,7 +74,7 @@ class _Builder:
         self.info: dict[str, dict] = {}
         self.fwd: list[dict] = []
         self.params: dict[tuple, int] = {}  # (layer, tile) -> param node
-        self.tiles: dict[str, dict] = {}  # layer -> {"rows": [...], "cols": [...], "kind": ...}
+        self.tiles: dict[str, dict] = {}  # layer -> how its weights are cut: kind and the ranges of each axis
         self.stats: dict[int, dict] = {}
         self.acc: dict[tuple, int] = {}  # (layer, tile) -> the last link of its weight-gradient chain
         self.link_count: dict[str, int] = {}
@@ -476,7 +476,7 @@ class _Builder:
         if o.op == "embedding":
             vocab = self.vocab(u)
             for v, (v0, v1) in enumerate(vocab):
-                for j, (c0, c1) in enumerate(self.cols(u)):
+                for j in range(len(self.cols(u))):
                     blocks = [b for b, (r0, r1) in enumerate(self.blocks) if (b, j) in g
                               and (not self.positional(u) or v0 < r1 and r0 < v1)]
                     if (u, (v, j)) not in self.params:

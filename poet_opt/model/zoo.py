@@ -308,7 +308,8 @@ def build_model(name: str, *, batch_size: int = 1, input_shape=None, bytes_per_e
     names (a list or a comma-separated string; ``layer4`` also selects ``layer4.*``). ``strips``
     (streamed weights only): split every (C, H, W) tensor into that many strips along H (at most
     H), or a dict {H: strips} per height (model/strips.py). ``rows`` (streamed weights, transformers):
-    a row tiling {"blocks", "piece", "vocab_rows"} of the (seq, d) tensors (model/rows.py)."""
+    a row tiling {"blocks", "piece", "vocab_rows"} of the (seq, d) tensors (model/rows.py), or
+    {"budget": bytes} (and "blocks") for the tiling with the fewest nodes that fits it: None when none does."""
     key = _model_key(name)
     description, default_shape, to_builder, declare = _ZOO[key]
     batch_size = _positive_int(batch_size, "--batch-size")
