@@ -242,3 +242,36 @@ def test_executors_refuse_a_row_plan_in_one_line():
         with pytest.raises(PoetError, match=rf"tiles a transformer by token rows \(node \S+@r\d.*{who}") as info:
             call()
         assert "\n" not in str(info.value)
+
+
+def test_a_solved_row_plan_trains_as_pytorch_sgd():
+    """The PyTorch execution of a solved plan of the small BERT in rows (its re-reads, page-outs,
+    page-ins and frees, each compute on resident tensors only) takes two SGD steps with the loss and
+    weights of autograd and torch.optim.SGD on the untiled model, within the plan's RAM."""
+    from poet_opt.executor.rows import run_plan
+    from poet_opt.solver.driver import solve
+
+    net = _tiny_bert()
+    graph = training_graph("tiny", net.ops, 1, 4, "all", {}, weights="streamed",
+                           rows={"blocks": 4, "piece": 8, "vocab_rows": 4})
+    ram = graph.largest_working_set()[0] * 3 // 2
+    doc = solve(graph, "nrf52840", ram=f"{ram}B", time_limit=5).to_dict()
+    names = [n["name"] for n in doc["graph"]["nodes"]]
+    steps = [(s["op"], names[s["node"]]) for s in doc["steps"]]
+    assert any(op == "page_in" for op, _ in steps) and sum(op == "compute" for op, _ in steps) > len(names)
+    gen = torch.Generator().manual_seed(4)
+    params = _params(net.ops, gen)
+    mine = {name: {r: v.clone() for r, v in layer.items()} for name, layer in params.items()}
+    ids, y = torch.randint(0, 11, (1, 8), generator=gen), torch.tensor([2])
+    sgd = torch.optim.SGD([p.requires_grad_(True) for layer in params.values() for p in layer.values()], lr=0.05)
+    for _ in range(2):
+        sgd.zero_grad()
+        loss = F.cross_entropy(_reference(net.ops, params, ids)[-1], y)
+        loss.backward()
+        sgd.step()
+        ran = run_plan(graph, steps, mine, ids, y, 0.05)
+        _close(ran["loss"], loss.detach(), "loss")
+        assert ran["peak_bytes"] <= ram
+    for name, layer in params.items():
+        for role, p in layer.items():
+            _close(mine[name][role], p.detach(), f"{name}.{role} after two steps")

@@ -27,6 +27,16 @@ def replay(graph, params: dict, ids, y, lr: float) -> dict:
     return _Replay(graph, params, ids, y, lr).run()
 
 
+def run_plan(graph, steps, params: dict, ids, y, lr: float) -> dict:
+    """Execute a row plan: ``steps`` are (op, node name) pairs of a schedule of ``graph``, run as
+    executor/strips.py's ``run_plan`` runs a strip plan (each compute on resident tensors only,
+    page-outs and page-ins through a stand-in for storage, updates once, in place). Returns the
+    loss, the weight gradients and the peak of the resident bytes as the graph sizes them."""
+    from poet_opt.executor.strips import execute
+
+    return execute(_Replay(graph, params, ids, y, lr), graph, steps)
+
+
 class _Replay:
     def __init__(self, graph, params, ids, y, lr):
         import torch

@@ -336,7 +336,12 @@ def run_plan(graph, steps, params: dict, x, y, lr: float) -> dict:
     a page-in copies back, a free drops; a recompute runs the node again. An update applies SGD to
     ``params`` in place once; a node that reads weights after their update raises. Returns the loss,
     the weight gradients and the peak of the resident bytes as the graph sizes them."""
-    r = _Replay(graph, params, x, y, lr)
+    return execute(_Replay(graph, params, x, y, lr), graph, steps)
+
+
+def execute(r, graph, steps) -> dict:
+    """Run ``steps`` with ``r`` (a replay of strip or row nodes: ``compute``, ``records``,
+    ``weight_grads``), as ``run_plan`` says."""
     by_name = {n.name: n for n in graph.nodes}
     resident: dict = {}
     storage: dict = {}
