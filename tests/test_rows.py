@@ -275,3 +275,14 @@ def test_a_solved_row_plan_trains_as_pytorch_sgd():
     for name, layer in params.items():
         for role, p in layer.items():
             _close(mine[name][role], p.detach(), f"{name}.{role} after two steps")
+
+
+def test_too_many_row_blocks_are_refused_in_one_line():
+    """One-token rows of a 128-token block sum K's and V's gradients over 128 x 128 pairs of blocks:
+    `--strips 200` is refused before any graph is built, naming the field."""
+    from poet_opt.errors import PoetError
+    from poet_opt.model.zoo import build_model
+
+    with pytest.raises(PoetError, match="128 row blocks make more than 200,000 nodes") as info:
+        build_model("transformer-block", weights="streamed", rows={"budget": 200 * 1024, "blocks": 200})
+    assert info.value.field == "--strips" and "\n" not in str(info.value)

@@ -572,20 +572,32 @@ def _estimate(ops, blocks: int, piece: int, vocab_rows: int) -> float:
             total += (blocks + 1) * math.ceil(o.params / o.shape[-1] / vocab_rows) * math.ceil(o.shape[-1] / piece)
         elif o.op != "input":
             total += 3 * blocks * (o.shape[0] if len(o.shape) == 3 else math.ceil(o.shape[-1] / piece))
+        if o.op == "matmul" and len(o.shape) != 3:  # K's and V's gradients: a link per pair of blocks
+            total += 2 * blocks * blocks * math.ceil(o.shape[-1] / piece)
     return total
 
 
-def row_tilings(ops, budget_bytes: int, bpe: int) -> list[dict]:
-    """Candidate tilings, fewest nodes first: 1 to 16 row blocks, pieces of 8 to 256 features,
-    embedding tiles of as many table rows as leave half the budget to the rest of their nodes;
-    none whose weight tile alone exceeds half the budget (its update holds it and its sum)."""
+MAX_NODES = 200_000  # the solver's linear start takes about 30 s at 100,000 nodes
+
+
+def row_tilings(ops, budget_bytes: int, bpe: int, blocks: int | None = None) -> list[dict]:
+    """Candidate tilings, fewest nodes first: 1 to 16 row blocks or one per token (or ``blocks``, at
+    most one per token), pieces of 8 to 256 features, embedding tiles of as many table rows as leave
+    half the budget to the rest of their nodes; none whose weight tile alone exceeds half the
+    budget (its update holds it and its sum)."""
     seq = ops[0].shape[0]
     out = []
-    for blocks in sorted({*range(1, min(seq, 16) + 1), seq}):
+    counts = {min(blocks, seq)} if blocks else {*range(1, min(seq, 16) + 1), seq}
+    for blocks in sorted(counts):
         for piece in (8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256):
             if 2 * piece * piece * bpe > budget_bytes:
                 continue
-            out.append({"blocks": blocks, "piece": piece, "vocab_rows": max(1, budget_bytes // (2 * piece * bpe))})
+            tiling = {"blocks": blocks, "piece": piece, "vocab_rows": max(1, budget_bytes // (2 * piece * bpe))}
+            if _estimate(ops, **tiling) <= MAX_NODES:
+                out.append(tiling)
+    if blocks and not out:
+        raise PoetError(f"{min(blocks, seq)} row blocks make more than {MAX_NODES:,} nodes (attention sums K's and "
+                        "V's gradients over every pair of blocks); ask for fewer, or auto", field="--strips")
     return sorted(out, key=lambda t: (_estimate(ops, t["blocks"], t["piece"], t["vocab_rows"]), t["blocks"]))
 
 
@@ -616,8 +628,7 @@ def fit_rows(build, ops, budget_bytes: int, bpe: int, *, blocks: int | None = No
     of ``blocks`` row blocks if given), whose every node's working set fits ``budget_bytes``,
     checked on ``build(proxy ops, tiling)``; None when none of the first ``max_tries`` does."""
     small = proxy(ops)
-    candidates = [t for t in row_tilings(ops, budget_bytes, bpe) if blocks is None or t["blocks"] == blocks]
-    for tries, tiling in enumerate(candidates):
+    for tries, tiling in enumerate(row_tilings(ops, budget_bytes, bpe, blocks)):
         if tries >= max_tries:
             break
         if build(small, tiling).largest_working_set()[0] <= budget_bytes:
