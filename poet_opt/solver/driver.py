@@ -24,6 +24,7 @@ from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points
+from poet_opt.solver.lns import improve
 from poet_opt.units import format_bytes, format_seconds, parse_runtime, parse_size
 
 
@@ -440,8 +441,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         limit = WINDOW_BOUND_TIME_S
         if time_limit is not None:
             left = time_limit - (time.perf_counter() - began) - reserve
-            # with the full MILP skipped nothing else is left to run: the bound gets what remains
-            limit = 0.9 * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
+            # with the full MILP skipped, the bound and the window search share what remains
+            limit = 0.45 * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
         if full_note.startswith("not needed"):
             # already proven within the gap by the floor: one small LP says by how much less
             limit = min(limit, WINDOW_BOUND_TIME_S)
@@ -453,6 +454,20 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         if window is not None and not skip_full and \
                 relative_gap(best_start, min(window.bound, best_start)) <= gap:
             skip_full, full_note = True, "not needed: the best start is within the gap of the window bound"
+    if skip_full and candidates and backend == "highs" and time_limit is not None and \
+            not full_note.startswith("not needed") and not interrupted():
+        # The full MILP is out of reach: its exact model over windows of stages, the rest of the best
+        # start fixed, improves that start (solver/lns.py); one more replay checks the result.
+        left = time_limit - (time.perf_counter() - began) - 2 * reserve
+        if left > 1.0:
+            phase("window search")
+            better, searched = improve(graph, costs, budgets, mode, candidates[0], threads=threads,
+                                       deadline=time.perf_counter() + left,
+                                       stop_at=(floor if window is None else window.bound) * (1 + gap))
+            if searched["improved"] and _fitting_plan(graph, costs, budgets, mode, profile, better) is not None:
+                candidates = [better, *candidates]
+                full_note += (f"; a window search improved the best start {searched['improved']} times, by "
+                              f"{searched['saved_j']:.4g} J")
     if not skip_full and time_limit is not None and backend == "highs" and \
             not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
         # The build is one numpy/scipy call chain that cannot be stopped: not started unless it fits.
