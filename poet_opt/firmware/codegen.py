@@ -40,7 +40,8 @@ from poet_opt.errors import PoetError
 from poet_opt.firmware.arena import ArenaPlan, FlashPlan
 from poet_opt.model.network import Layer, Network
 
-KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_math.c")
+KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_kernels_strips.c",
+                "poet_math.c")
 # the page-out and page-in over a board's three storage functions (firmware/board/)
 PAGING_FILES = ("poet_paging.c",)
 
@@ -355,8 +356,6 @@ class _Writer:
     def step_body(self) -> list[str]:
         lines: list[str] = []
         computed: set[int] = set()
-        labels, logits = self.net.layers[self.net.output], self.net.output
-        batch, classes = labels.shape[0], labels.elements // labels.shape[0]
         for s, step in enumerate(self.doc["steps"]):
             node = step["node"]
             info = self.nodes[node]
@@ -384,42 +383,51 @@ class _Writer:
                 # its data gradients would read the weights it has already changed
                 raise PoetError(f"the schedule computes {name!r} again after it updated its weights in place; "
                                 "the firmware cannot reproduce the first result")
-            if info.get("op") == "param":
-                lines += [f"rc = poet_page_in({self.flash.offsets[node]}u, {out}, {nbytes}u);", "if (rc) return rc;"]
-            elif info["kind"] == "forward":
-                lines += self.forward(self.net.layers[name], out, ops, first)
-            elif info["kind"] == "loss":
-                lines.append(f"poet_cross_entropy_forward({out}, {self.at(ops, logits, 'the loss')}, poet_labels, "
-                             f"{batch}u, {classes}u);")
-                if first:
-                    lines.append(f"*loss = {out}[0];")
-            elif name.startswith("update:"):
-                pass  # the update alone, below
+            lines += self.compute(node, info, out, ops, first)
+        return lines
+
+    def compute(self, node: int, info: dict, out: str, ops: dict[int, int], first: bool) -> list[str]:
+        """The C of one compute of ``node`` into ``out`` (its operands at ``ops``), updates included."""
+        lines: list[str] = []
+        name, nbytes = info["name"], int(info["bytes"])
+        labels, logits = self.net.layers[self.net.output], self.net.output
+        batch, classes = labels.shape[0], labels.elements // labels.shape[0]
+        if info.get("op") == "param":
+            lines += [f"rc = poet_page_in({self.flash.offsets[node]}u, {out}, {nbytes}u);", "if (rc) return rc;"]
+        elif info["kind"] == "forward":
+            lines += self.forward(self.net.layers[name], out, ops, first)
+        elif info["kind"] == "loss":
+            lines.append(f"poet_cross_entropy_forward({out}, {self.at(ops, logits, 'the loss')}, poet_labels, "
+                         f"{batch}u, {classes}u);")
+            if first:
+                lines.append(f"*loss = {out}[0];")
+        elif name.startswith("update:"):
+            pass  # the update alone, below
+        else:
+            f = name[len("grad:"):].partition("@")[0]  # grad:x@i: a partial sum of grad:x
+            layer = self.net.layers[f]
+            users = self.users[f]
+            partial = [d for d in info["deps"] if str(self.nodes[d]["name"]).startswith(f"grad:{f}@")]
+            if partial:  # the sum so far, from the partial node before this one
+                lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
+                             f"{layer.elements}u);")
             else:
-                f = name[len("grad:"):].partition("@")[0]  # grad:x@i: a partial sum of grad:x
-                layer = self.net.layers[f]
-                users = self.users[f]
-                partial = [d for d in info["deps"] if str(self.nodes[d]["name"]).startswith(f"grad:{f}@")]
-                if partial:  # the sum so far, from the partial node before this one
-                    lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
-                                 f"{layer.elements}u);")
-                else:
-                    lines.append(f"poet_zero({out}, {layer.elements}u);")
-                if self.streamed:
-                    # streamed weights may split the sum over the users into a chain of nodes (one
-                    # user's weights in RAM at a time): this node adds the users whose gradient it reads
-                    users = [u for u in users if self.by_name.get("grad:" + u.name) in info["deps"]]
-                if f == logits and "@" not in name:
-                    lines.append(f"poet_cross_entropy_backward({out}, {self.at(ops, logits, 'the loss gradient')}, "
-                                 f"poet_labels, {batch}u, {classes}u);")
-                for user in users:
-                    for which, operand in enumerate(user.operands):
-                        if operand == f:
-                            lines.append(self.data_gradient(user, which, out, ops, f))
-                if layer.trainable and first and not self.streamed:
-                    lines += self.weight_gradient(layer, out, ops)
-            for p in info.get("updates", ()):  # after the data gradients, which read the old weights
-                lines += self.update(p, ops)
+                lines.append(f"poet_zero({out}, {layer.elements}u);")
+            if self.streamed:
+                # streamed weights may split the sum over the users into a chain of nodes (one
+                # user's weights in RAM at a time): this node adds the users whose gradient it reads
+                users = [u for u in users if self.by_name.get("grad:" + u.name) in info["deps"]]
+            if f == logits and "@" not in name:
+                lines.append(f"poet_cross_entropy_backward({out}, {self.at(ops, logits, 'the loss gradient')}, "
+                             f"poet_labels, {batch}u, {classes}u);")
+            for user in users:
+                for which, operand in enumerate(user.operands):
+                    if operand == f:
+                        lines.append(self.data_gradient(user, which, out, ops, f))
+            if layer.trainable and first and not self.streamed:
+                lines += self.weight_gradient(layer, out, ops)
+        for p in info.get("updates", ()):  # after the data gradients, which read the old weights
+            lines += self.update(p, ops)
         return lines
 
     def weights_comment(self) -> list[str]:
@@ -494,8 +502,14 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
     """poet_train.c for ``steps`` SGD steps at ``lr`` on the batch ``x`` with labels ``y``."""
     from poet_opt.model.strips import refuse_strips
 
-    refuse_strips(doc["graph"]["nodes"], "the firmware generator", "--model")
+    if not network.graph.meta.get("strips"):  # a strip plan needs the network lowered with its strips
+        refuse_strips(doc["graph"]["nodes"], "the firmware generator for a network lowered without strips",
+                      "--model")
     if any(o % 4 for o in plan.step_offsets) or any(o % 4 for offs in plan.operand_offsets for o in offs):
         raise PoetError(f"device.alignment_bytes is {plan.alignment}; fp32 tensors need offsets that are "
                         "multiples of 4", field="--device")
+    if network.graph.meta.get("strips"):
+        from poet_opt.firmware.strip_codegen import StripWriter
+
+        return StripWriter(network, doc, plan, flash, lr).render(steps, x, y)
     return _Writer(network, doc, plan, flash, lr).render(steps, x, y)
