@@ -32,6 +32,9 @@ from poet_opt.model.strips import touching
 
 WINDOWED = ("conv2d", "maxpool", "avgpool")
 NEG_INF = "(-__builtin_inff())"
+# Scratch a window's kernel call may use: a window is cut into chunks of output rows that fit it,
+# so the scratch stays small beside the arena whatever the strips (one output row at the least)
+SCRATCH_BYTES = 8 * 1024
 
 
 class StripWriter(_Writer):
@@ -151,19 +154,7 @@ class StripWriter(_Writer):
             return [f"poet_copy_strided({out}, poet_input + {a * w}u, {n * c}u, {(b - a) * w}u, {(b - a) * w}u, "
                     f"{h * w}u);"]
         if op in WINDOWED:
-            x = layer.operands[0]
-            k, s, p = self.layers_meta[name]["window"]
-            r0, r1 = a * s - p, (b - 1) * s - p + k
-            _, cx, _, wx = self.nchw(x)
-            self.scratch(n * cx * (r1 - r0) * wx)
-            lines = self.gather("poet_scratch", r0, r1 - r0, x, r0, r1, ops, fill=NEG_INF if op == "maxpool" else "0.0f")
-            shape = self.window_shape(layer, r1 - r0, b - a)
-            if op == "conv2d":
-                lines.append(f"poet_conv2d_forward({out}, poet_scratch, {self.param(layer, 'weight', ops)}, "
-                             f"{self.param(layer, 'bias', ops)}, {shape});")
-            else:
-                lines.append(f"poet_{op}2d_forward({out}, poet_scratch, {shape});")
-            return lines
+            return self.window_forward(layer, a, b, out, ops)
         xs = [self.buf(ops, x, j) for x in layer.operands]
         if op == "batchnorm":
             k = self.layer_index[name]
@@ -180,6 +171,47 @@ class StripWriter(_Writer):
         if op == "add":
             return [f"poet_add_forward({out}, {xs[0]}, {xs[1]}, {count}u);"]
         raise PoetError(f"node {name!r}: no strip kernel for operator {op}", field="--strips")
+
+    def chunk_rows(self, total: int, floats) -> int:
+        """Output rows per kernel call: the most whose scratch, ``floats(rows)``, stays within
+        SCRATCH_BYTES (one row at the least)."""
+        rows = 1
+        while rows < total and 4 * floats(rows + 1) <= SCRATCH_BYTES:
+            rows += 1
+        return rows
+
+    def window_forward(self, layer, a: int, b: int, out: str, ops) -> list[str]:
+        """Output rows [a, b) of a convolution or pooling, a chunk of rows at a time: the input rows
+        a chunk reads are gathered into scratch, the kernel writes the chunk beside them (or
+        straight into ``out`` when one chunk is the whole strip) and the chunk is copied into place."""
+        x = layer.operands[0]
+        k, s, p = self.layers_meta[layer.name]["window"]
+        n, c, _, w = self.nchw(layer.name)
+        _, cx, _, wx = self.nchw(x)
+
+        def floats(rows: int) -> int:
+            return n * cx * ((rows - 1) * s + k) * wx + (n * c * rows * w if rows < b - a else 0)
+
+        per = self.chunk_rows(b - a, floats)
+        lines = []
+        for c0 in range(a, b, per):
+            c1 = min(b, c0 + per)
+            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            local = n * cx * rows_in * wx
+            y = out if c1 - c0 == b - a else f"(poet_scratch + {local}u)"
+            self.scratch(local + (0 if y == out else n * c * (c1 - c0) * w))
+            lines += self.gather("poet_scratch", r0, rows_in, x, r0, r0 + rows_in, ops,
+                                 fill=NEG_INF if layer.op == "maxpool" else "0.0f")
+            shape = self.window_shape(layer, rows_in, c1 - c0)
+            if layer.op == "conv2d":
+                lines.append(f"poet_conv2d_forward({y}, poet_scratch, {self.param(layer, 'weight', ops)}, "
+                             f"{self.param(layer, 'bias', ops)}, {shape});")
+            else:
+                lines.append(f"poet_{layer.op}2d_forward({y}, poet_scratch, {shape});")
+            if y != out:
+                lines.append(f"poet_copy_strided({out} + {(c0 - a) * w}u, {y}, {n * c}u, {(c1 - c0) * w}u, "
+                             f"{(b - a) * w}u, {(c1 - c0) * w}u);")
+        return lines
 
     def stats(self, rec, out, ops) -> list[str]:
         name, (a, b) = rec["layer"], rec["rows"]
@@ -253,37 +285,44 @@ class StripWriter(_Writer):
         raise PoetError(f"node {u!r}: no strip kernel back-propagates a {op}", field="--strips")
 
     def window_gradient(self, user, f: str, rows, out: str, ops) -> list[str]:
-        """The gradient rows of f that u's output-gradient rows touch, from a local window: gather
-        those rows into scratch, run the whole backward kernel there, add the rows that are f's."""
+        """The gradient rows of f that u's output-gradient rows touch, a chunk of those at a time:
+        gather the chunk's output-gradient rows into scratch, run the whole backward kernel on its
+        window there, and add the window's rows that are f's (the windows of chunks overlap, and
+        their contributions add)."""
         u = user.name
         lo, hi = rows
         window = self.layers_meta[u]["window"]
         k, s, p = window
         m0, m1 = touching((lo, hi), window, self.nchw(u)[2])
-        if m0 >= m1:
-            return []
-        r0, rows_in = m0 * s - p, (m1 - 1 - m0) * s + k
-        n, c, h, w = self.nchw(f)
+        n, c, _, w = self.nchw(f)
         _, cu, _, wu = self.nchw(u)
-        local = n * c * rows_in * w
-        grads = n * cu * (m1 - m0) * wu
-        gy, dx = f"(poet_scratch + {local}u)", "poet_scratch"
-        x = f"(poet_scratch + {local + grads}u)"
-        self.scratch(local + grads + (local if user.op == "maxpool" else 0))
-        lines = self.gather(gy, m0, m1 - m0, u, m0, m1, ops, "grad:", None)
-        lines.append(f"poet_zero({dx}, {local}u);")
-        shape = self.window_shape(user, rows_in, m1 - m0)
-        if user.op == "conv2d":
-            lines.append(f"poet_conv2d_backward_input({dx}, {gy}, {self.param(user, 'weight', ops)}, {shape});")
-        elif user.op == "maxpool":  # where the maximum of every touched window is
-            lines += self.gather(x, r0, rows_in, f, r0, r0 + rows_in, ops, fill=NEG_INF)
-            lines.append(f"poet_maxpool2d_backward({dx}, {gy}, {x}, {shape});")
-        else:
-            lines.append(f"poet_avgpool2d_backward({dx}, {gy}, {shape});")
-        a, b = max(lo, r0), min(hi, r0 + rows_in)
-        if a < b:
-            lines.append(f"poet_accumulate_strided({out} + {(a - lo) * w}u, {dx} + {(a - r0) * w}u, {n * c}u, "
-                         f"{(b - a) * w}u, {(hi - lo) * w}u, {rows_in * w}u);")
+        copies = 2 if user.op == "maxpool" else 1  # max pooling also reads its input's window
+
+        def floats(chunk: int) -> int:
+            return copies * n * c * ((chunk - 1) * s + k) * w + n * cu * chunk * wu
+
+        lines = []
+        per = self.chunk_rows(m1 - m0, floats) if m0 < m1 else 1
+        for c0 in range(m0, m1, per):
+            c1 = min(m1, c0 + per)
+            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            local = n * c * rows_in * w
+            dx, gy, x = "poet_scratch", f"(poet_scratch + {local}u)", f"(poet_scratch + {local + n * cu * (c1 - c0) * wu}u)"
+            self.scratch(floats(c1 - c0))
+            lines += self.gather(gy, c0, c1 - c0, u, c0, c1, ops, "grad:", None)
+            lines.append(f"poet_zero({dx}, {local}u);")
+            shape = self.window_shape(user, rows_in, c1 - c0)
+            if user.op == "conv2d":
+                lines.append(f"poet_conv2d_backward_input({dx}, {gy}, {self.param(user, 'weight', ops)}, {shape});")
+            elif user.op == "maxpool":  # where the maximum of every touched window is
+                lines += self.gather(x, r0, rows_in, f, r0, r0 + rows_in, ops, fill=NEG_INF)
+                lines.append(f"poet_maxpool2d_backward({dx}, {gy}, {x}, {shape});")
+            else:
+                lines.append(f"poet_avgpool2d_backward({dx}, {gy}, {shape});")
+            a, b = max(lo, r0), min(hi, r0 + rows_in)
+            if a < b:
+                lines.append(f"poet_accumulate_strided({out} + {(a - lo) * w}u, {dx} + {(a - r0) * w}u, {n * c}u, "
+                             f"{(b - a) * w}u, {(hi - lo) * w}u, {rows_in * w}u);")
         return lines
 
     # -- weights ---------------------------------------------------------------------------------
@@ -299,31 +338,50 @@ class StripWriter(_Writer):
         a, b = rows
         x = layer.operands[0]
         k, s, p = self.layers_meta[name]["window"]
-        r0, r1 = a * s - p, (b - 1) * s - p + k
         n, cx, _, wx = self.nchw(x)
-        self.scratch(n * cx * (r1 - r0) * wx)
-        lines = self.gather("poet_scratch", r0, r1 - r0, x, r0, r1, ops)
-        shape = self.window_shape(layer, r1 - r0, b - a)
-        gy = self.buf(ops, name, self.index(name, rows), "grad:")
+        _, c, _, w = self.nchw(name)
+        gy_whole = self.buf(ops, name, self.index(name, rows), "grad:")
         weights = layer.params["weight"].value.size
         total = sum(q.value.size for q in layer.params.values())
         prev = self.at(ops, rec["prev"], rec["prev"]) if rec["prev"] else None
+        last = bool(updates)
+        own = last and prev is None  # a single link: its sum needs a buffer of its own, in scratch
 
-        def accumulate(into: str) -> str:
-            bias = f"{into} + {weights}u" if "bias" in layer.params else "NULL"
-            return f"poet_conv2d_backward_params({into}, {bias}, {gy}, poet_scratch, {shape});"
+        def floats(chunk: int) -> int:
+            split = chunk < b - a
+            return n * cx * ((chunk - 1) * s + k) * wx + (n * c * chunk * w if split else 0) + (total if own else 0)
 
-        if not updates:
+        per = self.chunk_rows(b - a, floats)
+        fused = own and per == b - a  # one kernel call: fold the gradient straight into the weights
+        into = out if not last else prev if prev is not None else f"(poet_scratch + {floats(per) - total}u)"
+        lines = []
+        if not last:
             lines.append(f"poet_copy({out}, {prev}, {total}u);" if prev else f"poet_zero({out}, {total}u);")
-            return lines + [accumulate(out)]
-        (param,) = updates
-        w = self.param(layer, "weight", ops)
-        if prev is None:
-            lines.append(f"poet_conv2d_backward_params_sgd({w}, {self.param(layer, 'bias', ops)}, {gy}, poet_scratch, "
-                         f"{shape}, {_float(self.lr)});")
-        else:  # the previous sum is read by nothing after this link: it takes the last part in place
-            lines += [accumulate(prev), f"poet_sgd_step({w}, {prev}, {total}u, {_float(self.lr)});"]
-        return lines + self.write_back(param, ops)
+        elif own and not fused:
+            lines.append(f"poet_zero({into}, {total}u);")
+        w_arena = self.param(layer, "weight", ops) if last else None
+        for c0 in range(a, b, per):
+            c1 = min(b, c0 + per)
+            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            local = n * cx * rows_in * wx
+            self.scratch(floats(c1 - c0) if own else local + (n * c * (c1 - c0) * w if per < b - a else 0))
+            lines += self.gather("poet_scratch", r0, rows_in, x, r0, r0 + rows_in, ops)
+            gy = gy_whole
+            if per < b - a:
+                gy = f"(poet_scratch + {local}u)"
+                lines += self.gather(gy, c0, c1 - c0, name, c0, c1, ops, "grad:", None)
+            shape = self.window_shape(layer, rows_in, c1 - c0)
+            if fused:
+                lines.append(f"poet_conv2d_backward_params_sgd({w_arena}, {self.param(layer, 'bias', ops)}, {gy}, "
+                             f"poet_scratch, {shape}, {_float(self.lr)});")
+            else:
+                bias = f"{into} + {weights}u" if "bias" in layer.params else "NULL"
+                lines.append(f"poet_conv2d_backward_params({into}, {bias}, {gy}, poet_scratch, {shape});")
+        if not last:
+            return lines
+        if not fused:  # the previous sum is read by nothing after this link: it takes the last part in place
+            lines.append(f"poet_sgd_step({w_arena}, {into}, {total}u, {_float(self.lr)});")
+        return lines + self.write_back(updates[0], ops)
 
     def write_back(self, p: int, ops) -> list[str]:
         return [f"rc = poet_page_out({self.flash.offsets[p]}u, (poet_arena + {ops[p] // 4}u), "
