@@ -19,7 +19,7 @@ emits the same maths on the strip buffers the plan holds in the arena:
   into the previous sum (which nothing reads after it) and applies ``w -= lr * g`` to the weights in
   the arena, then writes them back, as a streamed layer's update does.
 
-Nodes whose tensors are whole (one strip, global pooling, the linear head) run as in codegen.py.
+Nodes whose tensors are whole (one strip, global pooling, the linear head) run as in writer.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 
 from poet_opt.errors import PoetError
-from poet_opt.firmware.codegen import _Writer, _float, _ident
+from poet_opt.firmware.writer import _Writer, _float, _ident
 from poet_opt.model.strips import touching
 
 WINDOWED = ("conv2d", "maxpool", "avgpool")
