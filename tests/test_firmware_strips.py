@@ -103,3 +103,76 @@ def test_emulate_refuses_such_a_cnn_without_strips_or_with_resident_weights(tmp_
     result = cli("run", "--torch", spec, "--input-shape", "1,1,96,96", "--device", "nrf52840", "--ram", "160KiB",
                  "--steps", "1", "--lr", "0.1", "--data", data)
     assert_one_line_error(result, "--ram", "split into strips", "the PyTorch executor")
+
+
+def test_batch_norm_over_uneven_strips_equals_torch_on_the_whole_tensor(tmp_path):
+    """The chained statistics (Chan et al.'s merge), the strip forward, the running statistics, the
+    chained gradient sums and the strip backward give torch's batch norm of the whole tensor, for an
+    offset mean (where a one-pass variance would cancel) and strips of 1, 2 and 4 rows; global
+    average pooling summed over strips gives torch's mean."""
+    from kernel_host import F, FL, U, Kernels, ptr
+
+    from poet_opt.firmware import toolchain
+
+    k = Kernels(toolchain.compile_host_library(tmp_path / "libpoet_kernels.so"))
+    for name, args in {"batchnorm_strip_stats": [F, F, F, U, U, U, U], "batchnorm_strip_forward":
+                       [F, F, F, F, F, U, U, U, U, FL], "batchnorm_strip_running": [F, F, F, U, U, FL],
+                       "batchnorm_strip_grad_stats": [F, F, F, F, F, U, U, U, U, FL],
+                       "batchnorm_strip_backward": [F, F, F, F, F, F, U, U, U, U, FL],
+                       "global_avgpool_strip_forward": [F, F, U, U, U],
+                       "global_avgpool_strip_backward": [F, F, U, U, U]}.items():
+        fn = getattr(k, name)
+        fn.restype, fn.argtypes = None, args
+    rng = np.random.default_rng(4)
+    n, c, h, w, eps, momentum = 2, 3, 7, 5, 1e-5, 0.1
+    x = (3.0 + 2.0 * rng.standard_normal((n, c, h, w))).astype(np.float32)
+    dy = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    gamma, beta = (1 + 0.3 * rng.standard_normal(c)).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    rm, rv = np.zeros(c, np.float32), np.ones(c, np.float32)
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    tg, tb = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (gamma, beta))
+    trm, trv = torch.zeros(c, dtype=torch.float64), torch.ones(c, dtype=torch.float64)
+    ty = torch.nn.functional.batch_norm(tx, trm, trv, tg, tb, training=True, momentum=momentum, eps=eps)
+    ty.backward(torch.tensor(dy, dtype=torch.float64))
+    bounds = [(0, 1), (1, 3), (3, 7)]
+    strip = [np.ascontiguousarray(a[:, :, lo:hi]) for a in (x, dy) for lo, hi in bounds]
+    xs, dys = strip[:3], strip[3:]
+    total = n * h * w
+    stats = [np.zeros(2 * c, np.float32) for _ in bounds]
+    for j, (lo, hi) in enumerate(bounds):
+        k.batchnorm_strip_stats(ptr(stats[j]), ptr(stats[j - 1]) if j else None, ptr(xs[j]), n, c, (hi - lo) * w,
+                                n * lo * w)
+    ys, sums = [], [np.zeros(2 * c, np.float32) for _ in bounds]
+    for j, (lo, hi) in enumerate(bounds):
+        ys.append(np.zeros_like(xs[j]))
+        k.batchnorm_strip_forward(ptr(ys[j]), ptr(xs[j]), ptr(stats[-1]), ptr(gamma), ptr(beta), n, c,
+                                  (hi - lo) * w, total, eps)
+        k.batchnorm_strip_grad_stats(ptr(sums[j]), ptr(sums[j - 1]) if j else None, ptr(dys[j]), ptr(xs[j]),
+                                     ptr(stats[-1]), n, c, (hi - lo) * w, total, eps)
+    k.batchnorm_strip_running(ptr(rm), ptr(rv), ptr(stats[-1]), c, total, momentum)
+    dxs = []
+    for j, (lo, hi) in enumerate(bounds):
+        dxs.append(np.zeros_like(xs[j]))
+        k.batchnorm_strip_backward(ptr(dxs[j]), ptr(dys[j]), ptr(xs[j]), ptr(stats[-1]), ptr(sums[-1]), ptr(gamma),
+                                   n, c, (hi - lo) * w, total, eps)
+
+    def close(got, want, what):
+        want = want.detach().numpy() if hasattr(want, "detach") else want
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), what
+
+    close(stats[-1][:c], x.astype(np.float64).mean(axis=(0, 2, 3)), "mean")
+    close(stats[-1][c:] / total, x.astype(np.float64).var(axis=(0, 2, 3)), "variance")
+    close(np.concatenate(ys, axis=2), ty, "forward")
+    close(rm, trm, "running mean")
+    close(rv, trv, "running variance")
+    close(sums[-1][c:], tg.grad, "gamma's gradient")
+    close(sums[-1][:c], tb.grad, "beta's gradient")
+    close(np.concatenate(dxs, axis=2), tx.grad, "backward")
+    pooled = np.zeros(n * c, np.float32)
+    grads = [np.zeros_like(s) for s in xs]
+    g = rng.standard_normal(n * c).astype(np.float32)
+    for j, (lo, hi) in enumerate(bounds):
+        k.global_avgpool_strip_forward(ptr(pooled), ptr(xs[j]), n * c, (hi - lo) * w, h * w)
+        k.global_avgpool_strip_backward(ptr(grads[j]), ptr(g), n * c, (hi - lo) * w, h * w)
+    close(pooled, x.astype(np.float64).mean(axis=(2, 3)).reshape(-1), "global pooling")
+    close(np.concatenate(grads, axis=2), np.broadcast_to((g / (h * w)).reshape(n, c, 1, 1), x.shape), "its gradient")
