@@ -47,6 +47,7 @@ class StripWriter(_Writer):
             raise PoetError("the firmware runs activation strips without weight tiles; drop --weight-tile",
                             field="--weight-tile")
         self.scratch_floats = 0
+        self.windows: dict[tuple, str] = {}
 
     # -- geometry --------------------------------------------------------------------------------
 
@@ -91,7 +92,9 @@ class StripWriter(_Writer):
         return lines
 
     def window_shape(self, layer, rows_in: int, rows_out: int) -> str:
-        """The kernel geometry of ``layer`` on a window of input rows, padded along W only."""
+        """The kernel geometry of ``layer`` on a window of input rows, padded along W only: a const
+        table at file scope (in flash), one per distinct window, since a compound literal in the
+        step function would take its place on the stack."""
         a = layer.attrs
         n, c, _, w = layer.operand_shapes[0]
         (kh, kw), (sh, sw), (_, pw) = (tuple(a[k]) for k in ("kernel", "stride", "padding"))
@@ -102,7 +105,12 @@ class StripWriter(_Writer):
         else:
             fields = [n, c, rows_in, w, rows_out, wo, kh, kw, sh, sw, 0, pw]
             kind = "poet_pool2d_shape"
-        return f"&(const {kind}){{{', '.join(f'{v}u' for v in fields)}}}"
+        key = (kind, *fields)
+        if key not in self.windows:
+            self.windows[key] = f"poet_window_{len(self.windows)}"
+            values = ", ".join(f"{v}u" for v in fields)
+            self.decls.append(f"static const {kind} {self.windows[key]} = {{{values}}};\n")
+        return "&" + self.windows[key]
 
     # -- nodes -----------------------------------------------------------------------------------
 
@@ -307,7 +315,8 @@ class StripWriter(_Writer):
             c1 = min(m1, c0 + per)
             r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
             local = n * c * rows_in * w
-            dx, gy, x = "poet_scratch", f"(poet_scratch + {local}u)", f"(poet_scratch + {local + n * cu * (c1 - c0) * wu}u)"
+            dx, gy = "poet_scratch", f"(poet_scratch + {local}u)"
+            x = f"(poet_scratch + {local + n * cu * (c1 - c0) * wu}u)"
             self.scratch(floats(c1 - c0))
             lines += self.gather(gy, c0, c1 - c0, u, c0, c1, ops, "grad:", None)
             lines.append(f"poet_zero({dx}, {local}u);")

@@ -259,10 +259,10 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
             weights = 0 if generated.param_layers else sum(8 * p.value.size for p in network.trainable_parameters)
             scratch = scratch_bytes(generated.source)
             halo = f", the strips' scratch {scratch / 1024:,.1f} KiB" if scratch else ""
-            raise PoetError(f"the firmware needs {(plan.arena.arena_bytes + weights + scratch + STACK_BYTES) / 1024:,.1f} "
-                            f"KiB of RAM or more (arena {plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and "
-                            f"their gradients {weights / 1024:,.1f} KiB{halo}, a {STACK_BYTES // 1024} KiB stack, norm "
-                            "statistics) "
+            needed = plan.arena.arena_bytes + weights + scratch + STACK_BYTES
+            raise PoetError(f"the firmware needs {needed / 1024:,.1f} KiB of RAM or more (arena "
+                            f"{plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and their gradients "
+                            f"{weights / 1024:,.1f} KiB{halo}, a {STACK_BYTES // 1024} KiB stack, norm statistics) "
                             f"and {profile.name} has {target.ram_bytes / 1024:,.0f} KiB; give a smaller --ram or "
                             "train fewer layers (--trainable)", field="--ram") from None
         if "does not fit in flash" in str(exc):
