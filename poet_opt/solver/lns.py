@@ -36,6 +36,9 @@ FIRST_WIDTH = 24
 MAX_COLUMNS = 80_000
 # A window's solve gets at most this long: many small windows improve more than one stuck one.
 WINDOW_TIME_S = 8.0
+# The window model indexes its columns in dense stage x tensor arrays (formulation.py): past this
+# many nodes those alone take gigabytes and seconds to build, and the search is not tried.
+MAX_NODES = 2_500
 # An improvement smaller than this (relative) is solver noise, not a better plan.
 MIN_GAIN = 1e-9
 
@@ -116,6 +119,8 @@ def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
     its energy reaches ``stop_at``; and what the search did (windows solved, improved, joules saved)."""
     energy = plan_energy_j(graph, costs, plan)
     start_energy = energy
+    if len(graph) > MAX_NODES:
+        return plan, {"windows": 0, "improved": 0, "skipped": 0, "saved_j": 0.0}
     stats = {"windows": 0, "improved": 0, "skipped": 0}
     width = FIRST_WIDTH
     T = len(graph)
