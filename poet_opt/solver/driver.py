@@ -375,7 +375,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     phase = heartbeat.phase
     phase("heuristic starts")
     # the greedy loops replay the whole plan per step: they get a third of the time at most
-    candidates = starting_points(graph, costs, budgets, mode,
+    floor = costs.plain_energy_j
+    candidates = starting_points(graph, costs, budgets, mode, good_enough=floor * (1 + gap) if gap > 0 else None,
                                  deadline=None if time_limit is None else began + 0.3 * time_limit)
     solve_s = 0.0
     # Past this size the full MILP's root LP is out of reach of any interactive time limit (ResNet-50's
@@ -387,7 +388,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     skip_full = time_limit is not None and full_decisions > FULL_MILP_MAX_DECISIONS and backend == "highs"
     gap_milp_fits = time_limit is None or GAP_MILP_BUILD_S_PER_NODE_SQUARED * len(graph) ** 2 <= 0.5 * (
         time_limit - (time.perf_counter() - began) - reserve)
-    if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not interrupted():
+    within_floor = bool(candidates) and relative_gap(_energy(graph, costs, candidates[0]), floor) <= gap
+    if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not within_floor \
+            and not interrupted():
         # The compact gap MILP's optimum is a plan of the full space: a better start in a second or
         # two (not a bound). Its time counts against the user's limit; it gets most of it when the
         # full MILP is out of reach.
@@ -417,7 +420,6 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     build_s = 0.0
     skip_full = skip_full and bool(candidates)
     full_note = f"skipped: {full_decisions} binaries" if skip_full else "solved"
-    floor = costs.plain_energy_j
     head = cost_cap = None
     if candidates and not skip_full:
         head = _energy(graph, costs, candidates[0])
