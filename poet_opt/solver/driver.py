@@ -426,11 +426,12 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         # No plan at least as good as the best start spends more than it does above plain training on
         # any one action: the full MILP leaves out every dearer one (see Formulation's cost_cap).
         cost_cap = (head - floor) + 1e-9 * head
-    if head is not None and backend == "highs":
+    if candidates and backend == "highs":
         # Plain training's energy bounds every plan: a start that close to it is already proven within
         # the gap asked for (plain training itself when it fits), and the full MILP can only confirm it.
         # (A backend the user named explicitly still runs, and says so if it is missing.)
-        if relative_gap(head, min(floor, head)) <= max(gap, 1e-12):
+        best = _energy(graph, costs, candidates[0])
+        if relative_gap(best, min(floor, best)) <= max(gap, 1e-12):
             skip_full, full_note = True, "not needed: the best start is within the gap of the plain-training floor"
     window = None
     if backend == "highs" and candidates and mode != "none" \
