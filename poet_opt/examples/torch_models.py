@@ -253,3 +253,36 @@ class TiledCnn(nn.Module):
 def tiled_cnn() -> nn.Module:
     torch.manual_seed(0)
     return TiledCnn()
+
+
+class StripCnn(nn.Module):
+    """A CNN whose first activations do not fit a 256 KiB part whole: at 1 x 1 x 96 x 96 the
+    stem's output is 288 KiB, so it trains on the nRF52840 only with its activations split into
+    strips along H (docs/streaming.md). It has every operator the strip kernels run: convolutions
+    of stride 1 and 2, a depthwise and a 1x1 convolution with a bias, batch norm, ReLU, max and
+    average pooling, a residual add, global average pooling and a linear head."""
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.stem, self.stem_bn = _conv_bn(1, 8, 3)
+        self.stem_relu = nn.ReLU()
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.dw, self.dw_bn = _conv_bn(8, 8, 3, groups=8)
+        self.dw_relu = nn.ReLU()
+        self.pw = nn.Conv2d(8, 8, 1)
+        self.head, self.head_bn = _conv_bn(8, 16, 3, 2)
+        self.head_relu = nn.ReLU()
+        self.avg = nn.AvgPool2d(2, 2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = self.pool(self.stem_relu(self.stem_bn(self.stem(x))))
+        x = x + self.pw(self.dw_relu(self.dw_bn(self.dw(x))))
+        x = self.avg(self.head_relu(self.head_bn(self.head(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def strip_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return StripCnn()

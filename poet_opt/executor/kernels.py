@@ -1,7 +1,7 @@
 """What each node of a training graph computes, in PyTorch, from the tensors a schedule holds.
 
 The training graph's semantics (poet_opt.model.zoo) decide what a node computes, as the firmware
-generator (firmware/codegen.py) reads them:
+generator (firmware/writer.py) reads them:
 
 - a forward node runs its layer: the fx node it was traced from, on its producers' outputs (through
   the views recorded between them, ``Layer.operand_views``);

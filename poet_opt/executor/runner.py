@@ -104,9 +104,11 @@ def check_schedule(network: Network, doc: dict) -> None:
         raise PoetError("not a poet-opt/schedule@1 document", field="--schedule")
     validate(doc)
     nodes = doc["graph"]["nodes"]
+    from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
     refuse_strips(nodes, "the PyTorch executor", "--schedule")
+    refuse_rows(nodes, "the PyTorch executor", "--schedule")
     mine = {n.name: n for n in network.graph.nodes}
     names = [n["name"] for n in nodes]
     if set(names) != set(mine) or len(names) != len(mine):

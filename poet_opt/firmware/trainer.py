@@ -46,6 +46,8 @@ class EmulatedTraining:
     arena_bytes: int
     files: list[Path] = field(default_factory=list)
     weights_placement: str = "resident"  # or "streamed": weights on storage, read into the arena
+    # activation strips: the window rows gathered from several strips, static RAM beside the arena
+    scratch_bytes: int = 0
     flash_bytes_read: int = 0
     # what the flash plan says one step writes and how many steps the storage survives that
     # (None: nothing is written); the emulator's own count is flash_bytes_written over the run
@@ -70,13 +72,16 @@ class EmulatedTraining:
             tiles = self.network.graph.meta.get("tiles") or {}
             if tiles:
                 out["tiles"] = {layer: len(names) for layer, names in tiles.items()}
+            strips = self.network.graph.meta.get("strips")
+            if strips:
+                out.update(strips=dict(strips["per_height"]), scratch_bytes=self.scratch_bytes)
         return out
 
 
 def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
                      torch_model=None, input_shape=None, trainable="all", out_dir=None,
                      time_limit: Optional[float] = 60.0, mode: str = "joint", progress=None,
-                     weights: str = "resident", tile_bytes=None) -> EmulatedTraining:
+                     weights: str = "resident", tile_bytes=None, strips="auto") -> EmulatedTraining:
     """Train ``steps`` SGD steps on the batch in ``data`` in firmware generated from the schedule
     that ``poet-opt solve --export`` would give, on the emulated ``device``.
 
@@ -89,7 +94,10 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     ``weights="auto"`` streams them when the RAM budget, the trained weights and their gradients
     and the stack would not fit the device's RAM together. ``tile_bytes`` (a size, with streamed
     weights): split a convolution or linear layer whose weights exceed it into tiles over its output
-    features (model/tiling.py), each read, updated and written back on its own; None: no tiles."""
+    features (model/tiling.py), each read, updated and written back on its own; None: no tiles.
+    ``strips``: "auto" splits a CNN's activations along H into strips (model/strips.py, with
+    streamed weights) when some node would not fit the device's RAM whole, the fewest that bring
+    every node within ``ram``; N: N strips at every height; "off": never."""
     from poet_opt.firmware.torch_zoo import zoo_module
 
     def say(text: str) -> None:
@@ -131,9 +139,8 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         if resident + STACK_BYTES > profile.memory.ram_bytes:
             network = lower_network(module, shape, trainable=trainable, name=model, weights="streamed",
                                     tile_bytes=tile)
-    from poet_opt.model.strips import refuse_needing_strips
-
-    refuse_needing_strips(network.graph, profile.memory.ram_bytes, STACK_BYTES, "the firmware generator", profile.name)
+    network = _with_strips(network, strips, module, shape, profile, ram, trainable=trainable, name=model,
+                           weights=weights, tile=tile)
     classes = network.layers[network.output].elements // network.input_shape[0]
     if (y < 0).any() or (y >= classes).any():
         raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")
@@ -142,6 +149,30 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     if out_dir is not None:
         check_not_inputs([("-o", Path(out_dir))], [("--data", Path(data))])
     return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress)
+
+
+def _with_strips(network: Network, strips, module, shape, profile, ram, *, trainable, name, weights, tile) -> Network:
+    """The network lowered with activation strips when ``strips`` asks for them, or ("auto") when
+    some node cannot fit the device's RAM whole; the network as it is otherwise."""
+    from poet_opt.units import format_bytes
+
+    working, node = network.graph.largest_working_set()
+    too_big = working + STACK_BYTES > profile.memory.ram_bytes and any(n.op == "conv2d" for n in network.graph.nodes)
+    if strips not in ("auto", "off") and (isinstance(strips, bool) or not isinstance(strips, int) or strips < 1):
+        raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
+    if strips == "off" or strips == "auto" and not too_big:
+        if too_big:
+            raise PoetError(f"computing {node.name} holds {format_bytes(working)} at once, more than "
+                            f"{profile.name}'s {format_bytes(profile.memory.ram_bytes)} of RAM with the stack: it "
+                            "needs its activations split into strips (strips='auto')", field="--ram")
+        return network
+    if weights == "resident" or tile is not None:
+        raise PoetError(f"computing {node.name} whole holds {format_bytes(working)}: activation strips need "
+                        "streamed weights without weight tiles (--weights auto or streamed, no --weight-tile)",
+                        field="--weights")
+    budget = min(parse_size(ram, field="--ram"), profile.memory.ram_bytes - STACK_BYTES)
+    return lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=strips,
+                         strip_budget=budget)
 
 
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
@@ -211,6 +242,7 @@ def layer_bytes(layer) -> int:
 def _build_and_run(network, plan, generated, target, profile, work: Path, say) -> EmulatedTraining:
     from poet_opt.firmware.build import FirmwareBuildError, build_firmware
     from poet_opt.firmware.emulator import Emulator, EmulatorError
+    from poet_opt.firmware.strip_codegen import scratch_bytes
 
     work.mkdir(parents=True, exist_ok=True)
     source = work / "poet_train.c"
@@ -225,9 +257,12 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         if "does not fit in the device's RAM" in str(exc):
             # each with its gradient; streamed weights are in the arena
             weights = 0 if generated.param_layers else sum(8 * p.value.size for p in network.trainable_parameters)
-            raise PoetError(f"the firmware needs {(plan.arena.arena_bytes + weights + STACK_BYTES) / 1024:,.1f} KiB of "
-                            f"RAM or more (arena {plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and their "
-                            f"gradients {weights / 1024:,.1f} KiB, a {STACK_BYTES // 1024} KiB stack, norm statistics) "
+            scratch = scratch_bytes(generated.source)
+            halo = f", the strips' scratch {scratch / 1024:,.1f} KiB" if scratch else ""
+            needed = plan.arena.arena_bytes + weights + scratch + STACK_BYTES
+            raise PoetError(f"the firmware needs {needed / 1024:,.1f} KiB of RAM or more (arena "
+                            f"{plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and their gradients "
+                            f"{weights / 1024:,.1f} KiB{halo}, a {STACK_BYTES // 1024} KiB stack, norm statistics) "
                             f"and {profile.name} has {target.ram_bytes / 1024:,.0f} KiB; give a smaller --ram or "
                             "train fewer layers (--trainable)", field="--ram") from None
         if "does not fit in flash" in str(exc):
@@ -278,5 +313,6 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         flash_violations=[str(v) for v in storage.violations], instructions=int(result.instructions or 0),
         arena_bytes=int(plan.arena.arena_bytes),
         weights_placement="streamed" if generated.param_layers else "resident",
+        scratch_bytes=scratch_bytes(generated.source),
         flash_bytes_read=int(storage.bytes_read), flash_bytes_written_per_step=int(flash.bytes_written_per_step),
         flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions)

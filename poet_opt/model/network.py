@@ -98,7 +98,8 @@ class Network:
 
 
 def lower_network(model, input_shape, *, trainable="all", name: str | None = None, views: bool = False,
-                  weights: str = "resident", tile_bytes: int | None = None) -> Network:
+                  weights: str = "resident", tile_bytes: int | None = None, strips=None,
+                  strip_budget: int | None = None) -> Network:
     """The training graph of a torch module (or factory, or ``FILE.py:FACTORY``) and the layer of
     each of its forward nodes. ``views``: accept views that move elements and fused attention, which
     the PyTorch executor replays (``Layer.operand_views``) and the firmware generator cannot.
@@ -107,19 +108,27 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
     ``tile_bytes`` (streamed only): a convolution or linear layer with more weights than that is
     split into tiles over its output features (model/tiling.py): a layer ``L#j`` per tile, a
     convolution or linear layer with fewer output features whose parameters are the torch
-    parameters' rows lo..hi, and a ``concat`` layer ``L`` that joins their outputs."""
+    parameters' rows lo..hi, and a ``concat`` layer ``L`` that joins their outputs. ``strips``
+    (streamed only): split the (C, H, W) activations along H (model/strips.py), N strips at every
+    height, a dict {H: N}, or "auto": the fewest that bring every node within ``strip_budget``."""
     if tile_bytes is not None and weights != "streamed":
         raise PoetError("weight tiles need streamed weights (--weights streamed)", field="--weight-tile")
     if tile_bytes is not None and views:
         raise PoetError("the PyTorch executor replays whole layers; it cannot run weight tiles", field="--weight-tile")
+    if strips is not None and (weights != "streamed" or tile_bytes is not None or views):
+        raise PoetError("activation strips need streamed weights without weight tiles", field="--strips")
     module, default_name = resolve_module(model)
     ops, output = lower_module(module, input_shape)
-    graph = finish(name or default_name, ops.ops, output, bytes_per_element=4, trainable=trainable,
-                   meta={"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
-                         "input_shape": list(ops.ops[0].shape), "batch_size": ops.ops[0].shape[0]},
-                   field=FIELD, weights=weights, tile_bytes=tile_bytes)
+    meta = {"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
+            "input_shape": list(ops.ops[0].shape), "batch_size": ops.ops[0].shape[0]}
+    if strips is not None:
+        graph = _strip_graph(name or default_name, ops, output, module, trainable, meta, strips, strip_budget)
+        kept = set(graph.meta["strips"]["layers"])
+    else:
+        graph = finish(name or default_name, ops.ops, output, bytes_per_element=4, trainable=trainable, meta=meta,
+                       field=FIELD, weights=weights, tile_bytes=tile_bytes)
+        kept = {n.name for n in graph.nodes if n.kind == "forward"}
     tiles = graph.meta.get("tiles") or {}
-    kept = {n.name for n in graph.nodes if n.kind == "forward"}
     producers = {ops.origins[o.name]: o.name for o in ops.ops if o.name in ops.origins}
     placeholder = next(n for n in _fx_nodes(ops) if n.op == "placeholder")
     producers[placeholder] = ops.ops[0].name
@@ -127,7 +136,8 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
     modules = dict(module.named_modules())
     param_names = {id(p): n for n, p in module.named_parameters()}
     buffer_names = {id(b): n for n, b in module.named_buffers()}
-    trainable_nodes = {n.name for n in graph.nodes if n.trainable}
+    trainable_nodes = {n.name[len("param:"):] for n in graph.nodes if n.trainable and n.op == "param"} | \
+        {n.name for n in graph.nodes if n.trainable}
     layers: dict[str, Layer] = {}
     used_params: dict[int, str] = {}
     for o in ops.ops:
@@ -154,8 +164,50 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
             layers.update(_tiled(layer, tiles[o.name], graph, trainable_nodes))
             continue
         layers[o.name] = layer
-    out_name = next(n.name for n in reversed(graph.nodes) if n.kind == "forward")
+    out_name = ops.ops[output].name
     return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name)
+
+
+def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, strips, budget):
+    """The strip graph (model/strips.py) of the traced operators: the zoo's per-sample shapes (the
+    batch apart, global pooling to (C,)) and each convolution's and pooling's window along H, which
+    the importer does not record."""
+    from dataclasses import replace
+
+    from poet_opt.model.strips import fit_strips, low_memory
+    from poet_opt.model.zoo import training_graph
+
+    needed = {output}
+    for i in range(output, -1, -1):
+        if i in needed:
+            needed.update(ops.ops[i].inputs)
+    keep = sorted(needed)
+    index = {old: k for k, old in enumerate(keep)}
+    batch = ops.ops[0].shape[0]
+    modules = dict(module.named_modules())
+    kept = []
+    for old in keep:
+        o = ops.ops[old]
+        origin = ops.origins.get(o.name)
+        m = modules.get(origin.target) if origin is not None and origin.op == "call_module" else None
+        shape, window = tuple(o.shape[1:]), ()
+        if len(o.shape) == 4 and o.shape[2:] == (1, 1) and type(m).__name__ == "AdaptiveAvgPool2d":
+            shape = shape[:1]  # global average pooling, as the zoo shapes it
+        elif hasattr(m, "kernel_size") and len(o.shape) == 4:
+            k, s, p = (_pair(v) for v in (m.kernel_size, m.stride or m.kernel_size, m.padding))
+            if k[0] != k[1] or s[0] != s[1] or p[0] != p[1]:
+                raise PoetError(f"node {o.name!r}: strips need a square window, stride and padding", field="--strips")
+            window = (k[0], s[0], p[0])
+        kept.append(replace(o, shape=shape, inputs=tuple(index[j] for j in o.inputs), flops=o.flops / batch,
+                            window=window))
+    meta = {**meta, "bytes_per_element": 4, "forward_layers": len(kept) - 1}
+
+    def build(counts):
+        return training_graph(name, kept, batch, 4, trainable, meta, weights="streamed", strips=counts)
+
+    if strips == "auto":
+        return low_memory(fit_strips(build, budget))
+    return low_memory(build(strips))
 
 
 def _tiled(layer: Layer, names: list[str], graph: TrainingGraph, trainable_nodes: set[str]) -> dict[str, Layer]:

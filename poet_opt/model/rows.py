@@ -648,3 +648,11 @@ def row_node(nodes) -> str | None:
         if op in ROW_OPS_OWN or re.search(rf"{ROW_MARK}\d+({COL_MARK}|{HEAD_MARK})?\d*", name):
             return name
     return None
+
+
+def refuse_rows(nodes, who: str, field: str) -> None:
+    """Executors without row kernels refuse a row-tiled plan rather than run it wrongly."""
+    name = row_node(nodes)
+    if name is not None:
+        raise PoetError(f"the plan tiles a transformer by token rows (node {name}); {who} does not run row "
+                        "tiling yet", field=field)

@@ -24,6 +24,7 @@ from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, storage_shortfall
+from poet_opt.solver.lns import improve
 from poet_opt.units import format_bytes, format_seconds, parse_runtime, parse_size
 
 
@@ -377,7 +378,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     phase = heartbeat.phase
     phase("heuristic starts")
     # the greedy loops replay the whole plan per step: they get a third of the time at most
-    candidates = starting_points(graph, costs, budgets, mode,
+    floor = costs.plain_energy_j
+    candidates = starting_points(graph, costs, budgets, mode, good_enough=floor * (1 + gap) if gap > 0 else None,
                                  deadline=None if time_limit is None else began + 0.3 * time_limit)
     solve_s = 0.0
     # Past this size the full MILP's root LP is out of reach of any interactive time limit (ResNet-50's
@@ -389,7 +391,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     skip_full = time_limit is not None and full_decisions > FULL_MILP_MAX_DECISIONS and backend == "highs"
     gap_milp_fits = time_limit is None or GAP_MILP_BUILD_S_PER_NODE_SQUARED * len(graph) ** 2 <= 0.5 * (
         time_limit - (time.perf_counter() - began) - reserve)
-    if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not interrupted():
+    within_floor = bool(candidates) and relative_gap(_energy(graph, costs, candidates[0]), floor) <= gap
+    if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not within_floor \
+            and not interrupted():
         # The compact gap MILP's optimum is a plan of the full space: a better start in a second or
         # two (not a bound). Its time counts against the user's limit; it gets most of it when the
         # full MILP is out of reach.
@@ -419,18 +423,18 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     build_s = 0.0
     skip_full = skip_full and bool(candidates)
     full_note = f"skipped: {full_decisions} binaries" if skip_full else "solved"
-    floor = costs.plain_energy_j
     head = cost_cap = None
     if candidates and not skip_full:
         head = _energy(graph, costs, candidates[0])
         # No plan at least as good as the best start spends more than it does above plain training on
         # any one action: the full MILP leaves out every dearer one (see Formulation's cost_cap).
         cost_cap = (head - floor) + 1e-9 * head
-    if head is not None and backend == "highs":
+    if candidates and backend == "highs":
         # Plain training's energy bounds every plan: a start that close to it is already proven within
         # the gap asked for (plain training itself when it fits), and the full MILP can only confirm it.
         # (A backend the user named explicitly still runs, and says so if it is missing.)
-        if relative_gap(head, min(floor, head)) <= max(gap, 1e-12):
+        best = _energy(graph, costs, candidates[0])
+        if relative_gap(best, min(floor, best)) <= max(gap, 1e-12):
             skip_full, full_note = True, "not needed: the best start is within the gap of the plain-training floor"
     window = None
     if backend == "highs" and candidates and mode != "none" \
@@ -443,8 +447,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         limit = WINDOW_BOUND_TIME_S
         if time_limit is not None:
             left = time_limit - (time.perf_counter() - began) - reserve
-            # with the full MILP skipped nothing else is left to run: the bound gets what remains
-            limit = 0.9 * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
+            # with the full MILP skipped, the bound and the window search share what remains
+            limit = 0.45 * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
         if full_note.startswith("not needed"):
             # already proven within the gap by the floor: one small LP says by how much less
             limit = min(limit, WINDOW_BOUND_TIME_S)
@@ -456,6 +460,20 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         if window is not None and not skip_full and \
                 relative_gap(best_start, min(window.bound, best_start)) <= gap:
             skip_full, full_note = True, "not needed: the best start is within the gap of the window bound"
+    if skip_full and candidates and backend == "highs" and time_limit is not None and \
+            not full_note.startswith("not needed") and not interrupted():
+        # The full MILP is out of reach: its exact model over windows of stages, the rest of the best
+        # start fixed, improves that start (solver/lns.py); one more replay checks the result.
+        left = time_limit - (time.perf_counter() - began) - 2 * reserve
+        if left > 1.0:
+            phase("window search")
+            better, searched = improve(graph, costs, budgets, mode, candidates[0], threads=threads,
+                                       deadline=time.perf_counter() + left,
+                                       stop_at=(floor if window is None else window.bound) * (1 + gap))
+            if searched["improved"] and _fitting_plan(graph, costs, budgets, mode, profile, better) is not None:
+                candidates = [better, *candidates]
+                full_note += (f"; a window search improved the best start {searched['improved']} times, by "
+                              f"{searched['saved_j']:.4g} J")
     if not skip_full and time_limit is not None and backend == "highs" and \
             not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
         # The build is one numpy/scipy call chain that cannot be stopped: not started unless it fits.

@@ -27,6 +27,7 @@ and (11), something of an input kept for all recomputes of a tensor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,10 @@ from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, Decisions
 
 MODES = ("joint", "remat", "paging", "none")
+
+
+class WindowMismatch(ValueError):
+    """The incumbent holds something a window model cannot represent: that window is skipped."""
 
 
 @dataclass
@@ -178,7 +183,8 @@ class Formulation:
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
                  *, minimize_peak: bool = False, runtime_margin: float = 0.0, tighten: bool = True,
-                 cost_cap: float | None = None):
+                 cost_cap: float | None = None, window: tuple[int, int] | None = None,
+                 incumbent: Decisions | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
@@ -188,6 +194,11 @@ class Formulation:
         self.cost_cap = cost_cap  # joules above plain training that a plan worth finding may spend
         self.allow_remat = mode in ("joint", "remat")
         self.allow_paging = mode in ("joint", "paging")
+        # Stages a..b only, with everything else fixed to ``incumbent`` (solver/lns.py): what it keeps
+        # into stages a and b+1 and its page-outs are bounds, its actions in other stages constants.
+        self.window, self.incumbent = window, incumbent
+        if window is not None and incumbent is None:
+            raise ValueError("a window needs the incumbent plan that fixes the other stages")
         self.milp = self._build()
 
     # -- variable layout ---------------------------------------------------------------------
@@ -221,7 +232,9 @@ class Formulation:
             return np.arange(start, ncols)
 
         # R[t,i], i < t: recompute, only for nodes that may be computed after their own stage.
-        r_mask = tt <= comp[ii]  # without remat, comp allows only streamed weights to be read again
+        a, b = self.window if self.window is not None else (0, T - 1)
+        staged = (a <= tt) & (tt <= b)  # a stage the model decides
+        r_mask = (tt <= comp[ii]) & staged  # without remat, comp allows only streamed weights to be read again
         self.R = np.full((T, T), -1, dtype=np.int64)
         self.R[tt[r_mask], ii[r_mask]] = alloc(int(r_mask.sum()))
 
@@ -231,12 +244,12 @@ class Formulation:
         self.Mout[mo_mask] = alloc(int(mo_mask.sum()))
 
         # Min[t,i], i < t: page in, while something could still read it.
-        mi_mask = (tt <= need[ii]) & mo_mask[ii]
+        mi_mask = (tt <= need[ii]) & mo_mask[ii] & staged
         self.Min = np.full((T, T), -1, dtype=np.int64)
         self.Min[tt[mi_mask], ii[mi_mask]] = alloc(int(mi_mask.sum()))
 
         # S[t,i], i < t <= need[i]: in RAM at the start of stage t.
-        s_mask = tt <= need[ii]
+        s_mask = (tt <= need[ii]) & (a <= tt) & (tt <= b + 1)
         self.S = np.full((T + 1, T), -1, dtype=np.int64)
         self.S[tt[s_mask], ii[s_mask]] = alloc(int(s_mask.sum()))
 
@@ -249,6 +262,7 @@ class Formulation:
         # the peak that is over half the stages of the 100-node random graph.
         could_hold = (materializable | (self.S[:T] >= 0)).astype(float) @ nbytes
         self.accounted = np.ones(T, dtype=bool) if self.minimize_peak else could_hold > 1.0 - 1e-9
+        self.accounted[:a] = self.accounted[b + 1:] = False
 
         # FREE[t,i,k]: release i after position k of stage t. Candidates: k reads i, or k == i
         # (a tensor nobody reads later in the stage goes right after it is made).
@@ -260,6 +274,7 @@ class Formulation:
         reads = np.zeros((T, T), dtype=bool)  # reads[t, i]: node t reads tensor i
         reads[np.repeat(np.arange(T), n_deps), dep_flat] = True
         ct, ck = np.nonzero(np.tril(computable))
+        ct, ck = ct[(a <= ct) & (ct <= b)], ck[(a <= ct) & (ct <= b)]
         fct, fck = np.nonzero(np.tril(computable) & self.accounted[:, None])
         per_pair = n_deps[fck] + 1
         f_t, f_k = np.repeat(fct, per_pair), np.repeat(fck, per_pair)
@@ -316,6 +331,9 @@ class Formulation:
         mo = np.flatnonzero(self.Mout >= 0)
         c[self.Mout[mo]] = costs.page_out_j[mo]
         offset = float(costs.compute_j.sum())
+        outside_s = 0.0
+        if self.window is not None:
+            offset, outside_s = self._fix_outside(lb, ub, offset)
         if self.minimize_peak:
             # Smallest budget first; energy only breaks ties, scaled far below one byte.
             energy_scale = 0.01 / self.mem_unit / max(1e-30, float(costs.compute_j.sum()) * 10 + c.sum())
@@ -341,7 +359,7 @@ class Formulation:
         st, si = np.nonzero(self.S[1:] >= 0)
         st = st + 1  # stage of the kept copy
         prev = st - 1
-        later = prev > si  # at prev == i the node was just computed: always possible
+        later = (prev > si) & (prev >= a)  # at prev == i the node was just computed: always possible
         rows.add([(self.S[st[later], si[later]], 1.0), (self.S[prev[later], si[later]], -1.0),
                   (self.R[prev[later], si[later]], -1.0), (self.Min[prev[later], si[later]], -1.0)],
                  -np.inf, 0.0)
@@ -425,7 +443,7 @@ class Formulation:
             # In units of plain training's runtime: the solver's absolute feasibility tolerance (1e-7)
             # is then relative, whether a step takes nanoseconds or minutes.
             unit = plain_s if plain_s > 0 else max(float(run_vals.max(initial=0.0)), 1e-300)
-            slack = self.budgets.runtime_s * (1 - self.runtime_margin) - plain_s
+            slack = self.budgets.runtime_s * (1 - self.runtime_margin) - plain_s - outside_s
             extra.add_row(run_cols, run_vals / unit, -np.inf, slack / unit)
 
         # (8) storage capacity: every paged tensor holds its own erase-block-aligned region (and
@@ -453,9 +471,11 @@ class Formulation:
                 lo, hi = np.searchsorted(kt1, [t, t + 1])
                 extra.add_row(self.S[t + 1, ki1[lo:hi]], nbytes[ki1[lo:hi]], -np.inf, 1.0 - fixed[t])
             self._add_suffix_sum_rows(extra)
-            if self.allow_paging:
+            if self.window is not None:
+                pass  # rows (10) and (11) span stages the window does not decide
+            elif self.allow_paging:
                 self._add_one_page_out_rows(extra, users)
-            if self.allow_remat:
+            if self.allow_remat and self.window is None:
                 self._add_input_kept_rows(extra, users, deps)
 
         if extra.count:
@@ -466,6 +486,35 @@ class Formulation:
 
         return Milp(c=c, offset=offset, A=A, row_lb=row_lb, row_ub=row_ub, lb=lb, ub=ub,
                     integrality=integrality)
+
+    def _fix_outside(self, lb, ub, offset: float) -> tuple[float, float]:
+        """Bounds that fix the incumbent's page-outs and its keeps into stages a and b+1; returns the
+        objective's offset and the runtime of the incumbent's actions in the other stages."""
+        a, b = self.window
+        plan, costs = self.incumbent, self.costs
+        outs = np.flatnonzero(self.Mout >= 0)
+        # A page-out happens in its tensor's own stage: free within the window, unless a page-in in
+        # another stage reads it back.
+        read_outside = np.isin(outs, [i for t, i in plan.page_in if not a <= t <= b])
+        fixed = outs[~((a <= outs) & (outs <= b)) | read_outside]
+        lb[self.Mout[fixed]] = ub[self.Mout[fixed]] = np.isin(fixed, list(plan.page_out)).astype(float)
+        if any(self.Mout[i] < 0 for i in plan.page_out):
+            raise WindowMismatch("a page-out the model has no column for")
+        for t in (a, b + 1):
+            if t >= len(self.graph):
+                continue
+            cols = np.flatnonzero(self.S[t] >= 0)
+            kept = np.array([(t, int(i)) in plan.keep for i in cols], dtype=bool)
+            lb[self.S[t, cols]] = ub[self.S[t, cols]] = kept.astype(float)
+            if sum(1 for i, runs in plan.keep.runs.items() if (t, i) in plan.keep) != int(kept.sum()):
+                raise WindowMismatch(f"a tensor kept into stage {t} that the model has no column for")
+        outside = [(t, i) for t, i in plan.recompute if not a <= t <= b]
+        paged = [(t, i) for t, i in plan.page_in if not a <= t <= b]
+        energy = math.fsum([offset, *(float(costs.compute_j[i]) for _, i in outside),
+                            *(float(costs.page_in_j[i]) for _, i in paged)])
+        runtime = math.fsum([*(float(costs.compute_s[i]) for _, i in outside),
+                             *(float(costs.page_in_s[i]) for _, i in paged)])
+        return energy, runtime
 
     def _recomputes_between(self, i: int, u: int, r: int) -> tuple[list[int], list[float]]:
         """Columns and coefficients of sum_{u <= w <= r} R[w,i]: the variables themselves, or two

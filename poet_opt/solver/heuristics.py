@@ -163,10 +163,11 @@ GAP_PLAN_MAX_NODES = 20_000
 
 
 def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
-                    deadline: Optional[float] = None) -> list[Decisions]:
+                    deadline: Optional[float] = None, good_enough: Optional[float] = None) -> list[Decisions]:
     """Heuristic schedules valid for this mode and these budgets, cheapest first. Past ``deadline``
     (a ``time.perf_counter()`` value) the slow greedy loops give up and are left out: a time limit
-    is a promise, and the MILP after them needs the time."""
+    is a promise, and the MILP after them needs the time. A paging start at most ``good_enough``
+    joules (plain training's floor within the gap asked for) is proven good enough: it alone."""
 
     def late() -> bool:
         return interrupted() or (deadline is not None and time.perf_counter() > deadline)
@@ -178,6 +179,10 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         paging = mode in ("joint", "paging")
         if paging:  # tenths of a second at 10,000 nodes: first, so that a plan exists at any size
             found.append(spill_plan(graph, costs, budgets, deadline))
+            spill = found[-1]
+            if good_enough is not None and _admissible(graph, costs, budgets, spill) and \
+                    plan_energy_j(graph, costs, spill) <= good_enough and plan_runtime_s(costs, spill) <= budgets.runtime_s:
+                return [spill]
         if mode != "none" and len(graph) <= GAP_PLAN_MAX_NODES and not late():
             found.append(gap_plan(graph, costs, budgets, allow_paging=paging,
                                   allow_remat=mode in ("joint", "remat"), deadline=deadline))

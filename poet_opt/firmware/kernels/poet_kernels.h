@@ -244,6 +244,35 @@ void poet_layernorm_backward_params_sgd(float *gamma, float *beta, const float *
                                         const float *mean, const float *invstd, uint32_t rows, uint32_t d,
                                         float lr);
 
+/* ---- activation strips (poet_kernels_strips.c): a strip holds rows [a, b) of an [n][c][h][w]
+ * tensor as [n][c][b - a][w]; spatial = (b - a) * w, total = n * h * w of the whole tensor ---- */
+
+/* `outer` blocks of `count` floats set to value, block o at dst + o * stride: a window's padding rows */
+void poet_fill_strided(float *dst, float value, uint32_t outer, uint32_t count, uint32_t stride);
+/* stats [2][c]: each channel's mean and sum of squared deviations over the strips so far; prev
+ * (NULL for the first strip) holds them for the `before` elements per channel of the strips before */
+void poet_batchnorm_strip_stats(float *stats, const float *prev, const float *x, uint32_t n, uint32_t channels,
+                                uint32_t spatial, uint32_t before);
+/* y = (x - mean) / sqrt(m2 / total + eps) * gamma + beta, from the whole tensor's stats */
+void poet_batchnorm_strip_forward(float *y, const float *x, const float *stats, const float *gamma,
+                                  const float *beta, uint32_t n, uint32_t channels, uint32_t spatial,
+                                  uint32_t total, float eps);
+/* the running statistics' move, as poet_batchnorm_forward makes it, from the whole tensor's stats */
+void poet_batchnorm_strip_running(float *running_mean, float *running_var, const float *stats, uint32_t channels,
+                                  uint32_t total, float momentum);
+/* sums [2][c]: sum dy and sum dy * xhat over the strips so far (prev: the strips before, or NULL) */
+void poet_batchnorm_strip_grad_stats(float *sums, const float *prev, const float *dy, const float *x,
+                                     const float *stats, uint32_t n, uint32_t channels, uint32_t spatial,
+                                     uint32_t total, float eps);
+/* dx += gamma / std * (dy - sum dy / total - xhat * sum dy xhat / total), the whole tensor's sums */
+void poet_batchnorm_strip_backward(float *dx, const float *dy, const float *x, const float *stats, const float *sums,
+                                   const float *gamma, uint32_t n, uint32_t channels, uint32_t spatial,
+                                   uint32_t total, float eps);
+/* y[p] += (sum of the strip's plane p) / whole (y zeroed before the first strip) */
+void poet_global_avgpool_strip_forward(float *y, const float *x, uint32_t planes, uint32_t spatial, uint32_t whole);
+/* dx[p][..] += dy[p] / whole over the strip */
+void poet_global_avgpool_strip_backward(float *dx, const float *dy, uint32_t planes, uint32_t spatial, uint32_t whole);
+
 #ifdef __cplusplus
 }
 #endif

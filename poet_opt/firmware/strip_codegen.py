@@ -1,0 +1,427 @@
+"""The C of a schedule of an activation-strip graph (poet_opt/model/strips.py, docs/streaming.md).
+
+Each node of a strip graph computes rows [a, b) of one tensor, and ``graph.meta["strips"]["nodes"]``
+records what: the generator reads that record, as poet_opt/executor/strips.py does in PyTorch, and
+emits the same maths on the strip buffers the plan holds in the arena:
+
+- a convolution or pooling strip, its data gradient into an input strip, and a strip's share of a
+  convolution's weight gradient run the whole-tensor kernels on a window of rows. The rows a
+  window reads lie in several strips (its halo), so they are first copied into one scratch buffer
+  (``poet_scratch``, static RAM beside the arena, reported as ``scratch_bytes``) with the padding
+  rows written out (zeros, or -inf for max pooling), and the kernel runs with no padding along H;
+  a data gradient gathers the output-gradient rows the same way and adds the rows of the local
+  input gradient that fall in its strip;
+- batch norm over strips chains its per-channel statistics (``stats:L@sj``: mean and sum of
+  squared deviations, merged with Chan et al.'s update) and the sums its backward needs
+  (``gstats:L@sj``), and normalises each strip with the last (poet_kernels_strips.c);
+- ReLU and add go strip by strip with the elementwise kernels;
+- ``wgrad:L@sj`` adds strip j's weight gradient to the previous link's; the last link adds its part
+  into the previous sum (which nothing reads after it) and applies ``w -= lr * g`` to the weights in
+  the arena, then writes them back, as a streamed layer's update does.
+
+Nodes whose tensors are whole (one strip, global pooling, the linear head) run as in writer.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+from poet_opt.errors import PoetError
+from poet_opt.firmware.writer import _Writer, _float, _ident
+from poet_opt.model.strips import touching
+
+WINDOWED = ("conv2d", "maxpool", "avgpool")
+NEG_INF = "(-__builtin_inff())"
+# Scratch a window's kernel call may use: a window is cut into chunks of output rows that fit it,
+# so the scratch stays small beside the arena whatever the strips (one output row at the least)
+SCRATCH_BYTES = 8 * 1024
+
+
+class StripWriter(_Writer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        meta = self.net.graph.meta["strips"]
+        self.layers_meta, self.records = meta["layers"], meta["nodes"]
+        self.tensors = {name: [tuple(r) for r in rows] for name, rows in meta["tensors"].items()}
+        if meta.get("grad_alias"):
+            raise PoetError("the firmware runs activation strips without weight tiles; drop --weight-tile",
+                            field="--weight-tile")
+        self.scratch_floats = 0
+        self.windows: dict[tuple, str] = {}
+
+    # -- geometry --------------------------------------------------------------------------------
+
+    def strips(self, layer: str) -> list[tuple[int, int]]:
+        return self.tensors.get(layer) or [(0, self.net.layers[layer].shape[2])]
+
+    def striped(self, layer: str) -> bool:
+        return layer in self.tensors
+
+    def name(self, layer: str, j: int, prefix: str = "") -> str:
+        return f"{prefix}{layer}" if layer not in self.tensors else f"{prefix}{layer}@s{j}"
+
+    def buf(self, ops, layer: str, j: int, prefix: str = "") -> str:
+        return self.at(ops, self.name(layer, j, prefix), f"a strip of {layer}")
+
+    def nchw(self, layer: str) -> tuple[int, int, int, int]:
+        n, c, h, w = self.net.layers[layer].shape
+        return n, c, h, w
+
+    def index(self, layer: str, rows) -> int:
+        return self.strips(layer).index(tuple(rows))
+
+    def scratch(self, floats: int) -> None:
+        self.scratch_floats = max(self.scratch_floats, floats)
+
+    def gather(self, dst: str, row0: int, rows: int, layer: str, lo: int, hi: int, ops, prefix: str = "",
+               fill: str | None = "0.0f") -> list[str]:
+        """Rows [lo, hi) of ``layer`` (or its gradient) into ``dst``, which holds rows [row0, row0 +
+        rows) of every plane; rows past the tensor are ``fill``."""
+        n, c, h, w = self.nchw(layer)
+        lines = []
+        for j, (a, b) in enumerate(self.strips(layer)):
+            r0, r1 = max(lo, a), min(hi, b)
+            if r0 < r1:
+                lines.append(f"poet_copy_strided({dst} + {(r0 - row0) * w}u, {self.buf(ops, layer, j, prefix)} + "
+                             f"{(r0 - a) * w}u, {n * c}u, {(r1 - r0) * w}u, {rows * w}u, {(b - a) * w}u);")
+        if lo < 0:
+            lines.append(f"poet_fill_strided({dst}, {fill}, {n * c}u, {-lo * w}u, {rows * w}u);")
+        if hi > h:
+            lines.append(f"poet_fill_strided({dst} + {(h - row0) * w}u, {fill}, {n * c}u, {(hi - h) * w}u, "
+                         f"{rows * w}u);")
+        return lines
+
+    def window_shape(self, layer, rows_in: int, rows_out: int) -> str:
+        """The kernel geometry of ``layer`` on a window of input rows, padded along W only: a const
+        table at file scope (in flash), one per distinct window, since a compound literal in the
+        step function would take its place on the stack."""
+        a = layer.attrs
+        n, c, _, w = layer.operand_shapes[0]
+        (kh, kw), (sh, sw), (_, pw) = (tuple(a[k]) for k in ("kernel", "stride", "padding"))
+        wo = layer.shape[3]
+        if layer.op == "conv2d":
+            fields = [n, c, rows_in, w, layer.shape[1], rows_out, wo, kh, kw, sh, sw, 0, pw, a["groups"]]
+            kind = "poet_conv2d_shape"
+        else:
+            fields = [n, c, rows_in, w, rows_out, wo, kh, kw, sh, sw, 0, pw]
+            kind = "poet_pool2d_shape"
+        key = (kind, *fields)
+        if key not in self.windows:
+            self.windows[key] = f"poet_window_{len(self.windows)}"
+            values = ", ".join(f"{v}u" for v in fields)
+            self.decls.append(f"static const {kind} {self.windows[key]} = {{{values}}};\n")
+        return "&" + self.windows[key]
+
+    # -- nodes -----------------------------------------------------------------------------------
+
+    def compute(self, node: int, info: dict, out: str, ops: dict[int, int], first: bool) -> list[str]:
+        rec = self.records[info["name"]]
+        role = rec["role"]
+        if role in ("param", "loss"):
+            return super().compute(node, info, out, ops, first)
+        if role == "forward":
+            return self.strip_forward(rec, out, ops, first)
+        if role == "bn_stats":
+            return self.stats(rec, out, ops)
+        if role == "bn_gstats":
+            return self.grad_stats(rec, out, ops)
+        if role == "grad":
+            return self.gradient(node, rec, out, ops)
+        if role == "wgrad":
+            return self.wgrad(node, rec, out, ops)
+        if role == "update":  # batch norm on the input, one strip: as unstriped
+            return super().compute(node, info, out, ops, first)
+        raise PoetError(f"internal: node {info['name']!r} has no strip kernel ({role})")
+
+    def whole(self, layer: str) -> bool:
+        """Whether the layer and its inputs are single tensors, run as unstriped graphs run them."""
+        names = [layer, *self.layers_meta[layer]["inputs"]]
+        return not any(self.striped(x) for x in names) and self.net.layers[layer].op not in WINDOWED
+
+    def strip_forward(self, rec, out, ops, first) -> list[str]:
+        name, rows = rec["layer"], rec["rows"]
+        layer = self.net.layers[name]
+        if self.whole(name):
+            return self.forward(layer, out, ops, first)
+        op = layer.op
+        if rows is None:  # a whole tensor (global pooling) of a striped input
+            if op != "global_avgpool":
+                raise PoetError(f"node {name!r}: no strip kernel reads a striped {op} input whole", field="--strips")
+            x = layer.operands[0]
+            n, c, h, w = self.nchw(x)
+            lines = [f"poet_zero({out}, {n * c}u);"]
+            for j, (a, b) in enumerate(self.strips(x)):
+                lines.append(f"poet_global_avgpool_strip_forward({out}, {self.buf(ops, x, j)}, {n * c}u, "
+                             f"{(b - a) * w}u, {h * w}u);")
+            return lines
+        a, b = rows
+        j = self.index(name, rows)
+        n, c, h, w = self.nchw(name)
+        count = n * c * (b - a) * w
+        if op == "input":
+            return [f"poet_copy_strided({out}, poet_input + {a * w}u, {n * c}u, {(b - a) * w}u, {(b - a) * w}u, "
+                    f"{h * w}u);"]
+        if op in WINDOWED:
+            return self.window_forward(layer, a, b, out, ops)
+        xs = [self.buf(ops, x, j) for x in layer.operands]
+        if op == "batchnorm":
+            k = self.layer_index[name]
+            stats = self.at(ops, f"stats:{name}@s{len(self.strips(name)) - 1}", f"{name}'s strips")
+            lines = [f"poet_batchnorm_strip_forward({out}, {xs[0]}, {stats}, {self.param(layer, 'weight', ops)}, "
+                     f"{self.param(layer, 'bias', ops)}, {n}u, {c}u, {(b - a) * w}u, {n * h * w}u, "
+                     f"{_float(layer.attrs['eps'])});"]
+            if first and j == 0 and layer.buffers:  # the running statistics move once a step
+                lines.append(f"poet_batchnorm_strip_running({_ident(k, 'running_mean')}, {_ident(k, 'running_var')}, "
+                             f"{stats}, {c}u, {n * h * w}u, {_float(layer.attrs['momentum'])});")
+            return lines
+        if op in ("relu", "relu6", "gelu"):
+            return [f"poet_{op}_forward({out}, {xs[0]}, {count}u);"]
+        if op == "add":
+            return [f"poet_add_forward({out}, {xs[0]}, {xs[1]}, {count}u);"]
+        raise PoetError(f"node {name!r}: no strip kernel for operator {op}", field="--strips")
+
+    def chunk_rows(self, total: int, floats) -> int:
+        """Output rows per kernel call: the most whose scratch, ``floats(rows)``, stays within
+        SCRATCH_BYTES (one row at the least)."""
+        rows = 1
+        while rows < total and 4 * floats(rows + 1) <= SCRATCH_BYTES:
+            rows += 1
+        return rows
+
+    def window_forward(self, layer, a: int, b: int, out: str, ops) -> list[str]:
+        """Output rows [a, b) of a convolution or pooling, a chunk of rows at a time: the input rows
+        a chunk reads are gathered into scratch, the kernel writes the chunk beside them (or
+        straight into ``out`` when one chunk is the whole strip) and the chunk is copied into place."""
+        x = layer.operands[0]
+        k, s, p = self.layers_meta[layer.name]["window"]
+        n, c, _, w = self.nchw(layer.name)
+        _, cx, _, wx = self.nchw(x)
+
+        def floats(rows: int) -> int:
+            return n * cx * ((rows - 1) * s + k) * wx + (n * c * rows * w if rows < b - a else 0)
+
+        per = self.chunk_rows(b - a, floats)
+        lines = []
+        for c0 in range(a, b, per):
+            c1 = min(b, c0 + per)
+            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            local = n * cx * rows_in * wx
+            y = out if c1 - c0 == b - a else f"(poet_scratch + {local}u)"
+            self.scratch(local + (0 if y == out else n * c * (c1 - c0) * w))
+            lines += self.gather("poet_scratch", r0, rows_in, x, r0, r0 + rows_in, ops,
+                                 fill=NEG_INF if layer.op == "maxpool" else "0.0f")
+            shape = self.window_shape(layer, rows_in, c1 - c0)
+            if layer.op == "conv2d":
+                lines.append(f"poet_conv2d_forward({y}, poet_scratch, {self.param(layer, 'weight', ops)}, "
+                             f"{self.param(layer, 'bias', ops)}, {shape});")
+            else:
+                lines.append(f"poet_{layer.op}2d_forward({y}, poet_scratch, {shape});")
+            if y != out:
+                lines.append(f"poet_copy_strided({out} + {(c0 - a) * w}u, {y}, {n * c}u, {(c1 - c0) * w}u, "
+                             f"{(b - a) * w}u, {(c1 - c0) * w}u);")
+        return lines
+
+    def stats(self, rec, out, ops) -> list[str]:
+        name, (a, b) = rec["layer"], rec["rows"]
+        j = self.index(name, (a, b))
+        x = self.layers_meta[name]["inputs"][0]
+        n, c, _, w = self.nchw(name)
+        prev = self.at(ops, f"stats:{name}@s{j - 1}", f"stats:{name}@s{j}") if j else "NULL"
+        return [f"poet_batchnorm_strip_stats({out}, {prev}, {self.buf(ops, x, j)}, {n}u, {c}u, {(b - a) * w}u, "
+                f"{n * a * w}u);"]
+
+    def grad_stats(self, rec, out, ops) -> list[str]:
+        name, (a, b) = rec["layer"], rec["rows"]
+        j = self.index(name, (a, b))
+        x = self.layers_meta[name]["inputs"][0]
+        n, c, h, w = self.nchw(name)
+        prev = self.at(ops, f"gstats:{name}@s{j - 1}", f"gstats:{name}@s{j}") if j else "NULL"
+        stats = self.at(ops, f"stats:{name}@s{len(self.strips(name)) - 1}", f"gstats:{name}@s{j}")
+        return [f"poet_batchnorm_strip_grad_stats({out}, {prev}, {self.buf(ops, name, j, 'grad:')}, "
+                f"{self.buf(ops, x, j)}, {stats}, {n}u, {c}u, {(b - a) * w}u, {n * h * w}u, "
+                f"{_float(self.net.layers[name].attrs['eps'])});"]
+
+    # -- gradients -------------------------------------------------------------------------------
+
+    def gradient(self, node: int, rec, out, ops) -> list[str]:
+        f, rows = rec["of"], rec["rows"]
+        layer = self.net.layers[f]
+        count = layer.elements if rows is None else layer.elements // layer.shape[2] * (rows[1] - rows[0])
+        lines = [f"poet_copy({out}, {self.at(ops, rec['prev'], rec['prev'])}, {count}u);" if rec["prev"]
+                 else f"poet_zero({out}, {count}u);"]
+        if rec["logits"]:
+            labels = self.net.layers[self.net.output]
+            lines.append(f"poet_cross_entropy_backward({out}, {self.at(ops, f, 'the loss gradient')}, poet_labels, "
+                         f"{labels.shape[0]}u, {labels.elements // labels.shape[0]}u);")
+        for u in rec["terms"]:
+            lines += self.term(u, f, rows, out, ops)
+        for p in self.nodes[node].get("updates", ()):  # after the data gradients, which read the old weights
+            lines += self.update(p, ops)
+        return lines
+
+    def term(self, u: str, f: str, rows, out: str, ops) -> list[str]:
+        """out += the data gradient back through u into rows ``rows`` of f."""
+        user = self.net.layers[u]
+        op = user.op
+        if rows is None or (not self.striped(u) and not self.striped(f) and op not in WINDOWED):
+            return [self.data_gradient(user, which, out, ops, f) for which, o in enumerate(user.operands) if o == f]
+        lo, hi = rows
+        n, c, h, w = self.nchw(f)
+        count = n * c * (hi - lo) * w
+        if len(self.layers_meta[u]["shape"]) != 3:  # global pooling of the whole tensor
+            if op != "global_avgpool":
+                raise PoetError(f"node {u!r}: no strip kernel back-propagates a whole {op}", field="--strips")
+            return [f"poet_global_avgpool_strip_backward({out}, {self.at(ops, 'grad:' + u, u)}, {n * c}u, "
+                    f"{(hi - lo) * w}u, {h * w}u);"]
+        if op in WINDOWED:
+            return self.window_gradient(user, f, rows, out, ops)
+        j = self.index(f, rows)
+        g = self.buf(ops, u, j, "grad:")
+        if op == "batchnorm":
+            last = len(self.strips(u)) - 1
+            stats = self.at(ops, f"stats:{u}@s{last}", f"{u}'s backward")
+            sums = self.at(ops, f"gstats:{u}@s{last}", f"{u}'s backward")
+            return [f"poet_batchnorm_strip_backward({out}, {g}, {self.buf(ops, f, j)}, {stats}, {sums}, "
+                    f"{self.param(user, 'weight', ops)}, {n}u, {c}u, {(hi - lo) * w}u, {n * h * w}u, "
+                    f"{_float(user.attrs['eps'])});"]
+        if op == "relu":
+            return [f"poet_relu_backward({out}, {g}, {self.buf(ops, u, j)}, {count}u);"]
+        if op in ("relu6", "gelu"):
+            return [f"poet_{op}_backward({out}, {g}, {self.buf(ops, f, j)}, {count}u);"]
+        if op == "add":
+            return [f"poet_accumulate({out}, {g}, {count}u);" for o in user.operands if o == f]
+        raise PoetError(f"node {u!r}: no strip kernel back-propagates a {op}", field="--strips")
+
+    def window_gradient(self, user, f: str, rows, out: str, ops) -> list[str]:
+        """The gradient rows of f that u's output-gradient rows touch, a chunk of those at a time:
+        gather the chunk's output-gradient rows into scratch, run the whole backward kernel on its
+        window there, and add the window's rows that are f's (the windows of chunks overlap, and
+        their contributions add)."""
+        u = user.name
+        lo, hi = rows
+        window = self.layers_meta[u]["window"]
+        k, s, p = window
+        m0, m1 = touching((lo, hi), window, self.nchw(u)[2])
+        n, c, _, w = self.nchw(f)
+        _, cu, _, wu = self.nchw(u)
+        copies = 2 if user.op == "maxpool" else 1  # max pooling also reads its input's window
+
+        def floats(chunk: int) -> int:
+            return copies * n * c * ((chunk - 1) * s + k) * w + n * cu * chunk * wu
+
+        lines = []
+        per = self.chunk_rows(m1 - m0, floats) if m0 < m1 else 1
+        for c0 in range(m0, m1, per):
+            c1 = min(m1, c0 + per)
+            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            local = n * c * rows_in * w
+            dx, gy = "poet_scratch", f"(poet_scratch + {local}u)"
+            x = f"(poet_scratch + {local + n * cu * (c1 - c0) * wu}u)"
+            self.scratch(floats(c1 - c0))
+            lines += self.gather(gy, c0, c1 - c0, u, c0, c1, ops, "grad:", None)
+            lines.append(f"poet_zero({dx}, {local}u);")
+            shape = self.window_shape(user, rows_in, c1 - c0)
+            if user.op == "conv2d":
+                lines.append(f"poet_conv2d_backward_input({dx}, {gy}, {self.param(user, 'weight', ops)}, {shape});")
+            elif user.op == "maxpool":  # where the maximum of every touched window is
+                lines += self.gather(x, r0, rows_in, f, r0, r0 + rows_in, ops, fill=NEG_INF)
+                lines.append(f"poet_maxpool2d_backward({dx}, {gy}, {x}, {shape});")
+            else:
+                lines.append(f"poet_avgpool2d_backward({dx}, {gy}, {shape});")
+            a, b = max(lo, r0), min(hi, r0 + rows_in)
+            if a < b:
+                lines.append(f"poet_accumulate_strided({out} + {(a - lo) * w}u, {dx} + {(a - r0) * w}u, {n * c}u, "
+                             f"{(b - a) * w}u, {(hi - lo) * w}u, {rows_in * w}u);")
+        return lines
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def wgrad(self, node: int, rec, out, ops) -> list[str]:
+        """One link of a convolution's weight-gradient chain over its output strips; the last
+        applies the SGD step to the weights in the arena and writes them back."""
+        name, rows = rec["layer"], rec["rows"]
+        layer = self.net.layers[name]
+        updates = self.nodes[node].get("updates", ())
+        if layer.op != "conv2d" or rows is None:
+            return [line for p in updates for line in self.update(p, ops)]
+        a, b = rows
+        x = layer.operands[0]
+        k, s, p = self.layers_meta[name]["window"]
+        n, cx, _, wx = self.nchw(x)
+        _, c, _, w = self.nchw(name)
+        gy_whole = self.buf(ops, name, self.index(name, rows), "grad:")
+        weights = layer.params["weight"].value.size
+        total = sum(q.value.size for q in layer.params.values())
+        prev = self.at(ops, rec["prev"], rec["prev"]) if rec["prev"] else None
+        last = bool(updates)
+        own = last and prev is None  # a single link: its sum needs a buffer of its own, in scratch
+
+        def floats(chunk: int) -> int:
+            split = chunk < b - a
+            return n * cx * ((chunk - 1) * s + k) * wx + (n * c * chunk * w if split else 0) + (total if own else 0)
+
+        per = self.chunk_rows(b - a, floats)
+        fused = own and per == b - a  # one kernel call: fold the gradient straight into the weights
+        into = out if not last else prev if prev is not None else f"(poet_scratch + {floats(per) - total}u)"
+        lines = []
+        if not last:
+            lines.append(f"poet_copy({out}, {prev}, {total}u);" if prev else f"poet_zero({out}, {total}u);")
+        elif own and not fused:
+            lines.append(f"poet_zero({into}, {total}u);")
+        w_arena = self.param(layer, "weight", ops) if last else None
+        for c0 in range(a, b, per):
+            c1 = min(b, c0 + per)
+            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            local = n * cx * rows_in * wx
+            self.scratch(floats(c1 - c0) if own else local + (n * c * (c1 - c0) * w if per < b - a else 0))
+            lines += self.gather("poet_scratch", r0, rows_in, x, r0, r0 + rows_in, ops)
+            gy = gy_whole
+            if per < b - a:
+                gy = f"(poet_scratch + {local}u)"
+                lines += self.gather(gy, c0, c1 - c0, name, c0, c1, ops, "grad:", None)
+            shape = self.window_shape(layer, rows_in, c1 - c0)
+            if fused:
+                lines.append(f"poet_conv2d_backward_params_sgd({w_arena}, {self.param(layer, 'bias', ops)}, {gy}, "
+                             f"poet_scratch, {shape}, {_float(self.lr)});")
+            else:
+                bias = f"{into} + {weights}u" if "bias" in layer.params else "NULL"
+                lines.append(f"poet_conv2d_backward_params({into}, {bias}, {gy}, poet_scratch, {shape});")
+        if not last:
+            return lines
+        if not fused:  # the previous sum is read by nothing after this link: it takes the last part in place
+            lines.append(f"poet_sgd_step({w_arena}, {into}, {total}u, {_float(self.lr)});")
+        return lines + self.write_back(updates[0], ops)
+
+    def write_back(self, p: int, ops) -> list[str]:
+        return [f"rc = poet_page_out({self.flash.offsets[p]}u, (poet_arena + {ops[p] // 4}u), "
+                f"{int(self.nodes[p]['bytes'])}u);", "if (rc) return rc;"]
+
+    def update(self, p: int, ops) -> list[str]:
+        layer = self.param_layers[p]
+        if layer.op != "batchnorm" or not self.striped(layer.name):
+            return super().update(p, ops)
+        # gamma and beta's gradients are the whole tensor's sums of dy * xhat and dy
+        c = layer.shape[1]
+        sums = self.at(ops, f"gstats:{layer.name}@s{len(self.strips(layer.name)) - 1}", f"{layer.name}'s update")
+        lr = _float(self.lr)
+        return [f"poet_sgd_step({self.param(layer, 'weight', ops)}, {sums} + {c}u, {c}u, {lr});",
+                f"poet_sgd_step({self.param(layer, 'bias', ops)}, {sums}, {c}u, {lr});", *self.write_back(p, ops)]
+
+    def step_body(self) -> list[str]:
+        lines = super().step_body()
+        # a striped layer's kernels take their geometry inline, and batch norm over strips keeps its
+        # statistics in the arena: the whole-tensor declarations they leave unused would not compile
+        used = set(re.findall(r"poet_\w+", "\n".join(lines)))
+        self.decls = [d for d in self.decls if "__attribute__((used))" in d
+                      or used & set(re.findall(r"(poet_\w+_\d+)(?:\[| =)", d))]
+        # halo windows and their gradients, gathered from several strips (its size is in scratch_bytes)
+        self.decls.append(f"static float poet_scratch[{max(1, self.scratch_floats)}];\n")
+        return lines
+
+
+def scratch_bytes(source: str) -> int:
+    """The scratch buffer a generated step declares, in bytes (0 for a step without strips)."""
+    marker = "static float poet_scratch["
+    at = source.find(marker)
+    return 0 if at < 0 else 4 * int(source[at + len(marker):source.index("]", at)])
+

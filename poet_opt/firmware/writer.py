@@ -1,0 +1,497 @@
+"""C sources that perform training steps exactly as a validated schedule says.
+
+One function, ``poet_train_step``, walks the schedule's steps in order: each compute (first time or
+recompute), page-out and page-in at the arena offsets of the export's plan, then one SGD update.
+The training graph's semantics (poet_opt.model.zoo) decide what a node computes:
+
+- a forward node runs its layer's kernel;
+- ``grad:f`` is the gradient of the loss with respect to f's output: zeroed, then one contribution
+  per user u of f (the data gradient back through u, which reads grad:u and what u saved), plus the
+  softmax cross-entropy gradient when f is the logits; and when f has trainable weights, their
+  gradients, which read f's inputs.
+
+A recompute produces the same bytes as the first compute, but side effects must happen once per
+step: running statistics move and weight gradients accumulate only at a node's first compute,
+which the generator knows statically. Trainable weights, their gradients and the per-channel
+statistics of the norms are static RAM; frozen weights, the batch and its labels are const (flash).
+
+With streamed weights (a graph with ``param:f`` nodes) no weight lives in the image: computing
+``param:f`` reads f's region of the storage into the arena, the kernels take the weights from
+there, and the node that ``updates`` them folds each weight's gradient straight into an SGD step
+(the ``*_backward_params_sgd`` kernels, after the node's data gradients, which need the old
+weights) and writes the region back through the page-out path. A frozen layer's region is only
+ever read.
+
+A tiled layer (``--weight-tile``) is one layer per slice of its output features, ``L#j``, each a
+convolution or linear layer of its own with its rows of the weights in its own region, and a
+``concat`` ``L`` that copies the slices into the whole output (``poet_copy_strided``);
+``grad:L#j`` is its slice of ``grad:L`` (``poet_accumulate_strided``). The data gradient into L's
+input is summed tile by tile over ``grad:x@i`` partial sums, each updating its tile's weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from poet_opt.errors import PoetError
+from poet_opt.firmware.arena import ArenaPlan, FlashPlan
+from poet_opt.model.network import Layer, Network
+
+KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_kernels_strips.c",
+                "poet_math.c")
+# the page-out and page-in over a board's three storage functions (firmware/board/)
+PAGING_FILES = ("poet_paging.c",)
+
+
+@dataclass
+class GeneratedStep:
+    source: str  # poet_train.c
+    param_symbols: dict[str, str]  # torch name -> C symbol of each trainable parameter (resident weights)
+    steps: int
+    # streamed weights: param node -> its layer, whose parameters the node's region holds in order
+    param_layers: dict[int, Layer] = field(default_factory=dict)
+
+
+def streams_weights(doc: dict) -> bool:
+    return any(n.get("op") == "param" for n in doc["graph"]["nodes"])
+
+
+def param_layers(network: Network, doc: dict) -> dict[int, Layer]:
+    """The layer whose parameters each ``param:f`` node holds: its ``params`` in order, packed as
+    float32 (the region's bytes on storage and the node's slot in the arena)."""
+    nodes = doc["graph"]["nodes"]
+    out: dict[int, Layer] = {}
+    for n, node in enumerate(nodes):
+        if node.get("op") != "param":
+            continue
+        name = str(node["name"])
+        if name.startswith("state:"):
+            raise PoetError(f"node {name!r}: the firmware updates streamed weights with plain SGD and keeps no "
+                            "optimizer state; solve with --optimizer sgd", field="--optimizer")
+        layer = network.layers.get(name[len("param:"):]) if name.startswith("param:") else None
+        if layer is None:
+            raise PoetError(f"internal: the schedule's weights node {name!r} names no layer of the network")
+        if layer.op not in ("linear", "conv2d", "batchnorm", "layernorm"):
+            raise PoetError(f"node {layer.name!r}: no kernel streams the weights of a {layer.op}", field="--torch")
+        packed = 4 * sum(p.value.size for p in layer.params.values())
+        if packed != int(node["bytes"]):
+            raise PoetError(f"internal: {name!r} is {node['bytes']} B in the graph but {layer.name!r} has "
+                            f"{packed} B of parameters")
+        out[n] = layer
+    read = {id(layer) for layer in out.values()}
+    for layer in network.layers.values():
+        if layer.params and id(layer) not in read:
+            raise PoetError(f"internal: layer {layer.name!r} has weights but the schedule never reads them")
+    return out
+
+
+def packed_params(layer: Layer) -> np.ndarray:
+    """A layer's parameters as its weights region holds them."""
+    return np.concatenate([p.value.astype(np.float32).reshape(-1) for p in layer.params.values()])
+
+
+def _float(v: float) -> str:
+    v = float(np.float32(v))
+    if not math.isfinite(v):
+        raise PoetError(f"a weight or input value is {v}; the firmware starts from finite numbers", field="--data")
+    return f"{v.hex()}f" if v else "0.0f"
+
+
+def _array(ctype: str, name: str, values: np.ndarray, *, const: bool, used: bool = False) -> str:
+    flat = values.reshape(-1)
+    fmt = _float if ctype == "float" else (lambda v: str(int(v)))
+    body = ",\n".join("    " + ", ".join(fmt(v) for v in flat[k:k + 6]) for k in range(0, len(flat), 6))
+    attrs = "__attribute__((used)) " if used else ""
+    storage = "static const " if const else ("" if used else "static ")
+    return f"{attrs}{storage}{ctype} {name}[{max(1, len(flat))}] = {{\n{body or '    0'}\n}};\n"
+
+
+def _ident(k: int, role: str) -> str:
+    return f"poet_{role}_{k}"
+
+
+class _Writer:
+    def __init__(self, network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, lr: float):
+        self.net, self.doc, self.plan, self.flash, self.lr = network, doc, plan, flash, float(lr)
+        self.nodes = doc["graph"]["nodes"]
+        self.by_name = {n["name"]: i for i, n in enumerate(self.nodes)}
+        self.layer_index = {name: k for k, name in enumerate(network.layers)}
+        self.users: dict[str, list[Layer]] = {name: [] for name in network.layers}
+        for layer in network.layers.values():
+            for operand in dict.fromkeys(layer.operands):
+                self.users[operand].append(layer)
+        self.decls: list[str] = []
+        self.param_symbols: dict[str, str] = {}
+        self.streamed = streams_weights(doc)
+        self.param_layers = param_layers(network, doc) if self.streamed else {}
+        self.param_node = {layer.name: n for n, layer in self.param_layers.items()}
+
+    # -- operands --------------------------------------------------------------------------------
+
+    def at(self, offsets: dict[int, int], name: str, why: str) -> str:
+        node = self.by_name.get(name)
+        if node is None or node not in offsets:
+            raise PoetError(f"internal: the schedule does not hold {name!r} where {why} needs it")
+        return f"(poet_arena + {offsets[node] // 4}u)"
+
+    def param(self, layer: Layer, role: str, ops: dict[int, int]) -> str:
+        if role not in layer.params:
+            return "NULL"
+        if not self.streamed:
+            return _ident(self.layer_index[layer.name], role)
+        node = self.param_node[layer.name]
+        if node not in ops:
+            raise PoetError(f"internal: the schedule does not hold the weights of {layer.name!r} where they are read")
+        before = 0
+        for other, p in layer.params.items():  # the region packs the parameters in order
+            if other == role:
+                break
+            before += p.value.size
+        return f"(poet_arena + {ops[node] // 4 + before}u)"
+
+    def grad(self, layer: Layer, role: str) -> str:
+        return _ident(self.layer_index[layer.name], "g" + role) if role in layer.params else "NULL"
+
+    # -- declarations ----------------------------------------------------------------------------
+
+    def declare(self) -> None:
+        for layer in self.net.layers.values():
+            k = self.layer_index[layer.name]
+            for role, p in layer.params.items():
+                if self.streamed:  # on storage, read into the arena where the schedule says
+                    break
+                name = _ident(k, role)
+                self.decls.append(f"/* {p.torch_name} {list(p.value.shape)} */\n"
+                                  + _array("float", name, p.value, const=not layer.trainable, used=layer.trainable))
+                if layer.trainable:
+                    self.param_symbols[p.torch_name] = name
+                    self.decls.append(f"static float {_ident(k, 'g' + role)}[{p.value.size}];\n")
+            for role, b in layer.buffers.items():
+                self.decls.append(_array("float", _ident(k, role), b.value, const=False, used=True))
+            if layer.op in ("batchnorm", "layernorm"):
+                count = layer.shape[1] if layer.op == "batchnorm" else layer.elements // layer.shape[-1]
+                self.decls.append(f"static float {_ident(k, 'mean')}[{count}], {_ident(k, 'invstd')}[{count}];\n")
+            shape = self.shape_struct(layer, k)
+            if shape:
+                self.decls.append(shape)
+
+    def shape_struct(self, layer: Layer, k: int) -> str:
+        a = layer.attrs
+        if layer.op == "conv2d":
+            n, c, h, w = layer.operand_shapes[0]
+            _, co, ho, wo = layer.shape
+            fields = [n, c, h, w, co, ho, wo, *a["kernel"], *a["stride"], *a["padding"], a["groups"]]
+            return f"static const poet_conv2d_shape {_ident(k, 'shape')} = {{{', '.join(f'{v}u' for v in fields)}}};\n"
+        if layer.op in ("maxpool", "avgpool"):
+            n, c, h, w = layer.operand_shapes[0]
+            fields = [n, c, h, w, layer.shape[2], layer.shape[3], *a["kernel"], *a["stride"], *a["padding"]]
+            return f"static const poet_pool2d_shape {_ident(k, 'shape')} = {{{', '.join(f'{v}u' for v in fields)}}};\n"
+        if layer.op == "batchnorm":
+            x = layer.operand_shapes[0]
+            spatial = math.prod(x[2:]) if len(x) > 2 else 1
+            return (f"static const poet_batchnorm_shape {_ident(k, 'shape')} = {{{x[0]}u, {x[1]}u, {spatial}u, "
+                    f"{_float(a['eps'])}, {_float(a['momentum'])}}};\n")
+        return ""
+
+    # -- kernels ---------------------------------------------------------------------------------
+
+    def forward(self, layer: Layer, out: str, ops: dict[int, int], first: bool) -> list[str]:
+        k = self.layer_index[layer.name]
+        x = [self.at(ops, o, f"{layer.name}'s forward") for o in layer.operands]
+        n = layer.elements
+        S = "&" + _ident(k, "shape")
+        op = layer.op
+        if op == "input":
+            return [f"poet_copy({out}, poet_input, {n}u);"]
+        if op == "conv2d":
+            return [f"poet_conv2d_forward({out}, {x[0]}, {self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {S});"]
+        if op == "batchnorm":
+            rm, rv = ((_ident(k, "running_mean"), _ident(k, "running_var")) if first and layer.buffers else ("NULL", "NULL"))
+            return [f"poet_batchnorm_forward({out}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, {rm}, {rv}, {x[0]}, "
+                    f"{self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {S});"]
+        if op == "layernorm":
+            d = layer.shape[-1]
+            return [f"poet_layernorm_forward({out}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, {x[0]}, "
+                    f"{self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {n // d}u, {d}u, {_float(layer.attrs['eps'])});"]
+        if op in ("relu", "relu6", "gelu"):
+            return [f"poet_{op}_forward({out}, {x[0]}, {n}u);"]
+        if op == "maxpool":
+            return [f"poet_maxpool2d_forward({out}, {x[0]}, {S});"]
+        if op == "avgpool":
+            return [f"poet_avgpool2d_forward({out}, {x[0]}, {S});"]
+        if op == "global_avgpool":
+            xs = layer.operand_shapes[0]
+            return [f"poet_global_avgpool_forward({out}, {x[0]}, {xs[0] * xs[1]}u, {math.prod(xs[2:])}u);"]
+        if op == "linear":
+            fi, fo = layer.attrs["features_in"], layer.attrs["features_out"]
+            return [f"poet_linear_forward({out}, {x[0]}, {self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, "
+                    f"{n // fo}u, {fi}u, {fo}u);"]
+        if op == "add":
+            return [f"poet_add_forward({out}, {x[0]}, {x[1]}, {n}u);"]
+        if op == "copy":
+            return [f"poet_copy({out}, {x[0]}, {n}u);"]
+        if op == "softmax":
+            d = layer.shape[-1]
+            return [f"poet_softmax_forward({out}, {x[0]}, {n // d}u, {d}u);"]
+        if op == "matmul":
+            return [f"poet_matmul_forward({out}, {x[0]}, {x[1]}, {self.matmul_dims(layer)});"]
+        if op == "concat":
+            return [f"poet_copy_strided({out} + {lo * inner}u, {tile}, {outer}u, {count}u, {whole}u, {count}u);"
+                    for tile, (lo, inner, outer, count, whole) in zip(x, self.slices(layer))]
+        raise PoetError(f"node {layer.name!r}: no kernel for operator {op}", field="--torch")
+
+    @staticmethod
+    def slices(concat: Layer) -> list[tuple[int, int, int, int, int]]:
+        """Per tile of a concat: (first feature, floats per feature in a block, blocks, floats of
+        the tile per block, floats of the whole per block). The feature axis splits the tensor into
+        blocks (one per sample, or per token) in which each tile's features are contiguous."""
+        axis = concat.attrs["axis"]
+        inner = math.prod(concat.shape[axis + 1:])
+        outer = math.prod(concat.shape[:axis])
+        whole = concat.shape[axis] * inner
+        return [(lo, inner, outer, (hi - lo) * inner, whole) for lo, hi in concat.attrs["bounds"]]
+
+    def matmul_dims(self, layer: Layer) -> str:
+        a, b = layer.operand_shapes
+        return f"{math.prod(a[:-2])}u, {a[-2]}u, {a[-1]}u, {b[-1]}u"
+
+    def data_gradient(self, user: Layer, which: int, g: str, ops: dict[int, int], f: str) -> str:
+        """g += d(loss)/d(operand `which` of user), from grad:user."""
+        k = self.layer_index[user.name]
+        gu = self.at(ops, "grad:" + user.name, f"grad:{f} through {user.name}")
+        S = "&" + _ident(k, "shape")
+        n = user.elements
+        op = user.op
+        if op == "conv2d":
+            return f"poet_conv2d_backward_input({g}, {gu}, {self.param(user, 'weight', ops)}, {S});"
+        if op == "batchnorm":
+            x = self.at(ops, f, f"{user.name}'s backward")
+            return (f"poet_batchnorm_backward({g}, NULL, NULL, {gu}, {x}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, "
+                    f"{self.param(user, 'weight', ops)}, {S});")
+        if op == "layernorm":
+            x = self.at(ops, f, f"{user.name}'s backward")
+            d = user.shape[-1]
+            return (f"poet_layernorm_backward({g}, NULL, NULL, {gu}, {x}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, "
+                    f"{self.param(user, 'weight', ops)}, {n // d}u, {d}u);")
+        if op == "relu":  # reads its output, as autograd saves it
+            return f"poet_relu_backward({g}, {gu}, {self.at(ops, user.name, user.name + ' backward')}, {n}u);"
+        if op in ("relu6", "gelu"):
+            return f"poet_{op}_backward({g}, {gu}, {self.at(ops, f, user.name + ' backward')}, {n}u);"
+        if op == "maxpool":
+            return f"poet_maxpool2d_backward({g}, {gu}, {self.at(ops, f, user.name + ' backward')}, {S});"
+        if op == "avgpool":
+            return f"poet_avgpool2d_backward({g}, {gu}, {S});"
+        if op == "global_avgpool":
+            xs = user.operand_shapes[0]
+            return f"poet_global_avgpool_backward({g}, {gu}, {xs[0] * xs[1]}u, {math.prod(xs[2:])}u);"
+        if op == "linear":
+            fi, fo = user.attrs["features_in"], user.attrs["features_out"]
+            return f"poet_linear_backward_input({g}, {gu}, {self.param(user, 'weight', ops)}, {n // fo}u, {fi}u, {fo}u);"
+        if op in ("add", "copy"):
+            return f"poet_accumulate({g}, {gu}, {n}u);"
+        if op == "concat":  # a tile's gradient is its features' share of the whole
+            lo, inner, outer, count, whole = self.slices(user)[which]
+            return f"poet_accumulate_strided({g}, {gu} + {lo * inner}u, {outer}u, {count}u, {count}u, {whole}u);"
+        if op == "softmax":
+            d = user.shape[-1]
+            return f"poet_softmax_backward({g}, {gu}, {self.at(ops, user.name, user.name + ' backward')}, {n // d}u, {d}u);"
+        if op == "matmul":
+            other = self.at(ops, user.operands[1 - which], user.name + " backward")
+            if which == 0:
+                return f"poet_matmul_backward_a({g}, {gu}, {other}, {self.matmul_dims(user)});"
+            return f"poet_matmul_backward_b({g}, {other}, {gu}, {self.matmul_dims(user)});"
+        raise PoetError(f"node {user.name!r}: no backward kernel for operator {op}", field="--torch")
+
+    def weight_gradient(self, layer: Layer, g: str, ops: dict[int, int]) -> list[str]:
+        k = self.layer_index[layer.name]
+        x = self.at(ops, layer.operands[0], f"{layer.name}'s weight gradient")
+        S = "&" + _ident(k, "shape")
+        gw, gb = self.grad(layer, "weight"), self.grad(layer, "bias")
+        if layer.op == "conv2d":
+            return [f"poet_conv2d_backward_params({gw}, {gb}, {g}, {x}, {S});"]
+        if layer.op == "linear":
+            fi, fo = layer.attrs["features_in"], layer.attrs["features_out"]
+            return [f"poet_linear_backward_params({gw}, {gb}, {g}, {x}, {layer.elements // fo}u, {fi}u, {fo}u);"]
+        if layer.op == "batchnorm":
+            return [f"poet_batchnorm_backward(NULL, {gw}, {gb}, {g}, {x}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, "
+                    f"{self.param(layer, 'weight', ops)}, {S});"]
+        if layer.op == "layernorm":
+            d = layer.shape[-1]
+            return [f"poet_layernorm_backward(NULL, {gw}, {gb}, {g}, {x}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, "
+                    f"{self.param(layer, 'weight', ops)}, {layer.elements // d}u, {d}u);"]
+        raise PoetError(f"node {layer.name!r}: no weight-gradient kernel for operator {layer.op}", field="--torch")
+
+    def update(self, p: int, ops: dict[int, int]) -> list[str]:
+        """Streamed weights: fold the gradient of p's layer into its weights in place (SGD), then
+        write them back to their region."""
+        layer = self.param_layers[p]
+        if not layer.trainable:
+            raise PoetError(f"internal: the schedule updates the weights of the frozen layer {layer.name!r}")
+        k = self.layer_index[layer.name]
+        g = self.at(ops, "grad:" + layer.name, f"{layer.name}'s update")
+        x = self.at(ops, layer.operands[0], f"{layer.name}'s update")
+        w, b = self.param(layer, "weight", ops), self.param(layer, "bias", ops)
+        S, lr = "&" + _ident(k, "shape"), _float(self.lr)
+        if layer.op == "linear":
+            fi, fo = layer.attrs["features_in"], layer.attrs["features_out"]
+            call = f"poet_linear_backward_params_sgd({w}, {b}, {g}, {x}, {layer.elements // fo}u, {fi}u, {fo}u, {lr});"
+        elif layer.op == "conv2d":
+            call = f"poet_conv2d_backward_params_sgd({w}, {b}, {g}, {x}, {S}, {lr});"
+        elif layer.op == "batchnorm":
+            call = (f"poet_batchnorm_backward_params_sgd({w}, {b}, {g}, {x}, {_ident(k, 'mean')}, "
+                    f"{_ident(k, 'invstd')}, {S}, {lr});")
+        else:
+            d = layer.shape[-1]
+            call = (f"poet_layernorm_backward_params_sgd({w}, {b}, {g}, {x}, {_ident(k, 'mean')}, "
+                    f"{_ident(k, 'invstd')}, {layer.elements // d}u, {d}u, {lr});")
+        nbytes = int(self.nodes[p]["bytes"])
+        return [call, f"rc = poet_page_out({self.flash.offsets[p]}u, (poet_arena + {ops[p] // 4}u), {nbytes}u);",
+                "if (rc) return rc;"]
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step_body(self) -> list[str]:
+        lines: list[str] = []
+        computed: set[int] = set()
+        for s, step in enumerate(self.doc["steps"]):
+            node = step["node"]
+            info = self.nodes[node]
+            name, nbytes = info["name"], int(info["bytes"])
+            off = self.plan.step_offsets[s]
+            out = f"(poet_arena + {off // 4}u)"
+            kind = step["op"]
+            if kind == "free":
+                continue
+            if kind == "page_out":
+                lines += [f"/* {s}: page out {name} */",
+                          f"rc = poet_page_out({self.flash.offsets[node]}u, {out}, {nbytes}u);",
+                          "if (rc) return rc;"]
+                continue
+            if kind == "page_in":
+                lines += [f"/* {s}: page in {name} */",
+                          f"rc = poet_page_in({self.flash.offsets[node]}u, {out}, {nbytes}u);",
+                          "if (rc) return rc;"]
+                continue
+            first = node not in computed
+            computed.add(node)
+            ops = dict(zip(info["deps"], self.plan.operand_offsets[s]))
+            lines.append(f"/* {s}: {'compute' if first else 'recompute'} {name} */")
+            if info.get("updates") and not first:
+                # its data gradients would read the weights it has already changed
+                raise PoetError(f"the schedule computes {name!r} again after it updated its weights in place; "
+                                "the firmware cannot reproduce the first result")
+            lines += self.compute(node, info, out, ops, first)
+        return lines
+
+    def compute(self, node: int, info: dict, out: str, ops: dict[int, int], first: bool) -> list[str]:
+        """The C of one compute of ``node`` into ``out`` (its operands at ``ops``), updates included."""
+        lines: list[str] = []
+        name, nbytes = info["name"], int(info["bytes"])
+        labels, logits = self.net.layers[self.net.output], self.net.output
+        batch, classes = labels.shape[0], labels.elements // labels.shape[0]
+        if info.get("op") == "param":
+            lines += [f"rc = poet_page_in({self.flash.offsets[node]}u, {out}, {nbytes}u);", "if (rc) return rc;"]
+        elif info["kind"] == "forward":
+            lines += self.forward(self.net.layers[name], out, ops, first)
+        elif info["kind"] == "loss":
+            lines.append(f"poet_cross_entropy_forward({out}, {self.at(ops, logits, 'the loss')}, poet_labels, "
+                         f"{batch}u, {classes}u);")
+            if first:
+                lines.append(f"*loss = {out}[0];")
+        elif name.startswith("update:"):
+            pass  # the update alone, below
+        else:
+            f = name[len("grad:"):].partition("@")[0]  # grad:x@i: a partial sum of grad:x
+            layer = self.net.layers[f]
+            users = self.users[f]
+            partial = [d for d in info["deps"] if str(self.nodes[d]["name"]).startswith(f"grad:{f}@")]
+            if partial:  # the sum so far, from the partial node before this one
+                lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
+                             f"{layer.elements}u);")
+            else:
+                lines.append(f"poet_zero({out}, {layer.elements}u);")
+            if self.streamed:
+                # streamed weights may split the sum over the users into a chain of nodes (one
+                # user's weights in RAM at a time): this node adds the users whose gradient it reads
+                users = [u for u in users if self.by_name.get("grad:" + u.name) in info["deps"]]
+            if f == logits and "@" not in name:
+                lines.append(f"poet_cross_entropy_backward({out}, {self.at(ops, logits, 'the loss gradient')}, "
+                             f"poet_labels, {batch}u, {classes}u);")
+            for user in users:
+                for which, operand in enumerate(user.operands):
+                    if operand == f:
+                        lines.append(self.data_gradient(user, which, out, ops, f))
+            if layer.trainable and first and not self.streamed:
+                lines += self.weight_gradient(layer, out, ops)
+        for p in info.get("updates", ()):  # after the data gradients, which read the old weights
+            lines += self.update(p, ops)
+        return lines
+
+    def weights_comment(self) -> list[str]:
+        """Where the board must have each layer's weights before the first step (float32, the
+        parameters one after the other)."""
+        if not self.streamed:
+            return []
+        rows = []
+        for n, layer in self.param_layers.items():
+            names = ", ".join(f"{p.torch_name}{'' if p.rows is None else '[%d:%d]' % p.rows} {list(p.value.shape)}"
+                              for p in layer.params.values())
+            what = "read and rewritten each step" if layer.trainable else "read only (frozen)"
+            rows.append(f" * {self.flash.offsets[n]:>12} {int(self.nodes[n]['bytes']):>10}  {names}; {what}")
+        return ["/* Streamed weights on the storage device, provisioned before the first step:",
+                " *       offset      bytes  parameters (float32, in this order)", *rows, " */", ""]
+
+    def render(self, steps: int, x: np.ndarray, y: np.ndarray) -> GeneratedStep:
+        self.declare()
+        zero, sgd = [], []
+        for layer in self.net.layers.values():
+            if not layer.trainable or self.streamed:
+                continue
+            k = self.layer_index[layer.name]
+            for role, p in layer.params.items():
+                zero.append(f"    poet_zero({_ident(k, 'g' + role)}, {p.value.size}u);")
+                sgd.append(f"    poet_sgd_step({_ident(k, role)}, {_ident(k, 'g' + role)}, {p.value.size}u, {_float(self.lr)});")
+        body = self.step_body()
+        arena_words = max(1, -(-self.plan.arena_bytes // 4))
+        text = "\n".join([
+            f"/* Generated by poet-opt: {steps} training step(s) of {self.net.name} as the schedule says. */",
+            "#include <stddef.h>",
+            "#include <stdint.h>",
+            '#include "poet_kernels.h"',
+            '#include "poet_paging.h"',
+            "",
+            f"#define POET_TRAIN_STEPS {steps}u",
+            "",
+            f"static float poet_arena[{arena_words}];",
+            _array("float", "poet_input", x.astype(np.float32), const=True),
+            _array("int32_t", "poet_labels", y.astype(np.int64), const=True),
+            *self.decls,
+            *self.weights_comment(),
+            "__attribute__((used)) float poet_losses[POET_TRAIN_STEPS];",
+            "",
+            "static int poet_train_step(float *loss)",
+            "{",
+            "    int rc = 0;",
+            *zero,
+            *("    " + line for line in body),
+            *sgd,
+            "    return rc;",
+            "}",
+            "",
+            "int main(void)",
+            "{",
+            "    uint32_t s;",
+            "    for (s = 0; s < POET_TRAIN_STEPS; ++s) {",
+            "        int rc = poet_train_step(&poet_losses[s]);",
+            "        if (rc) {",
+            "            return rc;",
+            "        }",
+            "    }",
+            "    return 0;",
+            "}",
+            "",
+        ])
+        return GeneratedStep(text, dict(self.param_symbols), steps, dict(self.param_layers))
