@@ -23,7 +23,7 @@ from poet_opt.solver.bounds import window_bound
 from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
-from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, storage_shortfall
+from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, refuse_on_storage
 from poet_opt.solver.lns import improve
 from poet_opt.units import format_bytes, format_seconds, parse_runtime, parse_size
 
@@ -220,9 +220,7 @@ def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began
                                                            f"the solver stopped ({outcomes[-1].status})")
         if outcomes[-1].full_note.startswith("skipped: building"):
             what = "no heuristic schedule fits, and the full MILP would not build and solve within the time limit"
-            short = storage_shortfall(outcomes[-1].graph, outcomes[-1].costs, budgets)
-            if short:
-                raise NoScheduleFound(f"no schedule fits the storage: {short}; use a larger card or more --ram")
+            refuse_on_storage(outcomes[-1].graph, outcomes[-1].costs, budgets)
         raise NoScheduleFound(f"{what} before any schedule within the budgets was found; "
                               "give more time (--time-limit) or a looser budget")
     best = min(found, key=lambda o: o.energy)  # ties keep the earlier: the given order first

@@ -523,3 +523,12 @@ def storage_shortfall(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) 
     return (f"the paging plan that fits {format_bytes(budgets.ram_bytes)} pages {len(roomy.page_out):,} tensors, "
             f"each in whole erase blocks: {format_bytes(paged_region_bytes(costs, roomy))} of storage, more than the "
             f"{format_bytes(budgets.storage_bytes)} left beside the weights")
+
+
+def refuse_on_storage(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> None:
+    """Raise NoScheduleFound saying so when storage is why no start was found (``storage_shortfall``)."""
+    from poet_opt.errors import NoScheduleFound
+
+    short = storage_shortfall(graph, costs, budgets)
+    if short:
+        raise NoScheduleFound(f"no schedule fits the storage: {short}; use a larger card or more --ram")
