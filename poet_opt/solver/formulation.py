@@ -506,7 +506,7 @@ class Formulation:
             cols = np.flatnonzero(self.S[t] >= 0)
             kept = np.array([(t, int(i)) in plan.keep for i in cols], dtype=bool)
             lb[self.S[t, cols]] = ub[self.S[t, cols]] = kept.astype(float)
-            if sum(1 for i, runs in plan.keep.runs.items() if (t, i) in plan.keep) != int(kept.sum()):
+            if sum(1 for i in plan.keep.runs if (t, i) in plan.keep) != int(kept.sum()):
                 raise WindowMismatch(f"a tensor kept into stage {t} that the model has no column for")
         outside = [(t, i) for t, i in plan.recompute if not a <= t <= b]
         paged = [(t, i) for t, i in plan.page_in if not a <= t <= b]
