@@ -375,21 +375,21 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     heartbeat = heartbeat or Heartbeat(None)
     phase = heartbeat.phase
     phase("heuristic starts")
-    # the greedy loops replay the whole plan per step: they get a third of the time at most
-    floor = costs.plain_energy_j
-    candidates = starting_points(graph, costs, budgets, mode, good_enough=floor * (1 + gap) if gap > 0 else None,
-                                 deadline=None if time_limit is None else began + 0.3 * time_limit)
-    solve_s = 0.0
     # Past this size the full MILP's root LP is out of reach of any interactive time limit (ResNet-50's
     # 190k columns do not finish it in 90 s; 1000 nodes make 1.6M): the best start stands, with the
     # plain-training floor as its bound. Without a time limit the user asked to wait for the optimum.
     full_decisions = decision_count(graph, mode)
-    # replaying, validating and summarising the chosen plan, after every phase here
-    reserve = 0.0 if time_limit is None else FINISH_S_PER_NODE * len(graph)
     skip_full = time_limit is not None and full_decisions > FULL_MILP_MAX_DECISIONS and backend == "highs"
+    # there, a paging start within the gap of the plain floor is proven: nothing else needs to run
+    floor = costs.plain_energy_j
+    good_enough = floor * (1 + gap) if skip_full and gap > 0 else None
+    candidates = starting_points(graph, costs, budgets, mode, good_enough=good_enough,  # the greedy loops replay
+                                 deadline=None if time_limit is None else began + 0.3 * time_limit)  # per step
+    solve_s = 0.0
+    reserve = 0.0 if time_limit is None else FINISH_S_PER_NODE * len(graph)  # replay, validation, summary: last
     gap_milp_fits = time_limit is None or GAP_MILP_BUILD_S_PER_NODE_SQUARED * len(graph) ** 2 <= 0.5 * (
         time_limit - (time.perf_counter() - began) - reserve)
-    within_floor = bool(candidates) and relative_gap(_energy(graph, costs, candidates[0]), floor) <= gap
+    within_floor = bool(candidates) and skip_full and relative_gap(_energy(graph, costs, candidates[0]), floor) <= gap
     if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not within_floor \
             and not interrupted():
         # The compact gap MILP's optimum is a plan of the full space: a better start in a second or
