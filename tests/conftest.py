@@ -44,3 +44,11 @@ def assert_no_output(out: Path) -> None:
     if out.parent.is_dir():
         leftovers = list(out.parent.glob(f".{out.name}.*"))
         assert not leftovers, f"temporary files left behind: {leftovers}"
+
+
+def default_sigint() -> None:
+    """A child's Ctrl-C as in a terminal: a shell starts background jobs (a test run with ``&``)
+    with SIGINT ignored, the child inherits that, and Python then installs no KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from conftest import default_sigint
+
 from poet_opt.device.costs import node_costs
 from poet_opt.errors import InfeasibleError, PoetError
 from poet_opt.model.random_graph import random_training_graph
@@ -108,7 +110,8 @@ def test_ctrl_c_stops_the_search_and_keeps_the_schedule():
     """Ctrl-C goes to the parent (the child ignores it); the parent asks the child to stop, and the
     solve returns the best schedule so far, marked interrupted, long before the time limit."""
     proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_SOLVE], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=default_sigint)
     assert proc.stdout.readline().strip() == "solving"
     time.sleep(4.0)  # the starts, the child's start-up, and into the search
     sent = time.perf_counter()

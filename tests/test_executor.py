@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import default_sigint
+
 torch = pytest.importorskip("torch")
 
 from test_cli import assert_one_line_error, cli  # noqa: E402
@@ -255,7 +257,8 @@ def test_run_stops_on_ctrl_c_with_nothing_written(cnn_batch, tmp_path):
            "OMP_NUM_THREADS": "1"}
     args = run_args(cnn_batch, "--storage", sd, "--weights-out", out)
     args[args.index("--steps") + 1] = "100000"
-    proc = subprocess.Popen(["poet-opt", *map(str, args)], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(["poet-opt", *map(str, args)], env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 120
         # training has begun once a paged tensor is on storage (stderr is no terminal: no progress)

@@ -12,6 +12,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from conftest import default_sigint
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("unicorn")
 pytest.importorskip("ziglang")
@@ -216,7 +218,8 @@ def test_ctrl_c_during_the_emulated_training_stops_it_at_once(vww_batch, tmp_pat
     out = tmp_path / "kept"
     proc = subprocess.Popen([sys.executable, "-m", "poet_opt.cli", "emulate", "--model", "mcu-vww", "--device",
                              "nrf52840", "--ram", "150KiB", "--steps", "500", "--lr", "0.05", "--data", str(vww_batch),
-                             "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 120
         seen = ""

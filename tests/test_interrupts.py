@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import default_sigint
+
 POET = [sys.executable, "-m", "poet_opt.cli"]
 
 
 def _interrupt_after(delay_s: float, *args: str, tmp_path: Path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([*POET, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=tmp_path)
+                            cwd=tmp_path, preexec_fn=default_sigint)
     time.sleep(delay_s)
     sent = time.perf_counter()
     proc.send_signal(signal.SIGINT)
