@@ -37,6 +37,7 @@ from typing import Sequence
 
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import Node, TrainingGraph
+from poet_opt.model.strips import first_node_of
 
 ROW_MARK, COL_MARK, HEAD_MARK = "@r", "@c", "@h"
 TOKENWISE = ("add", "gelu", "tanh")
@@ -641,13 +642,7 @@ ROW_OPS_OWN = ("layernorm_stats", "layernorm_grad_stats", "linear_wgrad", "layer
 
 def row_node(nodes) -> str | None:
     """The first node of a graph or schedule document that belongs to row tiling, or None."""
-    import re
-
-    for n in nodes:
-        name, op = (n["name"], n.get("op", "")) if isinstance(n, dict) else (n.name, n.op)
-        if op in ROW_OPS_OWN or re.search(rf"{ROW_MARK}\d+({COL_MARK}|{HEAD_MARK})?\d*", name):
-            return name
-    return None
+    return first_node_of(nodes, ROW_OPS_OWN, rf"{ROW_MARK}\d+({COL_MARK}|{HEAD_MARK})?\d*")
 
 
 def refuse_rows(nodes, who: str, field: str) -> None:

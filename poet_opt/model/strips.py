@@ -397,16 +397,22 @@ def fit_strips(build, budget_bytes: int, max_rounds: int = 32) -> TrainingGraph:
 STRIP_OPS = ("batchnorm_stats", "batchnorm_grad_stats", "conv2d_wgrad")
 
 
-def strip_node(nodes) -> str | None:
-    """The first node of a graph or schedule document (dicts with name and op) that belongs to
-    activation strips, or None."""
+def first_node_of(nodes, ops, name_pattern: str) -> str | None:
+    """The first node of a graph or schedule document (dicts with name and op) whose op is one of
+    ``ops`` or whose name matches ``name_pattern``, or None: how executors without the kernels of a
+    tiling recognise its plans."""
     import re
 
     for n in nodes:
         name, op = (n["name"], n.get("op", "")) if isinstance(n, dict) else (n.name, n.op)
-        if op in STRIP_OPS or re.search(rf"{STRIP_MARK}\d+(\+\d+)?$", name):
+        if op in ops or re.search(name_pattern, name):
             return name
     return None
+
+
+def strip_node(nodes) -> str | None:
+    """The first node that belongs to activation strips, or None."""
+    return first_node_of(nodes, STRIP_OPS, rf"{STRIP_MARK}\d+(\+\d+)?$")
 
 
 def refuse_strips(nodes, who: str, field: str) -> None:
