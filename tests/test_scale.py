@@ -98,7 +98,7 @@ def test_gap_milp_is_exact_on_its_space_and_a_restriction_of_the_full_one(seed):
     lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
     ram = lo + (hi - lo) // 2
     budgets = resolve_budgets(graph, device, costs, ram)
-    plan = gap_milp_plan(graph, costs, budgets, "joint", time_limit=20, gap=0)
+    plan = gap_milp_plan(graph, costs, budgets, "joint", time_limit=20, gap=0, settle=None)
     greedy = gap_plan(graph, costs, budgets)
     if greedy is None:
         pytest.skip("nothing in the gap space fits")

@@ -99,7 +99,9 @@ def interrupt_scope():
 def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float] = None,
                gap: float = 1e-3, threads: Optional[int] = None,
                progress: Optional[Callable[[Progress], None]] = None,
-               start: Optional[np.ndarray] = None) -> SolveResult:
+               start: Optional[np.ndarray] = None, settle: Optional["Settle"] = None) -> SolveResult:
+    """settle (HiGHS only): stop before ``gap`` once the search is within ``settle.gap`` and has
+    stopped improving (see Settle); the status is then ``gap_limit``, as for the gap asked for."""
     if backend not in BACKENDS:
         raise PoetError(f"unknown solver {backend!r}; choose one of {', '.join(BACKENDS)}", field="--solver")
     # Energies in joules are tiny next to solver tolerances (HiGHS treats reduced costs under 1e-7
@@ -114,12 +116,29 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
             report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap, p.phase))
 
     if backend == "highs":
-        result = _solve_highs(scaled, time_limit, gap, threads, progress, start)
+        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle)
     else:
         result = _solve_pulp(scaled, backend, time_limit, gap, threads)
     result.objective = _unscale(result.objective, scale)
     result.bound = _unscale(result.bound, scale)
     return result
+
+
+@dataclass(frozen=True)
+class Settle:
+    """When a search for a plan (not a proof) may stop short of its gap: once within ``gap`` (relative),
+    as soon as no better solution has come for ``stall`` of the time spent so far, or once it has run
+    ``cap`` times as long as it took to get within ``gap``; either way not before ``min_stall_s``
+    more (the last steps of a solve that took a fraction of a second come a few tenths apart).
+
+    The restricted gap MILP finds most of its plan by 0.01% and then improves it in small steps,
+    often for as long again (benchmarks/HARD.md): those steps are where CP-SAT's cheaper plans were,
+    and a search that has stopped improving is not worth the wait."""
+
+    gap: float
+    stall: float = 0.2
+    min_stall_s: float = 0.75
+    cap: float = 2.5
 
 
 def _unscale(value: Optional[float], scale: float) -> Optional[float]:
@@ -187,7 +206,7 @@ def abandoned_runs_alive(wait_s: float = 0.3) -> bool:
     return any(worker.is_alive() for worker in _ABANDONED)
 
 
-def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult:
+def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> SolveResult:
     import highspy
 
     entered = time.perf_counter()
@@ -220,9 +239,26 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
 
         abandoned = threading.Event()
         seen = {"x": None, "objective": None, "bound": None}
+        # settle: when the search first got within settle.gap, when it last improved, whether it settled
+        calm = {"within": None, "improved": started, "settled": False}
+
+        def settled(out) -> bool:
+            now = time.perf_counter()
+            inc, bnd = out.mip_primal_bound, out.mip_dual_bound
+            if calm["within"] is None:
+                if abs(inc) >= 1e300 or abs(bnd) >= 1e300 or relative_gap(inc, bnd) > settle.gap:
+                    return False
+                calm["within"] = now
+            spent, within = now - started, calm["within"] - started
+            if spent - within < settle.min_stall_s:
+                return False
+            return now - calm["improved"] >= max(settle.min_stall_s, settle.stall * spent) or spent >= settle.cap * within
 
         def on_interrupt(event, mip: bool = True):
             if stop.is_set() or abandoned.is_set():
+                event.data_in.user_interrupt = True
+            elif mip and settle is not None and settled(event.data_out):
+                calm["settled"] = True
                 event.data_in.user_interrupt = True
             if mip:
                 bnd = event.data_out.mip_dual_bound
@@ -245,6 +281,7 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
             on_interrupt(event, mip=False)
 
         def on_solution(event):  # kept for a run that is given up on (below)
+            calm["improved"] = time.perf_counter()
             seen["x"] = np.array(event.data_out.mip_solution, dtype=float)
             seen["objective"] = event.data_out.objective_function_value
 
@@ -309,6 +346,8 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start) -> SolveResult
         name = "optimal" if closed else "gap_limit"
     elif status in (ms.kInfeasible,):
         name = "infeasible"
+    elif status == ms.kInterrupt and calm["settled"] and not interrupted and x is not None:
+        name = "gap_limit"  # within settle.gap, and no longer improving
     elif status == ms.kInterrupt or interrupted:
         name = "interrupted"
     elif status in (ms.kTimeLimit, ms.kIterationLimit, ms.kSolutionLimit):
