@@ -138,7 +138,7 @@ class Settle:
     gap: float
     stall: float = 0.2
     min_stall_s: float = 0.75
-    cap: float = 2.5
+    cap: float = 3.0
 
 
 def _unscale(value: Optional[float], scale: float) -> Optional[float]:
@@ -252,7 +252,8 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None) -
             spent, within = now - started, calm["within"] - started
             if spent - within < settle.min_stall_s:
                 return False
-            return now - calm["improved"] >= max(settle.min_stall_s, settle.stall * spent) or spent >= settle.cap * within
+            quiet = now - calm["improved"] >= max(settle.min_stall_s, settle.stall * spent)
+            return quiet or spent >= settle.cap * within
 
         def on_interrupt(event, mip: bool = True):
             if stop.is_set() or abandoned.is_set():

@@ -333,7 +333,7 @@ def _screen_orders(graph, profile, budgets, mode, pool, *, began, time_limit, st
         for entry in second:
             if stop(len(entries)):
                 break
-            found = gap_milp_plan(entry[4], entry[5], budgets, mode, threads=1,
+            found = gap_milp_plan(entry[4], entry[5], budgets, mode, threads=1, gap=1e-4, settle=None,
                                   time_limit=max(0.05, min(SCREEN_GAP_MILP_S, deadline - time.perf_counter())))
             entry[0] = min(entry[0], _cheapest(entry[4], entry[5], budgets, [] if found is None else [found]))
     # orders where no cheap plan was found stay in the running in the pool's rank, after the others

@@ -227,6 +227,7 @@ class GapMilp:
 # used to stop: past 1e-4 it still finds cheaper plans for a while, and those were the plans by which
 # CP-SAT ended below the default path on MobileNetV2, ResNet-50 and the layered graphs' joint mode
 # (0.0002%-0.009%, benchmarks/HARD.md), for 0-2.6 s more; it stops as soon as they stop coming.
+# The order screen (driver._screen_orders) still stops at 1e-4: it only ranks orders by these plans.
 GAP = 1e-6
 SETTLE = Settle(gap=1e-4)
 
