@@ -4,7 +4,7 @@ against its storage. The checks the commands run before and after a solve, as pl
 
 from __future__ import annotations
 
-from poet_opt.device.media import wear_levelled
+from poet_opt.device.media import packs_sectors, wear_levelled
 from poet_opt.errors import PoetError
 from poet_opt.schedule.decisions import stored_param_bytes
 from poet_opt.units import format_bytes, parse_size
@@ -23,9 +23,13 @@ def check_weights_fit(graph, profile) -> None:
     (Streamed weights are part of that working set: param_bytes counts only resident ones.)"""
     stored = stored_param_bytes(graph, profile.storage)
     if stored > profile.storage.capacity_bytes:
-        unit = "layer's" if wear_levelled(profile.storage) else "slice's"
+        if packs_sectors(profile.storage.kind, wear_levelled(profile.storage)):
+            how = "each tensor in whole 512-byte sectors"
+        else:
+            unit = "layer's" if wear_levelled(profile.storage) else "slice's"
+            how = f"each {unit} in whole erase blocks of {format_bytes(profile.storage.erase_block_bytes)}"
         raise PoetError(f"the weights and optimizer state of {graph.name} take {format_bytes(stored)} on storage "
-                        f"(each {unit} in whole erase blocks of {format_bytes(profile.storage.erase_block_bytes)}), "
+                        f"({how}), "
                         f"more than {profile.name}'s {format_bytes(profile.storage.capacity_bytes)} "
                         f"{profile.storage.kind}", field="--weights")
     need = (graph.param_bytes + graph.param_grad_bytes + profile.memory.stack_reserve_bytes

@@ -525,8 +525,9 @@ GAP_MILP_TIME_S = 10.0
 # nodes, 22 s at 10,000): not started unless it leaves as long again of the time limit.
 GAP_MILP_BUILD_S_PER_NODE_SQUARED = 4e-7
 # Replaying the chosen plan into steps, validating and summarising it, once every solver phase is
-# over: linear in the graph (about 2 s at 100,000 nodes); the phases leave this much for it.
-FINISH_S_PER_NODE = 4e-5
+# over: linear in the graph (about 2 s at 100,000 nodes on a quiet core, 5 s on a busy one); the
+# phases leave this much for it.
+FINISH_S_PER_NODE = 6e-5
 # The window relaxation's share of the time limit (poet_opt/solver/bounds.py), and its time without one
 # (the full MILP then runs to the optimum anyway: the window can only spare it when the start is
 # already within the gap). Below WINDOW_BOUND_MIN_DECISIONS binaries the full MILP proves more, sooner.
