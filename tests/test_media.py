@@ -115,3 +115,29 @@ def test_storage_costs_follow_the_profile():
     costs = node_costs(graph, nor)
     assert np.array_equal(costs.storage_bytes, costs.erased_bytes)
     assert np.array_equal(costs.storage_bytes, -(-sizes // 4096) * 4096)
+
+
+def test_behind_a_write_cache_a_page_out_wears_its_sectors():
+    """Linux's page cache gathers writes into long sequential runs (rpi4's `write_cache: true`): the
+    per-command worst case of a bare-metal card does not apply, and the validator counts the same."""
+    for nbytes in (1, 512, 513, 70_000, 5 << 20):
+        assert erased_bytes(nbytes, "sd-card", True, 4 << 20, write_cache=True) == -(-nbytes // 512) * 512
+    device = make_test_device(capacity_bytes=16 * 65536, erase_block_bytes=65536, endurance_cycles=10_000,
+                              write_cache=True)
+    _, graph, ram = _many_small_tensors_case()
+    schedule = solve(graph, device, ram=ram, mode="paging", time_limit=20, order="given")
+    paged = sorted(schedule.decisions.page_out)
+    assert paged and schedule.erased_bytes_per_step() == sum(-(-graph.nodes[i].bytes // 512) * 512 for i in paged)
+    doc = schedule.to_dict()
+    assert doc["device"]["write_cache"] is True
+    lifetime = schedule.lifetime_steps()
+    doc["budgets"]["min_lifetime_steps"] = lifetime
+    validate(doc)
+    doc["budgets"]["min_lifetime_steps"] = lifetime + 1
+    try:
+        validate(doc)
+    except Exception as exc:
+        assert "min_lifetime_steps" in str(exc)
+    else:
+        raise AssertionError("the validator counted less wear than the plan")
+    assert plan_flash(doc).lifetime_steps == lifetime

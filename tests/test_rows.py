@@ -300,3 +300,21 @@ def test_too_many_row_blocks_are_refused_in_one_line():
     with pytest.raises(PoetError, match="128 row blocks make more than 200,000 nodes") as info:
         build_model("transformer-block", weights="streamed", rows={"budget": 200 * 1024, "blocks": 200})
     assert info.value.field == "--strips" and "\n" not in str(info.value)
+
+
+def test_weights_beyond_the_storage_are_refused_before_the_rows_are_built(monkeypatch):
+    """bert-base on the STM32F746: its weights cannot fit the 16 MiB flash whatever the tiling, so
+    the refusal comes from the untiled streamed graph, not after seconds of building 57,843 nodes."""
+    from poet_opt.cli import load_graph
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.errors import PoetError
+    from poet_opt.model import load
+
+    def no_tiling(*args, **kwargs):
+        raise AssertionError("the rows were built before the storage check")
+
+    monkeypatch.setattr(load, "_striped", no_tiling)
+    with pytest.raises(PoetError) as info:
+        load_graph("bert-base", None, batch_size=1, bytes_per_element=4, weights="auto",
+                   profile=load_profile("stm32f746"), ram=["200KiB"])
+    assert info.value.field == "--weights" and "more than stm32f746's 16 MiB qspi-flash" in str(info.value)

@@ -13,6 +13,8 @@ firmware/storage_model.py counts exactly that. The firmware pages a tensor out i
 commands, its whole sectors and then its last partial sector through a bounce buffer
 (board/poet_paging.c); W whole-sector bytes at a sector-aligned offset touch at most
 ceil((W - 512) / AU) + 1 units. Wear is counted at that worst case, occupancy in sectors.
+Behind a write cache (``write_cache: true``: Linux's page cache on a Raspberry Pi) the writes reach
+the card gathered into long sequential runs, and the units worn are the sectors written.
 """
 
 from __future__ import annotations
@@ -46,12 +48,15 @@ def occupied_bytes(nbytes, kind: str, levelled: bool, erase_block: int) -> np.nd
     return np.ceil(np.asarray(nbytes, dtype=float) / unit) * unit
 
 
-def erased_bytes(nbytes, kind: str, levelled: bool, erase_block: int) -> np.ndarray:
+def erased_bytes(nbytes, kind: str, levelled: bool, erase_block: int, write_cache: bool = False) -> np.ndarray:
     """Bytes of erase blocks that writing each tensor once wears, at worst: its own erase blocks
-    on raw flash, every allocation unit a sector-aligned write of it can touch on a packed medium."""
+    on raw flash, every allocation unit a sector-aligned write of it can touch on a packed medium,
+    its sectors where a write cache gathers the writes."""
     nbytes = np.asarray(nbytes, dtype=float)
     if not packs_sectors(kind, levelled):
         return np.ceil(nbytes / erase_block) * erase_block
+    if write_cache:
+        return np.ceil(nbytes / SECTOR_BYTES) * SECTOR_BYTES
     whole = np.floor(nbytes / SECTOR_BYTES) * SECTOR_BYTES
     units = np.where(whole > 0, np.ceil(np.maximum(whole - SECTOR_BYTES, 0.0) / erase_block) + 1, 0.0)
     units += (nbytes > whole)  # the partial last sector, a command of its own
@@ -63,4 +68,5 @@ def storage_occupied(nbytes, storage) -> np.ndarray:
 
 
 def storage_erased(nbytes, storage) -> np.ndarray:
-    return erased_bytes(nbytes, storage.kind, wear_levelled(storage), storage.erase_block_bytes)
+    return erased_bytes(nbytes, storage.kind, wear_levelled(storage), storage.erase_block_bytes,
+                        bool(storage.write_cache))

@@ -314,6 +314,7 @@ class FlashPlan:
     params: list[int] = field(default_factory=list)  # streamed weights' nodes, whose regions come first
     # paged tensors packed in 512-byte sectors (a wear-levelled block device) rather than whole erase blocks
     packed: bool = False
+    write_cache: bool = False  # writes reach the medium gathered: a packed region wears its own sectors
 
     @property
     def param_bytes(self) -> int:
@@ -375,7 +376,8 @@ def plan_flash(doc: dict) -> FlashPlan:
         if n not in offsets:
             place(n, unit)
     lifetime = min(endurance // w for w in writes.values()) if writes else None
-    flash = FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime, levelled, params, packed)
+    flash = FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime, levelled, params, packed,
+                      device.get("write_cache") is True)
     if levelled and writes:
         # a flash translation layer spreads the erases over the whole medium (the schedule's own
         # lifetime_steps says the same, docs/schedule-format.md)
@@ -391,7 +393,7 @@ def erased_per_step(flash: FlashPlan, nodes: list[dict]) -> int:
 
     erased = 0
     for n, w in flash.writes_per_step.items():
-        if flash.packed:
+        if flash.packed and not flash.write_cache:
             whole = int(nodes[n]["bytes"]) // SECTOR_BYTES * SECTOR_BYTES
             units = touched(flash.offsets[n], whole) + (int(nodes[n]["bytes"]) > whole)
             erased += w * units * flash.erase_block

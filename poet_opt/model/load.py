@@ -5,6 +5,7 @@ the optimizer step and measured per-layer costs on top."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
@@ -15,7 +16,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
                         input_shape=None, trainable="all", costs=None, optimizer: str = "none",
                         weights: str = "resident", device_ram_bytes: int | None = None,
                         stack_reserve_bytes: int = 0, tile_bytes: int | None = None,
-                        ram_bytes: int | None = None, strips="auto") -> tuple[TrainingGraph, str]:
+                        ram_bytes: int | None = None, strips="auto",
+                        before_tiling: Callable[[TrainingGraph], None] | None = None) -> tuple[TrainingGraph, str]:
     """Exactly one of ``model`` (zoo name), ``graph_file`` (node-link JSON), ``torch`` (FILE.py:FACTORY or
     package.module:FACTORY) or ``onnx`` (FILE.onnx). ``input_shape``: for zoo models without the batch
     (``3x32x32``); for torch and ONNX the whole tensor, batch first (``1,3,32,32``). ``costs``: a CSV/YAML
@@ -30,7 +32,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     weights; model/strips.py): "auto" splits activations into strips along H only when some node's
     working set and ``stack_reserve_bytes`` exceed ``device_ram_bytes`` otherwise, with the fewest
     strips that bring every node within ``ram_bytes`` and the device; "off" never; N: at most N
-    strips per tensor. Returns (graph, display name)."""
+    strips per tensor. ``before_tiling`` is called with a zoo model's streamed graph before it is split
+    into strips or rows (seconds for bert-base), to refuse it early. Returns (graph, display name)."""
     given = [(flag, value) for flag, value in (("--model", model), ("--graph", graph_file), ("--torch", torch),
                                                 ("--onnx", onnx)) if value]
     if len(given) != 1:
@@ -60,7 +63,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
                                           trainable=trainable, costs=costs, optimizer=optimizer, weights="streamed",
                                           tile_bytes=tile_bytes, device_ram_bytes=device_ram_bytes,
-                                          stack_reserve_bytes=stack_reserve_bytes, ram_bytes=ram_bytes, strips=strips)
+                                          stack_reserve_bytes=stack_reserve_bytes, ram_bytes=ram_bytes, strips=strips,
+                                          before_tiling=before_tiling)
         working, node = streamed.largest_working_set()
         if working + stack_reserve_bytes <= device_ram_bytes:
             return streamed, name
@@ -98,6 +102,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
                                **streaming)
 
         graph, name = zoo(), model
+        if before_tiling is not None and graph.streams_weights:
+            before_tiling(graph)
         if weights == "streamed" and strips != "off":
             graph = _striped(graph, zoo, strips, device_ram_bytes, stack_reserve_bytes, ram_bytes)
     elif flag == "--torch":

@@ -17,10 +17,8 @@ def check_ram_within_device(ram, profile) -> None:
                         "of RAM", field="--ram")
 
 
-def check_weights_fit(graph, profile) -> None:
-    """Before a long solve: when the weights, their gradients, the stack reserve and the smallest
-    working set any schedule needs already exceed the RAM, no plan can run on the device.
-    (Streamed weights are part of that working set: param_bytes counts only resident ones.)"""
+def check_weights_stored(graph, profile) -> None:
+    """Streamed weights and optimizer state must fit the device's storage."""
     stored = stored_param_bytes(graph, profile.storage)
     if stored > profile.storage.capacity_bytes:
         if packs_sectors(profile.storage.kind, wear_levelled(profile.storage)):
@@ -32,6 +30,14 @@ def check_weights_fit(graph, profile) -> None:
                         f"({how}), "
                         f"more than {profile.name}'s {format_bytes(profile.storage.capacity_bytes)} "
                         f"{profile.storage.kind}", field="--weights")
+
+
+def check_weights_fit(graph, profile) -> None:
+    """Before a long solve: when the weights do not fit the storage, or the weights, their gradients,
+    the stack reserve and the smallest working set any schedule needs already exceed the RAM, no
+    plan can run on the device. (Streamed weights are part of that working set: param_bytes counts
+    only resident ones.)"""
+    check_weights_stored(graph, profile)
     need = (graph.param_bytes + graph.param_grad_bytes + profile.memory.stack_reserve_bytes
             + graph.min_working_set_bytes())
     if need > profile.memory.ram_bytes and graph.streams_weights:

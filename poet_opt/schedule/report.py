@@ -87,14 +87,16 @@ def summary_text(s: Schedule) -> str:
         levelled = "with" if wear_levelled(s.profile.storage) else "without"
         block = format_bytes(s.profile.storage.erase_block_bytes)
         packed = packs_sectors(s.profile.storage.kind, wear_levelled(s.profile.storage))
+        cache = bool(s.profile.storage.write_cache)
         lines.append(f"  wear     {format_bytes(s.erased_bytes_per_step())} erased per step ("
-                     + (f"every {block} allocation unit each write can touch, a worst case" if packed
+                     + ("the sectors written, gathered by the write cache" if packed and cache
+                        else f"every {block} allocation unit each write can touch, a worst case" if packed
                         else f"each written region in whole {block} erase blocks") + "): the "
                      f"{s.profile.storage.kind} lasts "
                      + ("forever (nothing written)" if lifetime is None else f"{lifetime:,} training steps")
                      + f" ({levelled} wear levelling, {s.profile.storage.endurance_cycles:,} cycles)"
                      + (f", at least {want:,} asked" if want else "")
-                     + (_merged_lifetime(s) if packed and lifetime is not None else ""))
+                     + (_merged_lifetime(s) if packed and not cache and lifetime is not None else ""))
     if not mem.get("fits_storage", True):
         lines.append(f"  storage  DOES NOT FIT: {format_bytes(mem['stored_bytes'])} stored, the device has "
                      f"{format_bytes(mem['storage_capacity_bytes'])}")

@@ -297,6 +297,8 @@ def _check_wear(doc: dict, source: str | None) -> None:
     def worn(nbytes: int) -> int:
         if not packed:
             return -(-nbytes // block) * block
+        if device.get("write_cache") is True:  # gathered into sequential runs: the sectors written
+            return -(-nbytes // 512) * 512
         whole = nbytes // 512 * 512
         units = (-(-max(whole - 512, 0) // block) + 1 if whole else 0) + (nbytes > whole)
         return units * block
