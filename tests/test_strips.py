@@ -320,3 +320,30 @@ def test_a_budget_no_strips_reach_is_refused_after_one_finest_build():
     graph = fit_strips(build, budget)
     assert graph.largest_working_set()[0] > budget
     assert built == [{}, {32: 32, 16: 16, 8: 8, 4: 4}]
+
+
+def test_solve_splits_a_torch_cnn_into_the_strips_emulate_trains(tmp_path):
+    """`poet-opt solve --torch` on a CNN whose stem output alone (288 KiB) exceeds the nRF52840:
+    the graph it plans is the strip graph `poet-opt emulate` lowers and trains, node for node, and
+    its plan fits the board. With --strips off it is refused, naming the node that cannot fit."""
+    from click.testing import CliRunner
+
+    from poet_opt.cli import load_graph, main
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.model.network import lower_network
+
+    spec, profile = "poet_opt.examples.torch_models:strip_cnn", load_profile("nrf52840")
+    graph, _ = load_graph(None, None, torch=spec, input_shape="1,1,96,96", batch_size=1, bytes_per_element=4,
+                          weights="auto", profile=profile, ram=["160KiB"])
+    budget = 160 * 1024
+    lowered = lower_network(spec, (1, 1, 96, 96), weights="streamed", strips="auto", strip_budget=budget).graph
+    assert [n.name for n in graph.nodes] == [n.name for n in lowered.nodes]
+    assert any("@s" in n.name for n in graph.nodes) and graph.largest_working_set()[0] <= budget
+    args = ["solve", "--torch", spec, "--input-shape", "1,1,96,96", "--device", "nrf52840", "--ram", "160KiB",
+            "--time-limit", "10", "-q", "--json"]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    memory = json.loads(run.stdout)["memory"]
+    assert memory["fits_device"] and memory["total_bytes"] + memory["stack_reserve_bytes"] <= profile.memory.ram_bytes
+    refused = CliRunner().invoke(main, [*args[:-2], "--strips", "off"])
+    assert refused.exit_code == 2 and "stem" in refused.output, refused.output

@@ -46,9 +46,9 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
 
         table = costs = costs if isinstance(costs, MeasuredCosts) else load_costs(costs)
     strips = _strips_value(strips)
-    if strips not in ("auto", "off") and (weights == "resident" or model is None):
-        raise PoetError("activation strips need a zoo model (--model) with streamed weights (--weights streamed)",
-                        field="--strips")
+    if strips not in ("auto", "off") and (weights == "resident" or model is None and torch is None):
+        raise PoetError("activation strips need a zoo model (--model) or a torch module (--torch) with streamed "
+                        "weights (--weights streamed)", field="--strips")
     if weights == "auto":
         graph, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
@@ -115,6 +115,11 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         graph = import_torch(torch, input_shape, bytes_per_element=bytes_per_element, trainable=trainable,
                              known_costs=known, **streaming)
         name = torch.rsplit(":", 1)[-1]
+        if before_tiling is not None and graph.streams_weights:
+            before_tiling(graph)
+        if weights == "streamed" and strips != "off":
+            graph = _torch_striped(graph, torch, input_shape, trainable, strips, bytes_per_element, device_ram_bytes,
+                                   stack_reserve_bytes, ram_bytes)
     else:
         from poet_opt.model.onnx_import import import_onnx
 
@@ -141,6 +146,33 @@ def _strips_value(strips):
     if text.isdigit() and int(text) >= 1:
         return int(text)
     raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
+
+
+def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, strips, bytes_per_element: int,
+                   device_ram_bytes, stack_reserve_bytes: int, ram_bytes) -> TrainingGraph:
+    """A torch CNN's graph with its activations in strips, lowered as `poet-opt emulate` lowers it
+    (model/network.py), so that the plan `solve` makes is one the firmware can run: N strips at every
+    height, or for "auto" the fewest that bring every node within the RAM budget and the device, and
+    only when some node could not fit the device otherwise. Strips split activations, not weights: a
+    layer's weights are streamed whole (no weight tiles). Unchanged when strips cannot help, so that
+    the working-set check says what does not fit."""
+    too_big = device_ram_bytes is not None and graph.largest_working_set()[0] + stack_reserve_bytes > device_ram_bytes
+    if strips == "auto" and not too_big or not any(n.op == "conv2d" for n in graph.nodes):
+        return graph
+    if bytes_per_element != 4:
+        raise PoetError(f"activation strips of a torch module are planned in fp32, not {bytes_per_element} bytes "
+                        "per element", field="--strips")
+    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
+    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
+    from poet_opt.model.network import lower_network
+    from poet_opt.model.operators import parse_full_shape
+
+    striped = lower_network(spec, parse_full_shape(input_shape), trainable=trainable, weights="streamed",
+                            strips=strips, strip_budget=budget).graph
+    if strips != "auto" or striped.largest_working_set()[0] <= budget:
+        return striped  # N strips as asked, as for zoo models: the working-set check says if they fit
+    graph.meta["strips_tried"] = True  # for the refusal: strips were tried and did not help
+    return graph
 
 
 def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserve_bytes: int, ram_bytes):
