@@ -535,9 +535,10 @@ WINDOW_BOUND_SHARE = 0.2
 WINDOW_BOUND_TIME_S = 5.0
 WINDOW_BOUND_MIN_DECISIONS = 20_000
 FULL_MILP_MAX_DECISIONS = 300_000
-# Building the model takes about 1 KiB per binary at its peak (index arrays, the sparse matrix, HiGHS's
-# copy): 20 million is some 20 GiB. A row-tiled bert-base has 1.7 billion.
-FULL_MILP_MEMORY_MAX_DECISIONS = 20_000_000
+# Building the model takes 1.4 KiB per binary (measured on random graphs of 600 and 1,200 nodes:
+# 0.4 GiB for 0.3 million, 1.6 GiB for 1.2 million), and HiGHS copies it: 6 million is some 8 GiB
+# before that copy. A row-tiled bert-base has 2.3 billion.
+FULL_MILP_MEMORY_MAX_DECISIONS = 6_000_000
 # Seconds per binary that building the Formulation takes, with room to spare: 35-80 us measured on
 # random graphs of 120-600 nodes on a loaded 2-core machine (benchmarks/ORDERS.md, time limits).
 BUILD_S_PER_DECISION = 100e-6
