@@ -99,11 +99,11 @@ def slice_block_order(graph: TrainingGraph, budget_bytes: int, base: Optional[li
     for v in range(n):
         if v in grids:
             grid, block, k, j = grids[v]
-            key[v] = (first[grid], block, k, j, 0, v)
+            key[v] = (first[grid], block, k, j, v)
         elif graph.nodes[v].op == "param" and not graph.nodes[v].deps:
-            key[v] = (last, 0, 0, 0, 0, v)
+            key[v] = (last, 0, 0, 0, v)
         else:
-            key[v] = (position[v], -1, 0, 0, 0, v)
+            key[v] = (position[v], -1, 0, 0, v)
     users = graph.users()
     # a node's inputs run as soon as a reader that comes early needs them (the inputs of a block of
     # slices, the weights): each takes its earliest reader's key, just before it
