@@ -4,8 +4,9 @@ against its storage. The checks the commands run before and after a solve, as pl
 
 from __future__ import annotations
 
+from poet_opt.device.media import wear_levelled
 from poet_opt.errors import PoetError
-from poet_opt.schedule.decisions import stored_param_bytes, wear_levelled
+from poet_opt.schedule.decisions import stored_param_bytes
 from poet_opt.units import format_bytes, parse_size
 
 
