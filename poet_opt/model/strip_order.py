@@ -57,7 +57,15 @@ def sliced_grids(graph: TrainingGraph, budget_bytes: int) -> dict[int, tuple]:
     def strip_index(tensor: str, rows) -> int:
         return [tuple(r) for r in tensors[tensor]].index(tuple(rows))
 
-    found: dict[int, tuple] = {}
+    # one block size per grid, from its largest slice and output strips: blocks that differed from
+    # slice to slice would interleave the blocks of a grid
+    members: list[tuple[int, str, int, int]] = []
+    sizes: dict[str, tuple[int, int, int, int]] = {}  # grid -> (strips, input strip, output strip, slice)
+
+    def note(grid: str, count: int, s_in: int, s_out: int, weights: int) -> None:
+        _, a, b, c = sizes.get(grid, (count, 0, 0, 0))
+        sizes[grid] = (count, max(a, s_in), max(b, s_out), max(c, weights))
+
     depth: dict[str, int] = {}
     for n in graph.nodes:  # in a topological order: a partial sum after the one it extends
         record = records.get(n.name, {})
@@ -68,19 +76,18 @@ def sliced_grids(graph: TrainingGraph, budget_bytes: int) -> dict[int, tuple]:
             if not weighted:
                 continue
             x = record["of"]
-            out = max(strip_bytes.get(alias.get(t, t), 0) for t in weighted)
-            size = block(len(tensors[x]), strip_bytes.get(x, 0), out, max(map(weight_bytes, weighted)))
-            j = strip_index(x, rows)
-            found[n.id] = (f"grad:{x}", j // size, depth[n.name], j)
+            note(f"grad:{x}", len(tensors[x]), strip_bytes.get(x, 0),
+                 max(strip_bytes.get(alias.get(t, t), 0) for t in weighted), max(map(weight_bytes, weighted)))
+            members.append((n.id, f"grad:{x}", depth[n.name], strip_index(x, rows)))
         elif role == "forward" and record["layer"] in slice_of and record["layer"] in tensors:
             name = record["layer"]
             layer, k = slice_of[name]
             (x,) = layers[name]["inputs"]
-            size = block(len(tensors[name]), strip_bytes.get(x, 0), strip_bytes.get(layer, 0),
-                         max(weight_bytes(t) for t in tiles[layer]))
-            j = strip_index(name, rows)
-            found[n.id] = (layer, j // size, k, j)
-    return found
+            note(layer, len(tensors[name]), strip_bytes.get(x, 0), strip_bytes.get(layer, 0),
+                 max(weight_bytes(t) for t in tiles[layer]))
+            members.append((n.id, layer, k, strip_index(name, rows)))
+    size = {grid: block(*figures) for grid, figures in sizes.items()}
+    return {v: (grid, j // size[grid], k, j) for v, grid, k, j in members}
 
 
 def slice_block_order(graph: TrainingGraph, budget_bytes: int, base: Optional[list[int]] = None) -> list[int]:
