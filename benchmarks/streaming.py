@@ -242,7 +242,7 @@ def traffic_report(ram="200KiB", device="nrf52840") -> str:
     for label, graph in (("greedy low-memory order", greedy), ("slice-block order", blocks)):
         totals, moved = traffic(graph, profile, ram)
         out.append(f"**{label}**: {totals['energy_j']:.2f} J, {totals['runtime_s']:.0f} s, "
-                   f"{format_bytes(totals['storage_read_bytes'])} read, "
+                   f"{format_bytes(totals['storage_read_bytes'])} read,\n"
                    f"{format_bytes(totals['storage_written_bytes'])} written, {totals['page_outs']:,} page-outs "
                    f"(MiB per step)\n\n{traffic_table(moved)}")
     return "\n\n".join(out)
