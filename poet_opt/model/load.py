@@ -183,13 +183,13 @@ def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserv
     from poet_opt.model.strips import fit_strips, low_memory
 
     transformer = any(n.op == "matmul" for n in graph.nodes)
+    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
+    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
     if strips != "auto" and not transformer:
-        return low_memory(build(strips))
+        return low_memory(build(strips), budget)
     if strips == "auto" and (device_ram_bytes is None or
                              graph.largest_working_set()[0] + stack_reserve_bytes <= device_ram_bytes):
         return graph
-    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
-    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
     if transformer:  # (seq, d) tensors: row tiling (model/rows.py), N row blocks for --strips N
         if budget is None:
             raise PoetError("row tiling of a transformer needs --ram or a device to fit", field="--strips")
@@ -203,6 +203,6 @@ def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserv
     if max((n.bytes for n in graph.nodes if n.op == "param"), default=0) <= budget:
         striped = fit_strips(build, budget)
         if striped.largest_working_set()[0] <= budget:
-            return low_memory(striped)
+            return low_memory(striped, budget)
     graph.meta["strips_tried"] = True  # for the refusal: strips were tried and did not help
     return graph
