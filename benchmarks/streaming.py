@@ -3,6 +3,7 @@
     python benchmarks/streaming.py              # ours vs naive, the table of benchmarks/STREAMING.md (~7 min on 2 cores)
     python benchmarks/streaming.py trainable    # the --trainable last:N table of docs/streaming.md (~4 min)
     python benchmarks/streaming.py trainable --write docs/streaming.md   # ... and put it in the document
+    python benchmarks/streaming.py traffic      # ResNet-18 in strips: where the bytes read go, per stage (~1 min)
 
 The naive plan is what a hand-written streaming trainer does: plain training (compute every node
 once, keep each activation and gradient until its last reader), except that a layer's weights are
@@ -170,6 +171,83 @@ def compare_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+# ------------------------------------------------------- ResNet-18 in strips: where the bytes go (traffic)
+
+
+def traffic(graph: TrainingGraph, profile, ram) -> tuple[dict, dict]:
+    """The spill plan of ``graph`` (the start that stands on graphs of thousands of nodes, where the
+    full MILP is skipped), its totals, and what it moves, in bytes per network stage (``layerN``,
+    or the stem and head) and kind: each weight's first read, weights read again (for a forward or
+    a backward node), the input strips read, and activations and gradients paged in and out."""
+    from collections import Counter, defaultdict
+
+    from poet_opt.solver.driver import resolve_budgets
+    from poet_opt.solver.heuristics import spill_plan
+
+    costs = node_costs(graph, profile)
+    budgets = resolve_budgets(graph, profile, costs, parse_size(ram))
+    steps = build_steps(graph, spill_plan(graph, costs, budgets))
+    records = graph.meta["strips"]["nodes"]
+
+    def stage(node) -> str:
+        record = records.get(node.name, {})
+        layer = record.get("layer") or record.get("of") or node.name
+        return layer.split(".")[0] if layer.startswith("layer") else "stem, head"
+
+    moved: dict[str, Counter] = defaultdict(Counter)
+    computed: set[int] = set()
+    pending: list[dict] = []
+    for step in steps + [{"op": "end", "node": None}]:
+        pending.append(step)
+        if step["op"] == "compute" and step["node"] in computed:
+            continue
+        if step["op"] not in ("compute", "end"):
+            continue
+        reader = None if step["node"] is None else graph.nodes[step["node"]]
+        computed.add(step["node"])
+        for s in pending:  # what the stage moves before the node it first computes
+            node = graph.nodes[s["node"]] if s["node"] is not None else None
+            if s["op"] == "compute" and node.op == "input":
+                moved[stage(node)]["input read"] += node.bytes
+            elif s["op"] == "compute" and node.op == "param":
+                kind = "weights, first read" if s is step else f"weights read again ({reader.kind})"
+                moved[stage(node)][kind] += node.bytes
+            elif s["op"] in ("page_in", "page_out"):
+                moved[stage(node)][f"{'paged in' if s['op'] == 'page_in' else 'paged out'} ({node.kind})"] += node.bytes
+        pending = []
+    return totals_of(graph, costs, steps), moved
+
+
+def traffic_table(moved: dict) -> str:
+    kinds = ["weights, first read", "weights read again (forward)", "weights read again (backward)",
+             "paged in (forward)", "paged in (backward)", "paged out (forward)", "paged out (backward)", "input read"]
+    out = ["| stage | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+    for name in sorted(moved) + ["all"]:
+        row = {k: sum(m[k] for m in moved.values()) for k in kinds} if name == "all" else moved[name]
+        out.append(f"| {name} | " + " | ".join(f"{row[k] / 2 ** 20:.2f}" for k in kinds) + " |")
+    return "\n".join(out)
+
+
+def traffic_report(ram="200KiB", device="nrf52840") -> str:
+    """ResNet-18 in strips: the greedy low-memory order against the slice-block order the loader
+    gives (model/strip_order.py), MiB moved per step by stage and kind."""
+    from poet_opt.model.strips import low_memory
+
+    profile = load_profile(device)
+    blocks = streamed_graph("resnet18-cifar", ram, device=profile)
+    counts = {int(h): k for h, k in blocks.meta["strips"]["per_height"].items()}
+    greedy = low_memory(build_model("resnet18-cifar", weights="streamed", tile_bytes=parse_size(ram) // 4,
+                                    strips=counts))
+    out = []
+    for label, graph in (("greedy low-memory order", greedy), ("slice-block order", blocks)):
+        totals, moved = traffic(graph, profile, ram)
+        out.append(f"**{label}**: {totals['energy_j']:.2f} J, {totals['runtime_s']:.0f} s, "
+                   f"{format_bytes(totals['storage_read_bytes'])} read,\n"
+                   f"{format_bytes(totals['storage_written_bytes'])} written, {totals['page_outs']:,} page-outs "
+                   f"(MiB per step)\n\n{traffic_table(moved)}")
+    return "\n\n".join(out)
+
+
 # ------------------------------------------------------------------------ --trainable last:N (docs table)
 
 TRAINABLE = ("all", "last:4", "last:2", "last:1")
@@ -227,12 +305,14 @@ def write_between_markers(path: Path, table: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", choices=["naive", "trainable"], default="naive")
+    parser.add_argument("what", nargs="?", choices=["naive", "trainable", "traffic"], default="naive")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds per solve")
     parser.add_argument("--write", type=Path, default=None, help="trainable: replace the table in this document")
     args = parser.parse_args(argv)
     began = time.perf_counter()
-    if args.what == "trainable":
+    if args.what == "traffic":
+        print(traffic_report())
+    elif args.what == "trainable":
         rows = []
         for model, device, ram, specs in TRAINABLE_CASES:
             rows += trainable_rows(model, device, ram, specs, time_limit=args.time_limit or 120.0)

@@ -22,7 +22,8 @@ import click
 
 from poet_opt import __version__
 from poet_opt.errors import PoetError
-from poet_opt.schedule.fit import check_fits_device, check_ram_within_device, check_weights_fit, device_fit
+from poet_opt.schedule.fit import (check_fits_device, check_ram_within_device, check_weights_fit, check_weights_stored,
+                                   device_fit)
 
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
@@ -131,8 +132,10 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
     from poet_opt.model.load import load_training_graph
     from poet_opt.units import parse_size
 
+    # weights that do not fit the storage are refused before the activations are tiled (seconds)
     device = {} if profile is None else {"device_ram_bytes": profile.memory.ram_bytes,
-                                         "stack_reserve_bytes": profile.memory.stack_reserve_bytes}
+                                         "stack_reserve_bytes": profile.memory.stack_reserve_bytes,
+                                         "before_tiling": lambda graph: check_weights_stored(graph, profile)}
     budgets = None if ram is None else [parse_size(r, field="--ram") for r in ram]
     if weight_tile is not None:
         tile = parse_size(weight_tile, field="--weight-tile")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from poet_opt.firmware.arena import plan_flash
 from poet_opt.firmware.header import export
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.device.profiles import DeviceProfile
@@ -51,13 +52,13 @@ RTOL = 1e-5
 STORAGE_POWER_W = {"mlp": 0.25, "mlp-residual": 1.0}
 
 
-def exec_profile(storage_power_w: float) -> DeviceProfile:
+def exec_profile(storage_power_w: float, kind: str = "spi-flash") -> DeviceProfile:
     transfer = {"latency_s": 1e-6, "power_w": storage_power_w}
     return DeviceProfile.model_validate({
         "name": "exec-test", "description": "host run of the C execution test", "cpu": "host",
         "compute": {"flops_per_second": 1e9, "active_power_w": 1.0},
         "memory": {"ram_bytes": 1 << 20, "bytes_per_element": 4, "alignment_bytes": 16},
-        "storage": {"kind": "spi-flash", "capacity_bytes": 1 << 24, "erase_block_bytes": 256,
+        "storage": {"kind": kind, "capacity_bytes": 1 << 24, "erase_block_bytes": 256 if kind == "spi-flash" else 4096,
                     "endurance_cycles": 100_000,
                     "read": {**transfer, "bytes_per_second": 4e7},
                     "write": {**transfer, "bytes_per_second": 2e7}},
@@ -290,17 +291,18 @@ def run(case: Case, mode: str = "ok", *args: int, release: bool = False) -> dict
             "grads": grads}
 
 
-def solved_case(name: str, tmp_path_factory) -> Case:
+def solved_case(name: str, tmp_path_factory, kind: str = "spi-flash", storage_power_w: float | None = None) -> Case:
     graph = build_model(name, input_shape=(FEATURES,), batch_size=BATCH)
     lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
     # A twentieth of the way from the least RAM any schedule needs to plain training's peak: tight
     # enough that the optimum must give something up, with room for the arena's alignment padding.
     ram = lo + (hi - lo) // 20
-    doc = solve(graph, exec_profile(STORAGE_POWER_W[name]), ram=ram, time_limit=20, gap=1e-9, threads=1,
+    power = STORAGE_POWER_W[name] if storage_power_w is None else storage_power_w
+    doc = solve(graph, exec_profile(power, kind), ram=ram, time_limit=20, gap=1e-9, threads=1,
                 model_name=name).to_dict()
     header, plan, _ = export(doc)
     assert plan.arena_bytes <= ram
-    workdir = tmp_path_factory.mktemp(name)
+    workdir = tmp_path_factory.mktemp(f"{name}-{kind}")
     (workdir / "plan.h").write_text(header)
     net_h, net_c = net_sources(graph)
     (workdir / "net.h").write_text(net_h)
@@ -375,6 +377,20 @@ def test_one_training_step_in_c_matches_numpy_backprop(case):
     assert errors[worst] < RTOL, (worst, errors[worst])
     _, loss = reference_gradients(case.graph, case.params, case.x, case.target)
     assert abs(result["loss"] - loss) <= RTOL * abs(loss)
+
+
+def test_a_card_packed_in_sectors_pages_with_the_same_result(tmp_path_factory):
+    """On a wear-levelled SD card paged tensors share allocation units, sector after sector: the
+    runtime writes and reads them at those offsets, and the step computes what numpy does."""
+    packed = solved_case("mlp-residual", tmp_path_factory, kind="sd-card", storage_power_w=0.25)  # pages two
+    assert "#define POET_REGION_ALIGNMENT_BYTES 512u" in packed.header
+    offsets = sorted(plan_flash(packed.doc).offsets.values())
+    assert len(offsets) >= 2 and any(o % 4096 for o in offsets), offsets
+    result = run(packed)
+    assert result["status"]["rc"] == 0 and result["violations"] == [], result["status"]
+    assert result["flash"]["page_outs"] == packed.doc["totals"]["page_outs"] > 0
+    errors = relative_errors(packed, result["grads"])
+    assert max(errors.values()) < RTOL, errors
 
 
 def test_release_build_computes_the_same_bits(case):

@@ -96,7 +96,7 @@ int main(void) {
             }
             break;
         case POET_PAGE_OUT:
-            if (st->flash_offset % POET_ERASE_BLOCK_BYTES || st->flash_offset + st->bytes > POET_FLASH_BYTES) return 16;
+            if (st->flash_offset % POET_REGION_ALIGNMENT_BYTES || st->flash_offset + st->bytes > POET_FLASH_BYTES) return 16;
             written += st->bytes;
             /* fall through */
         case POET_FREE:

@@ -71,6 +71,13 @@ def test_an_mlp_with_weights_three_times_the_ram_trains_on_nrf52840_as_in_torch(
     assert result.flash_bytes_read >= STEPS * result.network.graph.streamed_param_bytes
     summary = result.summary()
     assert summary["weights"] == "streamed" and summary["flash_lifetime_steps"] > 0
+    # the card's wear as the emulator counts it (each allocation unit a write command touches) is
+    # what the flash plan's lifetime says, and no more than the schedule's worst case
+    storage = result.schedule.profile.storage
+    worn_per_step = result.flash_wear_events * storage.erase_block_bytes // STEPS
+    assert 0 < worn_per_step <= result.schedule.erased_bytes_per_step()
+    assert result.flash_lifetime_steps == storage.endurance_cycles * storage.capacity_bytes // worn_per_step
+    assert result.flash_lifetime_steps >= result.schedule.lifetime_steps()
     assert summary["flash_bytes_written_per_step"] == result.schedule.to_dict()["totals"]["storage_written_bytes"]
 
 

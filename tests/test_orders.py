@@ -55,6 +55,38 @@ def test_min_peak_order_is_the_least_peak_of_all_orders(graph):
     assert plain_peak(graph, low_memory_order(graph)) >= best
 
 
+def _low_memory_by_scanning(graph: TrainingGraph) -> list[int]:
+    """low_memory_order's rule, stated as directly as it reads: re-score every ready node at each pick."""
+    users = [set(u) for u in graph.users()]
+    waiting = [len(u) for u in users]
+    missing = [len(set(n.deps)) for n in graph.nodes]
+    ready = [i for i in range(len(graph)) if missing[i] == 0]
+    order = []
+
+    def growth(j):
+        return graph.nodes[j].bytes - sum(graph.nodes[d].bytes for d in set(graph.nodes[j].deps) if waiting[d] == 1)
+
+    while ready:
+        i = min(ready, key=lambda j: (growth(j), j))
+        ready.remove(i)
+        order.append(i)
+        for d in set(graph.nodes[i].deps):
+            waiting[d] -= 1
+        for u in users[i]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                ready.append(u)
+    return order
+
+
+@pytest.mark.parametrize("n, seed", [(3, 0), (8, 1), (20, 2), (40, 3), (60, 4), (120, 5)])
+def test_low_memory_order_picks_as_the_scanning_rule_does(n, seed):
+    """The heap re-scores only nodes whose score fell; every pick must be the one a full re-scan makes."""
+    for fan_in, skip in ((1, 0.0), (3, 0.5), (3, 0.9)):
+        graph = _shuffled(random_training_graph(n, seed=seed, max_fan_in=fan_in, skip_prob=skip), seed)
+        assert low_memory_order(graph) == _low_memory_by_scanning(graph)
+
+
 def test_counting_stops_at_the_limit():
     graph = GRAPHS[-1]
     every = topological_orders(graph, 100_000)

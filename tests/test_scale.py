@@ -126,6 +126,31 @@ def test_past_the_size_limit_the_best_start_stands_with_the_floor_as_bound(monke
     assert solver["status"] in ("gap_limit", "time_limit")
 
 
+def test_without_a_time_limit_a_model_too_large_for_memory_is_not_built(monkeypatch):
+    """No time limit asks to wait for the optimum, but not for a model that cannot be built: a
+    row-tiled bert-base's would have 2.3 billion binaries. The best start stands, and the claim says
+    why without speaking of a time limit that was never given."""
+    import poet_opt.solver.driver as solve_module
+    from poet_opt.schedule.report import summary_text
+    from poet_opt.solver import gap_milp
+
+    graph = random_training_graph(12, 3)
+    ram = (graph.min_working_set_bytes() + graph.plain_peak_bytes()) // 2
+    monkeypatch.setattr(solve_module, "FULL_MILP_MEMORY_MAX_DECISIONS", 0)
+    built = []
+    monkeypatch.setattr(solve_module, "Formulation", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(gap_milp, "MAX_RAM_ROW_ENTRIES", 0)  # and the gap MILP refuses to build as well
+    monkeypatch.setattr(gap_milp, "solve_milp", lambda *a, **k: built.append("gap"))
+    schedule = solve_module.solve(graph, make_test_device(), ram=ram, gap=0)
+    assert not built
+    solver = schedule.solver
+    assert solver["full_milp"].startswith("skipped") and "too many to build in memory" in solver["full_milp"]
+    assert schedule.totals["peak_ram_bytes"] <= ram
+    if solver["status"] != "optimal":
+        assert solver["status"] == "stopped"
+        assert "too large to build in memory" in summary_text(schedule) and "time limit" not in summary_text(schedule)
+
+
 def test_a_solver_abort_in_the_gap_milp_only_loses_the_start():
     """HiGHS 1.15 aborts ("vector::reserve") on this instance of the gap MILP; solve() must not."""
     from poet_opt.solver.gap_milp import gap_milp_plan

@@ -82,3 +82,23 @@ def test_the_naive_plan_is_valid_and_never_cheaper_than_ours(streaming, model, s
     gap = 1e-3
     ours = solve(graph, device, ram=naive.totals["peak_ram_bytes"], time_limit=15, gap=gap)
     assert ours.totals["energy_j"] <= naive.totals["energy_j"] / (1 - gap)
+
+
+def test_traffic_accounts_for_every_byte_the_plan_moves(streaming):
+    """`benchmarks/streaming.py traffic` splits a strip plan's storage traffic by stage and kind:
+    what it reads (weights, again or not, the input, pages in) adds up to the plan's bytes read,
+    and the pages out plus the updated weights written back to its bytes written."""
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.model.zoo import build_model
+
+    graph = build_model("mcu-vww", weights="streamed", strips=4, input_shape="1x48x48")
+    totals, moved = streaming.traffic(graph, load_profile("nrf52840"), "40KiB")
+    kinds = {k for m in moved.values() for k in m}
+    assert {"weights, first read", "weights read again (backward)", "input read"} <= kinds
+    read = sum(v for m in moved.values() for k, v in m.items() if not k.startswith("paged out"))
+    written = sum(v for m in moved.values() for k, v in m.items() if k.startswith("paged out"))
+    assert read == totals["storage_read_bytes"]
+    assert written + sum(n.writes_bytes for n in graph.nodes) == totals["storage_written_bytes"]
+    assert {"paged in (forward)", "paged out (forward)"} <= kinds
+    table = streaming.traffic_table(moved)
+    assert table.count("\n") == len(moved) + 2 and "| all |" in table

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
+from poet_opt.device.media import storage_erased, storage_occupied
 from poet_opt.device.profiles import DeviceProfile
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
@@ -30,7 +32,13 @@ class NodeCosts:
     page_out_j: np.ndarray
     page_in_s: np.ndarray
     page_in_j: np.ndarray
-    storage_bytes: np.ndarray  # bytes a paged copy occupies, rounded up to whole erase blocks
+    storage_bytes: np.ndarray  # bytes a paged copy occupies: whole sectors or erase blocks (device/media.py)
+    # bytes of erase blocks one page-out wears at worst; None: the same as storage_bytes
+    erased_bytes: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        if self.erased_bytes is None:
+            object.__setattr__(self, "erased_bytes", self.storage_bytes)
 
     @property
     def plain_energy_j(self) -> float:
@@ -70,10 +78,10 @@ def node_costs(graph: TrainingGraph, profile: DeviceProfile) -> NodeCosts:
     compute_s = compute_s + write_s
     compute_j = compute_j + write_s * write.power_w
 
-    block = profile.storage.erase_block_bytes
-    storage_bytes = np.ceil(nbytes / block) * block
+    storage_bytes = storage_occupied(nbytes, profile.storage)
     assert compute_s.shape == (n,)
-    costs = NodeCosts(compute_s, compute_j, page_out_s, page_out_j, page_in_s, page_in_j, storage_bytes)
+    costs = NodeCosts(compute_s, compute_j, page_out_s, page_out_j, page_in_s, page_in_j, storage_bytes,
+                      storage_erased(nbytes, profile.storage))
     _check_finite(costs, graph, profile)
     return costs
 

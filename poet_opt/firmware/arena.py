@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from poet_opt.device.media import SECTOR_BYTES, packs_sectors
 from poet_opt.errors import PoetError, shown
 
 
@@ -304,25 +305,29 @@ class FlashPlan:
     erase_block: int
     endurance_cycles: int
     offsets: dict[int, int]        # node -> flash offset of its region
-    region_bytes: dict[int, int]   # node -> region size (its bytes rounded up to erase blocks)
+    region_bytes: dict[int, int]   # node -> region size (its bytes rounded up to erase blocks, or sectors if packed)
     writes_per_step: dict[int, int]  # node -> page_outs (or, for weights, updates) of it per training step
     flash_bytes: int
     bytes_written_per_step: int
     lifetime_steps: int | None     # None: nothing is written, flash never wears
     wear_levelling: bool = False   # lifetime_steps counts erases spread over the whole medium
     params: list[int] = field(default_factory=list)  # streamed weights' nodes, whose regions come first
+    # paged tensors packed in 512-byte sectors (a wear-levelled block device) rather than whole erase blocks
+    packed: bool = False
+    write_cache: bool = False  # writes reach the medium gathered: a packed region wears its own sectors
 
     @property
     def param_bytes(self) -> int:
-        """Storage the streamed weights occupy, in whole erase blocks."""
+        """Storage the streamed weights occupy, in whole erase blocks (whole sectors if packed)."""
         return sum(self.region_bytes[n] for n in self.params)
 
 
 def plan_flash(doc: dict) -> FlashPlan:
-    """Every streamed weight tensor (a ``param`` node) and every paged tensor gets its own
-    erase-block-aligned region: the weights first, in node order, so the image a board is
-    provisioned with is the same for every plan of a graph; then the paged tensors in order of
-    first page_out.
+    """Every streamed weight tensor (a ``param`` node) and every paged tensor gets its own region:
+    the weights first, in node order, so the image a board is provisioned with is the same for every
+    plan of a graph; then the paged tensors in order of first page_out. Each region is erase blocks
+    of its own on raw flash, and packed sector after sector on a wear-levelled block device (an SD
+    card's controller places sectors itself; device/media.py).
 
     Writes per step: a paged tensor's region is erased and programmed at each of its page_outs;
     a weight region at each compute of a node that updates it (once a step), never for frozen
@@ -334,22 +339,29 @@ def plan_flash(doc: dict) -> FlashPlan:
     steps, and the layout lasts as long as its most rewritten region. A wear-levelling flash
     translation layer (SD cards have one) could spread the writes over the whole partition instead;
     that optimistic figure is endurance * flash_bytes / (erased bytes per step), reported beside it.
+    On a packed medium a page-out wears every allocation unit its write commands touch (whole
+    sectors in one command, a partial last sector in another), as the emulated card counts.
     """
     block = device_int(doc, "erase_block_bytes")
     endurance = device_int(doc, "endurance_cycles", minimum=0)
     nodes = doc["graph"]["nodes"]
     offsets, regions, writes = {}, {}, {}
     end = written = 0
+    device = doc.get("device") or {}
+    capacity = device.get("storage_capacity_bytes")
+    levelled = device.get("wear_levelling") is True and isinstance(capacity, int) and capacity > 0
+    packed = packs_sectors(str(device.get("storage_kind")), levelled) and block % SECTOR_BYTES == 0
 
-    def place(n: int) -> None:
+    def place(n: int, unit: int = block) -> None:
         nonlocal end
-        offsets[n] = end
-        regions[n] = align_up(max(1, int(nodes[n]["bytes"])), block)
+        offsets[n] = end = align_up(end, unit)
+        regions[n] = align_up(max(1, int(nodes[n]["bytes"])), unit)
         end += regions[n]
 
     params = [n for n, node in enumerate(nodes) if node.get("op") == "param"]
+    unit = SECTOR_BYTES if packed else block
     for n in params:
-        place(n)
+        place(n, unit)
     for step in doc["steps"]:
         n = step["node"]
         if step["op"] == "compute":
@@ -362,17 +374,32 @@ def plan_flash(doc: dict) -> FlashPlan:
         written += int(nodes[n]["bytes"])
         writes[n] = writes.get(n, 0) + 1
         if n not in offsets:
-            place(n)
+            place(n, unit)
     lifetime = min(endurance // w for w in writes.values()) if writes else None
-    device = doc.get("device") or {}
-    capacity = device.get("storage_capacity_bytes")
-    levelled = device.get("wear_levelling") is True and isinstance(capacity, int) and capacity > 0
+    flash = FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime, levelled, params, packed,
+                      device.get("write_cache") is True)
     if levelled and writes:
         # a flash translation layer spreads the erases over the whole medium (the schedule's own
         # lifetime_steps says the same, docs/schedule-format.md)
-        erased = sum(regions[n] * w for n, w in writes.items())
-        lifetime = endurance * capacity // erased
-    return FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime, levelled, params)
+        flash.lifetime_steps = endurance * capacity // erased_per_step(flash, nodes)
+    return flash
+
+
+def erased_per_step(flash: FlashPlan, nodes: list[dict]) -> int:
+    """Bytes of erase blocks the writes of one step wear: a region's whole blocks per write, or on a
+    packed medium the blocks each of a page-out's write commands touches where the tensor lies."""
+    def touched(offset: int, nbytes: int) -> int:
+        return (offset + nbytes - 1) // flash.erase_block - offset // flash.erase_block + 1 if nbytes else 0
+
+    erased = 0
+    for n, w in flash.writes_per_step.items():
+        if flash.packed and not flash.write_cache:
+            whole = int(nodes[n]["bytes"]) // SECTOR_BYTES * SECTOR_BYTES
+            units = touched(flash.offsets[n], whole) + (int(nodes[n]["bytes"]) > whole)
+            erased += w * units * flash.erase_block
+        else:
+            erased += w * flash.region_bytes[n]
+    return erased
 
 
 def wear_levelled_lifetime(flash: FlashPlan) -> int | None:
@@ -385,7 +412,8 @@ def check_flash(flash: FlashPlan) -> None:
     for (a, b), (c, _) in zip(spans, spans[1:]):
         assert b <= c, f"flash regions [{a}, {b}) and [{c}, ...) overlap"
     for n, o in flash.offsets.items():
-        assert o % flash.erase_block == 0, f"node {n}: flash offset {o} is not erase-block aligned"
+        unit = SECTOR_BYTES if flash.packed else flash.erase_block
+        assert o % unit == 0, f"node {n}: flash offset {o} is not {unit}-byte aligned"
     assert flash.flash_bytes == (spans[-1][1] if spans else 0)
 
 

@@ -69,9 +69,10 @@ class StorageStats:
     erase_ops: int = 0
     erase_counts: Mapping[int, int] = field(default_factory=dict)
     violations: tuple[StorageViolation, ...] = ()
-    # bytes programmed per erase block: the export gives every stored tensor whole blocks of its
-    # own, so this says which tensors (streamed weights, paged activations) a run wrote
-    written_by_block: Mapping[int, int] = field(default_factory=dict)
+    # bytes programmed by the write commands starting at each offset: every command lies within one
+    # stored tensor's region, so this says which tensors (streamed weights, paged activations) a run
+    # wrote, also where several share an erase block (sectors packed on an SD card)
+    written_at: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def erases_total(self) -> int:
@@ -85,8 +86,8 @@ class StorageStats:
         """What happened between ``before``, an earlier ``stats()`` of the same storage, and these."""
         counts = Counter(self.erase_counts)
         counts.subtract(before.erase_counts)
-        written = Counter(self.written_by_block)
-        written.subtract(before.written_by_block)
+        written = Counter(self.written_at)
+        written.subtract(before.written_at)
         return StorageStats(
             self.kind, self.bytes_read - before.bytes_read, self.bytes_written - before.bytes_written,
             self.read_ops - before.read_ops, self.write_ops - before.write_ops,
@@ -113,7 +114,7 @@ class Storage:
         self.write_ops = 0
         self.erase_ops = 0
         self.erase_counts: Counter[int] = Counter()
-        self.written_by_block: Counter[int] = Counter()
+        self.written_at: Counter[int] = Counter()
         self.violations: list[StorageViolation] = []
 
     # -- host side: no wear, no checks ------------------------------------------------------
@@ -135,7 +136,7 @@ class Storage:
         """Counters since this Storage was created (a run's own are in ``RunResult.storage``)."""
         return StorageStats(self.kind, self.bytes_read, self.bytes_written, self.read_ops,
                             self.write_ops, self.erase_ops, dict(self.erase_counts),
-                            tuple(self.violations), dict(self.written_by_block))
+                            tuple(self.violations), dict(self.written_at))
 
     def _check_host_range(self, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity_bytes:
@@ -237,12 +238,7 @@ class Storage:
                 self.erase_counts[au] += 1
         self.write_ops += 1
         self.bytes_written += length
-        block = self.erase_block_bytes
-        pos = offset
-        while pos < offset + length:
-            end = min((pos // block + 1) * block, offset + length)
-            self.written_by_block[pos // block] += end - pos
-            pos = end
+        self.written_at[offset] += length
         return STORAGE_OK
 
     def device_erase(self, block: int, pc: tuple | int | None = None) -> int:

@@ -5,6 +5,8 @@ Everything the command does is :func:`emulate_training`, a plain function a note
 
 from __future__ import annotations
 
+import bisect
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -55,6 +57,8 @@ class EmulatedTraining:
     flash_lifetime_steps: Optional[int] = None
     # storage node name (param:f for weights, else a paged tensor) -> bytes the run wrote to its region
     region_bytes_written: dict[str, int] = field(default_factory=dict)
+    # erase events over the run: erases on raw flash, on a card each allocation unit a write touched
+    flash_wear_events: int = 0
 
     @property
     def instructions_per_step(self) -> float:
@@ -300,11 +304,12 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     storage = result.storage
     flash = plan.flash
     nodes = plan.schedule.to_dict()["graph"]["nodes"]
-    regions = {}
-    for node, offset in flash.offsets.items():  # every region is whole erase blocks of its own
-        first = offset // flash.erase_block
-        blocks = range(first, first + flash.region_bytes[node] // flash.erase_block)
-        regions[str(nodes[node]["name"])] = int(sum(storage.written_by_block.get(b, 0) for b in blocks))
+    regions = {str(nodes[node]["name"]): 0 for node in flash.offsets}
+    starts = sorted((offset, node) for node, offset in flash.offsets.items())
+    for at, nbytes in storage.written_at.items():  # each write command lies within one region
+        k = bisect.bisect_right(starts, (at, math.inf)) - 1
+        if k >= 0 and at < starts[k][0] + flash.region_bytes[starts[k][1]]:
+            regions[str(nodes[starts[k][1]]["name"])] += int(nbytes)
     return EmulatedTraining(
         network=network, schedule=plan.schedule, losses=losses, weights=weights,
         ram_device_bytes=int(target.ram_bytes), ram_used_bytes=int(result.ram_used_bytes),
@@ -315,4 +320,5 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         weights_placement="streamed" if generated.param_layers else "resident",
         scratch_bytes=scratch_bytes(generated.source),
         flash_bytes_read=int(storage.bytes_read), flash_bytes_written_per_step=int(flash.bytes_written_per_step),
-        flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions)
+        flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions,
+        flash_wear_events=int(storage.erases_total))

@@ -5,6 +5,7 @@ the optimizer step and measured per-layer costs on top."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
@@ -15,7 +16,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
                         input_shape=None, trainable="all", costs=None, optimizer: str = "none",
                         weights: str = "resident", device_ram_bytes: int | None = None,
                         stack_reserve_bytes: int = 0, tile_bytes: int | None = None,
-                        ram_bytes: int | None = None, strips="auto") -> tuple[TrainingGraph, str]:
+                        ram_bytes: int | None = None, strips="auto",
+                        before_tiling: Callable[[TrainingGraph], None] | None = None) -> tuple[TrainingGraph, str]:
     """Exactly one of ``model`` (zoo name), ``graph_file`` (node-link JSON), ``torch`` (FILE.py:FACTORY or
     package.module:FACTORY) or ``onnx`` (FILE.onnx). ``input_shape``: for zoo models without the batch
     (``3x32x32``); for torch and ONNX the whole tensor, batch first (``1,3,32,32``). ``costs``: a CSV/YAML
@@ -30,7 +32,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     weights; model/strips.py): "auto" splits activations into strips along H only when some node's
     working set and ``stack_reserve_bytes`` exceed ``device_ram_bytes`` otherwise, with the fewest
     strips that bring every node within ``ram_bytes`` and the device; "off" never; N: at most N
-    strips per tensor. Returns (graph, display name)."""
+    strips per tensor. ``before_tiling`` is called with a zoo model's streamed graph before it is split
+    into strips or rows (seconds for bert-base), to refuse it early. Returns (graph, display name)."""
     given = [(flag, value) for flag, value in (("--model", model), ("--graph", graph_file), ("--torch", torch),
                                                 ("--onnx", onnx)) if value]
     if len(given) != 1:
@@ -43,9 +46,9 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
 
         table = costs = costs if isinstance(costs, MeasuredCosts) else load_costs(costs)
     strips = _strips_value(strips)
-    if strips not in ("auto", "off") and (weights == "resident" or model is None):
-        raise PoetError("activation strips need a zoo model (--model) with streamed weights (--weights streamed)",
-                        field="--strips")
+    if strips not in ("auto", "off") and (weights == "resident" or model is None and torch is None):
+        raise PoetError("activation strips need a zoo model (--model) or a torch module (--torch) with streamed "
+                        "weights (--weights streamed)", field="--strips")
     if weights == "auto":
         graph, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
@@ -60,7 +63,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
                                           trainable=trainable, costs=costs, optimizer=optimizer, weights="streamed",
                                           tile_bytes=tile_bytes, device_ram_bytes=device_ram_bytes,
-                                          stack_reserve_bytes=stack_reserve_bytes, ram_bytes=ram_bytes, strips=strips)
+                                          stack_reserve_bytes=stack_reserve_bytes, ram_bytes=ram_bytes, strips=strips,
+                                          before_tiling=before_tiling)
         working, node = streamed.largest_working_set()
         if working + stack_reserve_bytes <= device_ram_bytes:
             return streamed, name
@@ -98,6 +102,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
                                **streaming)
 
         graph, name = zoo(), model
+        if before_tiling is not None and graph.streams_weights:
+            before_tiling(graph)
         if weights == "streamed" and strips != "off":
             graph = _striped(graph, zoo, strips, device_ram_bytes, stack_reserve_bytes, ram_bytes)
     elif flag == "--torch":
@@ -109,6 +115,11 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         graph = import_torch(torch, input_shape, bytes_per_element=bytes_per_element, trainable=trainable,
                              known_costs=known, **streaming)
         name = torch.rsplit(":", 1)[-1]
+        if before_tiling is not None and graph.streams_weights:
+            before_tiling(graph)
+        if weights == "streamed" and strips != "off":
+            graph = _torch_striped(graph, torch, input_shape, trainable, strips, bytes_per_element, device_ram_bytes,
+                                   stack_reserve_bytes, ram_bytes)
     else:
         from poet_opt.model.onnx_import import import_onnx
 
@@ -137,6 +148,33 @@ def _strips_value(strips):
     raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
 
 
+def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, strips, bytes_per_element: int,
+                   device_ram_bytes, stack_reserve_bytes: int, ram_bytes) -> TrainingGraph:
+    """A torch CNN's graph with its activations in strips, lowered as `poet-opt emulate` lowers it
+    (model/network.py), so that the plan `solve` makes is one the firmware can run: N strips at every
+    height, or for "auto" the fewest that bring every node within the RAM budget and the device, and
+    only when some node could not fit the device otherwise. Strips split activations, not weights: a
+    layer's weights are streamed whole (no weight tiles). Unchanged when strips cannot help, so that
+    the working-set check says what does not fit."""
+    too_big = device_ram_bytes is not None and graph.largest_working_set()[0] + stack_reserve_bytes > device_ram_bytes
+    if strips == "auto" and not too_big or not any(n.op == "conv2d" for n in graph.nodes):
+        return graph
+    if bytes_per_element != 4:
+        raise PoetError(f"activation strips of a torch module are planned in fp32, not {bytes_per_element} bytes "
+                        "per element", field="--strips")
+    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
+    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
+    from poet_opt.model.network import lower_network
+    from poet_opt.model.operators import parse_full_shape
+
+    striped = lower_network(spec, parse_full_shape(input_shape), trainable=trainable, weights="streamed",
+                            strips=strips, strip_budget=budget).graph
+    if strips != "auto" or striped.largest_working_set()[0] <= budget:
+        return striped  # N strips as asked, as for zoo models: the working-set check says if they fit
+    graph.meta["strips_tried"] = True  # for the refusal: strips were tried and did not help
+    return graph
+
+
 def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserve_bytes: int, ram_bytes):
     """The graph with its activations in strips (model/strips.py) as ``strips`` asks: N strips at
     every height, or, for "auto" and only when some node cannot fit the device otherwise, the
@@ -145,13 +183,13 @@ def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserv
     from poet_opt.model.strips import fit_strips, low_memory
 
     transformer = any(n.op == "matmul" for n in graph.nodes)
+    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
+    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
     if strips != "auto" and not transformer:
-        return low_memory(build(strips))
+        return low_memory(build(strips), budget)
     if strips == "auto" and (device_ram_bytes is None or
                              graph.largest_working_set()[0] + stack_reserve_bytes <= device_ram_bytes):
         return graph
-    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
-    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
     if transformer:  # (seq, d) tensors: row tiling (model/rows.py), N row blocks for --strips N
         if budget is None:
             raise PoetError("row tiling of a transformer needs --ram or a device to fit", field="--strips")
@@ -165,6 +203,6 @@ def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserv
     if max((n.bytes for n in graph.nodes if n.op == "param"), default=0) <= budget:
         striped = fit_strips(build, budget)
         if striped.largest_working_set()[0] <= budget:
-            return low_memory(striped)
+            return low_memory(striped, budget)
     graph.meta["strips_tried"] = True  # for the refusal: strips were tried and did not help
     return graph

@@ -206,8 +206,8 @@ def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, str
         return training_graph(name, kept, batch, 4, trainable, meta, weights="streamed", strips=counts)
 
     if strips == "auto":
-        return low_memory(fit_strips(build, budget))
-    return low_memory(build(strips))
+        return low_memory(fit_strips(build, budget), budget)
+    return low_memory(build(strips), budget)
 
 
 def _tiled(layer: Layer, names: list[str], graph: TrainingGraph, trainable_nodes: set[str]) -> dict[str, Layer]:

@@ -10,6 +10,7 @@ An order is a list of node ids of the graph, each once, every node after its inp
 
 from __future__ import annotations
 
+import heapq
 import random
 import time
 from typing import Optional
@@ -39,26 +40,38 @@ def low_memory_order(graph: TrainingGraph, deadline: Optional[float] = None) -> 
     the fewest bytes live afterwards (its output, less the inputs it was the last reader of), the
     given order breaking ties. Gradients then run as soon as they can and release the activations
     they were holding, and a branch that only makes memory is put off until it is needed. None when
-    ``time.perf_counter()`` passes ``deadline`` first (a wide graph makes this quadratic)."""
+    ``time.perf_counter()`` passes ``deadline`` first.
+
+    A node's score only falls, and only when one of its inputs is left with it as its last waiting
+    reader; a heap re-scores just that node then, and drops stale entries as they surface. Scanning
+    every ready node at each pick instead was quadratic: a row-tiled bert-base keeps thousands of
+    weight nodes ready all along, 67 s at 57,843 nodes."""
     n = len(graph)
-    users = graph.users()
-    waiting_users = [len(set(u)) for u in users]
+    users = [sorted(set(u)) for u in graph.users()]
+    waiting_users = [len(u) for u in users]
     missing = [len(set(node.deps)) for node in graph.nodes]
-    ready = [i for i in range(n) if missing[i] == 0]
+    done = [False] * n
+    heap = [(_growth(graph, i, waiting_users), i) for i in range(n) if missing[i] == 0]
+    heapq.heapify(heap)
     order: list[int] = []
-    while ready:
+    while heap:
         if deadline is not None and len(order) % 256 == 0 and time.perf_counter() > deadline:
             return None
-        # re-scored every time: what a node releases depends on what ran since it became ready
-        i = min(ready, key=lambda j: (_growth(graph, j, waiting_users), j))
-        ready.remove(i)
+        growth, i = heapq.heappop(heap)
+        if done[i] or growth != _growth(graph, i, waiting_users):
+            continue  # run already, or re-scored lower since this entry was pushed
+        done[i] = True
         order.append(i)
         for d in set(graph.nodes[i].deps):
             waiting_users[d] -= 1
-        for u in set(users[i]):
+            if waiting_users[d] == 1:  # its last waiting reader now releases it: score that one again
+                last = next(u for u in users[d] if not done[u])
+                if missing[last] == 0:
+                    heapq.heappush(heap, (_growth(graph, last, waiting_users), last))
+        for u in users[i]:
             missing[u] -= 1
             if missing[u] == 0:
-                ready.append(u)
+                heapq.heappush(heap, (_growth(graph, u, waiting_users), u))
     return order
 
 

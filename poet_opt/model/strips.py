@@ -436,14 +436,19 @@ def refuse_needing_strips(graph: TrainingGraph, device_ram_bytes: int, stack_byt
                         f"into strips (poet-opt solve plans them), which {who} does not run yet", field="--ram")
 
 
-def low_memory(graph: TrainingGraph) -> TrainingGraph:
+def low_memory(graph: TrainingGraph, budget_bytes: int | None = None) -> TrainingGraph:
     """The strip graph in the greedy low-memory execution order (model/orders.py): the builder
     emits it layer by layer, which holds every strip of a layer's gradient at once; the greedy
     order walks strip by strip, so that the starting plans page far fewer tensors. (Plain
-    training's peak, the weights, is the same in both, so ``--order auto`` would not try it.)"""
+    training's peak, the weights, is the same in both, so ``--order auto`` would not try it.)
+    Given the RAM budget, layers with weight slices then use each slice for a block of strips at
+    a time instead of reading it again for every strip (model/strip_order.py)."""
     from poet_opt.model.orders import low_memory_order
+    from poet_opt.model.strip_order import slice_block_order
 
     if not (graph.meta.get("strips") or {}).get("tensors"):
         return graph
     order = low_memory_order(graph)
+    if budget_bytes is not None and graph.meta.get("tiles"):
+        order = slice_block_order(graph, budget_bytes, base=order)
     return graph if order is None else graph.reordered(order)

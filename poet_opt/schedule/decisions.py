@@ -15,18 +15,34 @@ from dataclasses import dataclass
 from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
+from poet_opt.device.media import packs_sectors, storage_erased, storage_occupied, wear_levelled
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.tiling import TILE_MARK
 
 
 @dataclass(frozen=True)
 class Budgets:
-    """What a plan may use: RAM in bytes, runtime in seconds (inf: no limit), storage in bytes."""
+    """What a plan may use: RAM in bytes, runtime in seconds (inf: no limit), storage in bytes (what
+    the paged tensors may occupy, NodeCosts.storage_bytes), and the erase blocks their page-outs may
+    wear per step (NodeCosts.erased_bytes; inf: no wear budget)."""
 
     ram_bytes: float
     runtime_s: float
-    storage_bytes: float  # with a wear budget, at most the erase-block-aligned bytes it allows per step
-    min_lifetime_steps: Optional[int] = None  # the wear budget (--min-lifetime-steps) behind storage_bytes
+    # on raw flash, with a wear budget, also at most the erase-block-aligned bytes it allows per step
+    storage_bytes: float
+    min_lifetime_steps: Optional[int] = None  # the wear budget (--min-lifetime-steps)
+    # on wear-levelled media, the wear budget's allowance once the weight updates have taken theirs
+    erase_bytes: float = math.inf
+
+
+def storage_limits(costs: NodeCosts, budgets: Budgets) -> list[tuple]:
+    """The linear limits on the set of paged tensors, as (bytes per paged tensor, limit) pairs: the
+    space they occupy, and the erase blocks they wear per step where a wear budget bounds that
+    separately. Every model of the plan (the MILPs, the starts, CP-SAT) adds one row per pair."""
+    limits = [(costs.storage_bytes, float(budgets.storage_bytes))]
+    if math.isfinite(budgets.erase_bytes):
+        limits.append((costs.erased_bytes, float(budgets.erase_bytes)))
+    return limits
 
 
 class Keep:
@@ -154,15 +170,6 @@ class Decisions:
             object.__setattr__(self, "keep", Keep.of(self.keep))
 
 
-def wear_levelled(storage) -> bool:
-    """Whether the medium spreads erases over its whole capacity (a flash translation layer: SD
-    cards, eMMC, SSDs, USB sticks) or erases exactly the blocks written (raw NOR flash), unless the
-    profile says otherwise."""
-    if storage.wear_levelling is not None:
-        return bool(storage.wear_levelling)
-    return storage.kind not in ("spi-flash", "qspi-flash", "internal-flash")
-
-
 def wear_storage_cap(storage, min_lifetime_steps: int) -> float:
     """The erase-block-aligned bytes a plan may page out per training step and still survive
     ``min_lifetime_steps`` steps. Each paged tensor's region is erased once per step (a tensor is
@@ -185,9 +192,14 @@ def lifetime_steps(storage, erased_bytes_per_step: int) -> Optional[int]:
 
 
 def paged_region_bytes(costs: NodeCosts, decisions: Decisions) -> float:
-    """The erase-block-aligned regions of the paged tensors: what the plan holds on storage, and
-    erases each step (a tensor is paged out at most once), as the formulation's row (8) counts."""
+    """What the paged tensors occupy on storage (whole sectors or erase blocks, device/media.py), as
+    the formulation's row (8) counts."""
     return float(sum(float(costs.storage_bytes[i]) for i in decisions.page_out))
+
+
+def paged_erased_bytes(costs: NodeCosts, decisions: Decisions) -> float:
+    """The erase blocks the page-outs wear per step, at worst (a tensor is paged out at most once)."""
+    return float(sum(float(costs.erased_bytes[i]) for i in decisions.page_out))
 
 
 def param_region_key(name: str, levelled: bool, node_id: int):
@@ -200,6 +212,10 @@ def param_region_key(name: str, levelled: bool, node_id: int):
 
 def _param_regions(graph: TrainingGraph, storage) -> tuple[dict, dict]:
     levelled, block = wear_levelled(storage), storage.erase_block_bytes
+    if packs_sectors(storage.kind, levelled):  # each node in sectors of its own, packed (device/media.py)
+        params = [n for n in graph.nodes if n.op == "param"]
+        sizes = storage_occupied([n.bytes for n in params], storage)
+        return {n.id: n.id for n in params}, {n.id: int(b) for n, b in zip(params, sizes)}
     key_of, size = {}, {}
     for n in graph.nodes:
         if n.op == "param":
@@ -209,14 +225,19 @@ def _param_regions(graph: TrainingGraph, storage) -> tuple[dict, dict]:
 
 
 def update_region_bytes(graph: TrainingGraph, storage) -> int:
-    """The erase-block-aligned regions that the updates of streamed weights rewrite each step: a
-    constant of the graph, whatever the plan."""
+    """The erase blocks that the updates of streamed weights wear each step, a constant of the graph
+    whatever the plan: each updated region's own blocks, or on a packed card every allocation unit
+    the write-back of each weights node can touch, at worst, as for a page-out."""
+    updated = sorted({p for n in graph.nodes for p in n.updates})
+    if packs_sectors(storage.kind, wear_levelled(storage)):
+        return int(storage_erased([graph.nodes[p].bytes for p in updated], storage).sum())
     key_of, region = _param_regions(graph, storage)
-    return sum(region[k] for k in {key_of[p] for n in graph.nodes for p in n.updates})
+    return sum(region[k] for k in {key_of[p] for p in updated})
 
 
 def stored_param_bytes(graph: TrainingGraph, storage) -> int:
-    """Storage that streamed weights and optimizer state occupy for good, in whole erase blocks."""
+    """Storage that streamed weights and optimizer state occupy for good: in whole erase blocks, or
+    in whole sectors on a packed card."""
     return sum(_param_regions(graph, storage)[1].values())
 
 

@@ -11,8 +11,8 @@ from poet_opt import __version__
 from poet_opt.device.costs import NodeCosts
 from poet_opt.device.profiles import DeviceProfile
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import (Budgets, Decisions, lifetime_steps, paged_region_bytes, resident_at_peak,
-                                         stored_param_bytes, update_region_bytes, wear_levelled)
+from poet_opt.schedule.decisions import (Budgets, Decisions, lifetime_steps, paged_erased_bytes, paged_region_bytes,
+                                         resident_at_peak, stored_param_bytes, update_region_bytes, wear_levelled)
 
 FORMAT = "poet-opt/schedule@1"
 
@@ -51,8 +51,9 @@ class Schedule:
         total = params + grads + working
         reserve = self.profile.memory.stack_reserve_bytes
         device = self.profile.memory.ram_bytes
-        # streamed weights live on storage for good, beside the paged tensors
-        stored = stored_param_bytes(self.graph, self.profile.storage) + self.totals["storage_bytes"]
+        # streamed weights live on storage for good, beside the paged tensors in their sectors or blocks
+        stored = stored_param_bytes(self.graph, self.profile.storage) + int(paged_region_bytes(self.costs,
+                                                                                              self.decisions))
         return {
             # resident: weights (and gradients) in RAM all step, outside the plan; streamed: in the plan
             "weights": "streamed" if self.graph.streams_weights else "resident",
@@ -73,8 +74,9 @@ class Schedule:
         }
 
     def erased_bytes_per_step(self) -> int:
-        """Each paged tensor's erase-block-aligned region is erased once per step."""
-        return int(paged_region_bytes(self.costs, self.decisions)
+        """Each page-out wears its tensor's erase blocks (at worst, device/media.py) once per step, and
+        each update the regions of the weights it rewrites."""
+        return int(paged_erased_bytes(self.costs, self.decisions)
                    + update_region_bytes(self.graph, self.profile.storage))
 
     def lifetime_steps(self) -> Optional[int]:
@@ -110,7 +112,8 @@ class Schedule:
                 "bytes_per_element": p.memory.bytes_per_element, "alignment_bytes": p.memory.alignment_bytes,
                 "storage_kind": p.storage.kind, "storage_capacity_bytes": p.storage.capacity_bytes,
                 "erase_block_bytes": p.storage.erase_block_bytes, "endurance_cycles": p.storage.endurance_cycles,
-                "wear_levelling": wear_levelled(p.storage), "stack_reserve_bytes": p.memory.stack_reserve_bytes,
+                "wear_levelling": wear_levelled(p.storage), "write_cache": bool(p.storage.write_cache),
+                "stack_reserve_bytes": p.memory.stack_reserve_bytes,
             },
             "graph": {"name": self.graph.name, "nodes": nodes,
                       "given_ids": list(self.order) if self.order else list(range(len(nodes)))},

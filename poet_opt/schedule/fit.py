@@ -4,8 +4,9 @@ against its storage. The checks the commands run before and after a solve, as pl
 
 from __future__ import annotations
 
+from poet_opt.device.media import packs_sectors, wear_levelled
 from poet_opt.errors import PoetError
-from poet_opt.schedule.decisions import stored_param_bytes, wear_levelled
+from poet_opt.schedule.decisions import stored_param_bytes
 from poet_opt.units import format_bytes, parse_size
 
 
@@ -16,17 +17,27 @@ def check_ram_within_device(ram, profile) -> None:
                         "of RAM", field="--ram")
 
 
-def check_weights_fit(graph, profile) -> None:
-    """Before a long solve: when the weights, their gradients, the stack reserve and the smallest
-    working set any schedule needs already exceed the RAM, no plan can run on the device.
-    (Streamed weights are part of that working set: param_bytes counts only resident ones.)"""
+def check_weights_stored(graph, profile) -> None:
+    """Streamed weights and optimizer state must fit the device's storage."""
     stored = stored_param_bytes(graph, profile.storage)
     if stored > profile.storage.capacity_bytes:
-        unit = "layer's" if wear_levelled(profile.storage) else "slice's"
+        if packs_sectors(profile.storage.kind, wear_levelled(profile.storage)):
+            how = "each tensor in whole 512-byte sectors"
+        else:
+            unit = "layer's" if wear_levelled(profile.storage) else "slice's"
+            how = f"each {unit} in whole erase blocks of {format_bytes(profile.storage.erase_block_bytes)}"
         raise PoetError(f"the weights and optimizer state of {graph.name} take {format_bytes(stored)} on storage "
-                        f"(each {unit} in whole erase blocks of {format_bytes(profile.storage.erase_block_bytes)}), "
+                        f"({how}), "
                         f"more than {profile.name}'s {format_bytes(profile.storage.capacity_bytes)} "
                         f"{profile.storage.kind}", field="--weights")
+
+
+def check_weights_fit(graph, profile) -> None:
+    """Before a long solve: when the weights do not fit the storage, or the weights, their gradients,
+    the stack reserve and the smallest working set any schedule needs already exceed the RAM, no
+    plan can run on the device. (Streamed weights are part of that working set: param_bytes counts
+    only resident ones.)"""
+    check_weights_stored(graph, profile)
     need = (graph.param_bytes + graph.param_grad_bytes + profile.memory.stack_reserve_bytes
             + graph.min_working_set_bytes())
     if need > profile.memory.ram_bytes and graph.streams_weights:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from poet_opt.schedule.decisions import wear_levelled
+from poet_opt.device.media import packs_sectors, wear_levelled
+from poet_opt.schedule.decisions import lifetime_steps
 from poet_opt.schedule.document import Schedule
 from poet_opt.units import format_bytes, format_joules, format_seconds
 
@@ -84,14 +85,18 @@ def summary_text(s: Schedule) -> str:
     if lifetime is not None or s.budgets.min_lifetime_steps is not None:
         want = s.budgets.min_lifetime_steps
         levelled = "with" if wear_levelled(s.profile.storage) else "without"
-        lines.append(f"  wear     {format_bytes(s.erased_bytes_per_step())} erased per step (each written region in "
-                     f"whole {format_bytes(s.profile.storage.erase_block_bytes)} erase blocks"
-                     + (", a worst case where a controller packs small writes" if wear_levelled(s.profile.storage)
-                        else "") + "): the "
+        block = format_bytes(s.profile.storage.erase_block_bytes)
+        packed = packs_sectors(s.profile.storage.kind, wear_levelled(s.profile.storage))
+        cache = bool(s.profile.storage.write_cache)
+        lines.append(f"  wear     {format_bytes(s.erased_bytes_per_step())} erased per step ("
+                     + ("the sectors written, gathered by the write cache" if packed and cache
+                        else f"every {block} allocation unit each write can touch, a worst case" if packed
+                        else f"each written region in whole {block} erase blocks") + "): the "
                      f"{s.profile.storage.kind} lasts "
                      + ("forever (nothing written)" if lifetime is None else f"{lifetime:,} training steps")
                      + f" ({levelled} wear levelling, {s.profile.storage.endurance_cycles:,} cycles)"
-                     + (f", at least {want:,} asked" if want else ""))
+                     + (f", at least {want:,} asked" if want else "")
+                     + (_merged_lifetime(s) if packed and not cache and lifetime is not None else ""))
     if not mem.get("fits_storage", True):
         lines.append(f"  storage  DOES NOT FIT: {format_bytes(mem['stored_bytes'])} stored, the device has "
                      f"{format_bytes(mem['storage_capacity_bytes'])}")
@@ -133,10 +138,21 @@ def claim(s: Schedule) -> str:
         return f"within {gap_text} of the least energy {where} {model}"
     reason = {"time_limit": "the time limit ran out", "interrupted": "interrupted",
               "stopped": "the solver stopped at its tolerances"}.get(status, status)
-    if status == "time_limit" and str(solver.get("full_milp", "")).startswith("skipped"):
+    if status in ("time_limit", "stopped") and str(solver.get("full_milp", "")).startswith("skipped"):
         # the limit did not run out on a search: the graph is too large for the full MILP in it
-        reason = "the best heuristic schedule: the full MILP is too large to build and solve within the time limit"
+        within = "in memory" if status == "stopped" else "and solve within the time limit"
+        reason = f"the best heuristic schedule: the full MILP is too large to build {within}"
     return f"not proven optimal ({reason}); within {gap_text} of the least energy {where} {model}"
+
+
+def _merged_lifetime(s: Schedule) -> str:
+    """The other end of the range: a card whose controller gathers a step's writes into whole
+    allocation units wears only the bytes written."""
+    storage, written = s.profile.storage, s.totals.get("storage_written_bytes")
+    if not written:
+        return ""
+    best = lifetime_steps(storage, -(-int(written) // storage.erase_block_bytes) * storage.erase_block_bytes)
+    return f"; {best:,} if the card gathers the {format_bytes(written)} a step writes into whole units"
 
 
 def _names(names: list[str], ids: list[int], limit: int = 8) -> str:

@@ -271,8 +271,9 @@ def replay(doc: dict, *, source: str | None = None) -> dict:
 
 
 def _check_wear(doc: dict, source: str | None) -> None:
-    """budgets.min_lifetime_steps: every page-out erases its tensor's erase-block-aligned region,
-    so the steps must leave the medium alive that long (docs/schedule-format.md)."""
+    """budgets.min_lifetime_steps: every page-out wears erase blocks (its tensor's own on raw flash,
+    those its write commands touch on a wear-levelled card), and so does every update of streamed
+    weights; the steps must leave the medium alive that long (docs/schedule-format.md)."""
     budgets = doc.get("budgets") if isinstance(doc.get("budgets"), dict) else {}
     want = budgets.get("min_lifetime_steps")
     if want is None:
@@ -287,19 +288,37 @@ def _check_wear(doc: dict, source: str | None) -> None:
         raise ScheduleInvalid("budgets.min_lifetime_steps needs device.erase_block_bytes, endurance_cycles and "
                               "storage_capacity_bytes (positive integers) to be checked", source=source)
     nodes = doc["graph"]["nodes"]
-    erased = sum(-(-int(nodes[s["node"]]["bytes"]) // block) * block for s in doc["steps"] if s["op"] == "page_out")
-    # an update rewrites the regions of the weights it changes, once each per step; a wear-levelling
-    # controller keeps a layer's slices (names up to "#") in one region, raw flash each in its own
-    # (_read_plan has checked the ids)
     levelled = device.get("wear_levelling") is True
-    region: dict = {}
-    for n, node in enumerate(nodes):
-        if node.get("op") == "param":
-            key = str(node["name"]).split("#", 1)[0] if levelled else n
-            region[key] = region.get(key, 0) + int(node["bytes"])
-    rewritten = {str(nodes[p]["name"]).split("#", 1)[0] if levelled else p
-                 for s in doc["steps"] if s["op"] == "compute" for p in nodes[s["node"]].get("updates", ())}
-    erased += sum(-(-region[k] // block) * block for k in rewritten if k in region)
+    # a controller that levels wear takes 512-byte sectors: a page-out is one command for the whole
+    # sectors (at most ceil((W - 512) / block) + 1 blocks touched, wherever it lies) and one for a
+    # partial last sector; raw flash erases the tensor's own blocks (docs/schedule-format.md)
+    packed = levelled and device.get("storage_kind") not in ("spi-flash", "qspi-flash", "internal-flash")
+
+    def worn(nbytes: int) -> int:
+        if not packed:
+            return -(-nbytes // block) * block
+        if device.get("write_cache") is True:  # gathered into sequential runs: the sectors written
+            return -(-nbytes // 512) * 512
+        whole = nbytes // 512 * 512
+        units = (-(-max(whole - 512, 0) // block) + 1 if whole else 0) + (nbytes > whole)
+        return units * block
+
+    erased = sum(worn(int(nodes[s["node"]]["bytes"])) for s in doc["steps"] if s["op"] == "page_out")
+    # an update rewrites the regions of the weights it changes, once each per step: on a packed card
+    # each weights node is written back as a page-out is; otherwise a wear-levelling controller
+    # keeps a layer's slices (names up to "#") in one region, raw flash each in its own
+    # (_read_plan has checked the ids)
+    updated = {p for s in doc["steps"] if s["op"] == "compute" for p in nodes[s["node"]].get("updates", ())}
+    if packed:
+        erased += sum(worn(int(nodes[p]["bytes"])) for p in updated)
+    else:
+        region: dict = {}
+        for n, node in enumerate(nodes):
+            if node.get("op") == "param":
+                key = str(node["name"]).split("#", 1)[0] if levelled else n
+                region[key] = region.get(key, 0) + int(node["bytes"])
+        rewritten = {str(nodes[p]["name"]).split("#", 1)[0] if levelled else p for p in updated}
+        erased += sum(-(-region[k] // block) * block for k in rewritten if k in region)
     if not erased:
         return
     lifetime = endurance * capacity // erased if device.get("wear_levelling") is True else endurance
@@ -313,6 +332,7 @@ def validate(doc: dict, *, source: str | None = None) -> dict:
     plan = _read_plan(doc, source)
     reported, memory = _read_reported(doc, source)
     totals = _replay(plan, source)
+    _check_wear(doc, source)  # a file's wear budget holds as its steps wear, as the solver's replay checks
     for key, integer in TOTAL_KEYS.items():
         got, want = reported[key], totals[key]
         if integer and got != want:

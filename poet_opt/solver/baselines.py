@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
@@ -217,7 +217,7 @@ def evaluate(graph: TrainingGraph, profile, costs: NodeCosts, budgets: Budgets, 
         return BaselineResult(name, None, None, False, note or "no plan within the RAM budget")
     steps = build_steps(graph, decisions)
     totals = totals_of(graph, costs, steps)
-    relaxed = Budgets(max(budgets.ram_bytes, totals["peak_ram_bytes"]), math.inf, budgets.storage_bytes)
+    relaxed = replace(budgets, ram_bytes=max(budgets.ram_bytes, totals["peak_ram_bytes"]), runtime_s=math.inf)
     totals = validated_totals(graph, profile, costs, relaxed, steps)
     fits = (totals["peak_ram_bytes"] <= budgets.ram_bytes
             and totals["runtime_s"] <= budgets.runtime_s * (1 + 1e-9))

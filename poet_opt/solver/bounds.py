@@ -46,7 +46,7 @@ import scipy.sparse as sp
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Budgets
+from poet_opt.schedule.decisions import Budgets, storage_limits
 from poet_opt.solver.backends import solve_milp
 from poet_opt.solver.formulation import Milp
 
@@ -258,10 +258,9 @@ class WindowModel:
                 rows.append(nrow), cols.append(int(col)), vals.append(float(v))
             rlo.append(-np.inf), rhi.append((budgets.runtime_s - plain_s - const_s) / scale)
             nrow += 1
-        if len(mo):
-            cap = float(budgets.storage_bytes)
-            if cap > 0:
-                row(self.Mout[mo], costs.storage_bytes[mo] / cap, -np.inf, 1.0)
+        for per_tensor, limit in (storage_limits(costs, budgets) if len(mo) else ()):
+            if limit > 0:
+                row(self.Mout[mo], per_tensor[mo] / limit, -np.inf, 1.0)
             else:
                 ub[self.Mout[mo]] = 0.0
         A = sp.csr_matrix((np.array(vals, dtype=float), (np.array(rows, dtype=np.int64),

@@ -181,13 +181,14 @@ def _problem(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str
     allow_remat = mode in ("joint", "remat")
     recomputable = np.array([allow_remat and not n.is_backward for n in graph.nodes], dtype=bool)
     need, comp = horizons(graph, allow_remat, recomputable)
-    names = ("compute_j", "compute_s", "page_in_j", "page_in_s", "page_out_j", "page_out_s", "storage_bytes")
+    names = ("compute_j", "compute_s", "page_in_j", "page_in_s", "page_out_j", "page_out_s", "storage_bytes",
+             "erased_bytes")
     return dict(deps=[list(n.deps) for n in graph.nodes], bytes=[int(n.bytes) for n in graph.nodes],
                 allow_remat=allow_remat, allow_paging=mode in ("joint", "paging"), recomputable=recomputable,
                 need=need, comp=comp, costs={k: np.asarray(getattr(costs, k), dtype=float) for k in names},
                 plain_energy_j=float(costs.plain_energy_j), plain_runtime_s=float(costs.plain_runtime_s),
                 ram_bytes=float(budgets.ram_bytes), runtime_s=float(budgets.runtime_s),
-                storage_bytes=float(budgets.storage_bytes))
+                storage_bytes=float(budgets.storage_bytes), erase_bytes=float(budgets.erase_bytes))
 
 
 def _fits_runtime(graph, costs, decisions, budgets) -> bool:

@@ -70,7 +70,7 @@ class _Model:
         # -- intervals ----------------------------------------------------------------------------
         self.present, self.stage, self.last, self.end, self.recompute, self.page_in = [], [], [], [], [], []
         self.page_out: list = [None] * T
-        objective, runtime, storage = [], [], []
+        objective, runtime, storage, erased = [], [], [], []
         intervals, demands = [], []
         for i in range(T):
             pres, stg, lst, ends, rcs, pins = [], [], [], [], [], []
@@ -126,6 +126,7 @@ class _Model:
                 if timed:
                     runtime.append((out, seconds(costs.page_out_s[i])))
                 storage.append((out, int(math.ceil(float(costs.storage_bytes[i])))))
+                erased.append((out, int(math.ceil(float(costs.erased_bytes[i])))))
             self.present.append(pres), self.stage.append(stg), self.last.append(lst), self.end.append(ends)
             self.recompute.append(rcs), self.page_in.append(pins)
 
@@ -168,8 +169,9 @@ class _Model:
             budget = slack_s / unit_s
             budget = budget * (1 + 1e-12) + 1e-6 if not round_up_times else budget * (1 - 1e-12) - 1e-6
             m.Add(sum(c * v for v, c in runtime) <= max(0, int(math.floor(budget))))
-        if storage and math.isfinite(float(problem["storage_bytes"])):
-            m.Add(sum(c * v for v, c in storage) <= int(math.floor(float(problem["storage_bytes"]))))
+        for terms, limit in ((storage, problem["storage_bytes"]), (erased, problem.get("erase_bytes", math.inf))):
+            if terms and math.isfinite(float(limit)):
+                m.Add(sum(c * v for v, c in terms) <= int(math.floor(float(limit))))
         self.offset_j = float(problem["plain_energy_j"])
         self.objective_terms = objective
         if objective:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -447,7 +447,7 @@ def validated_totals(graph: TrainingGraph, profile, costs: NodeCosts, budgets: B
     """Our cost model and independent validator on a step list; raises validator.ScheduleInvalid.
     check_runtime=False leaves the runtime budget out (POET's compute-only runtime semantics)."""
     totals = totals_of(graph, costs, steps)
-    checked = budgets if check_runtime else Budgets(budgets.ram_bytes, math.inf, budgets.storage_bytes)
+    checked = budgets if check_runtime else replace(budgets, runtime_s=math.inf)
     schedule = Schedule(model=graph.name, mode="dense", graph=graph, profile=profile, costs=costs,
                         budgets=checked, decisions=Decisions(frozenset(), frozenset(), frozenset(), frozenset()),
                         steps=steps, totals=totals, plain=totals, solver={})

@@ -13,60 +13,18 @@ from poet_opt.errors import InfeasibleError, NoScheduleFound, PoetError, SolveIn
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.orders import candidate_orders, min_peak_order
 from poet_opt.schedule import validator
-from poet_opt.schedule.decisions import (Budgets, Decisions, build_steps, lifetime_steps, plain_decisions,
-                                         stored_param_bytes, totals_of, update_region_bytes, wear_levelled,
-                                         wear_storage_cap)
+from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, plain_decisions, totals_of
 from poet_opt.schedule.document import Schedule
 from poet_opt.solver.backends import (Heartbeat, Progress, SolveResult, interrupt_scope, interrupted, relative_gap,
                                      solve_milp)
 from poet_opt.solver.bounds import window_bound
+from poet_opt.solver.budgets import resolve_budgets
 from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, refuse_on_storage
 from poet_opt.solver.lns import improve
-from poet_opt.units import format_bytes, format_seconds, parse_runtime, parse_size
-
-
-def resolve_budgets(graph: TrainingGraph, profile: DeviceProfile, costs: NodeCosts,
-                    ram, runtime=None, min_lifetime_steps: Optional[int] = None) -> Budgets:
-    """ram: bytes or '1.5MB'; runtime: seconds, '2.5s', '1.2x' (of plain training), or None for
-    unlimited; min_lifetime_steps: training steps the storage must survive (a wear budget, which
-    caps the erase-block-aligned bytes paged out per step)."""
-    ram_bytes = parse_size(ram, field="--ram")
-    plain_s = costs.plain_runtime_s
-    if runtime is None:
-        runtime_s = math.inf
-    else:
-        runtime_s = parse_runtime(runtime, plain_s, field="--runtime")
-        if runtime_s < plain_s * (1 - 1e-9):
-            raise PoetError(
-                f"the runtime budget {format_seconds(runtime_s)} is below plain training on this device "
-                f"({format_seconds(plain_s)}); every node must run at least once, so give at least 1x",
-                field="--runtime")
-    capacity = profile.storage.capacity_bytes
-    # streamed weights and optimizer state live on storage for good; paging gets the rest
-    weights = stored_param_bytes(graph, profile.storage)
-    if weights > capacity:
-        raise PoetError(f"the weights and optimizer state of {graph.name} ({format_bytes(weights)}) do not fit "
-                        f"{profile.name}'s {profile.storage.kind} ({format_bytes(capacity)}); stream them from a "
-                        "device with more storage, or train a smaller model", field="--weights")
-    storage = float(capacity - weights)
-    if min_lifetime_steps is not None:
-        if isinstance(min_lifetime_steps, bool) or not isinstance(min_lifetime_steps, int) or min_lifetime_steps < 1:
-            raise PoetError(f"must be a positive whole number of training steps, got {min_lifetime_steps!r}",
-                            field="--min-lifetime-steps")
-        # the updates rewrite the weights every step whatever the plan: paging gets what wear is left
-        cap = wear_storage_cap(profile.storage, min_lifetime_steps)
-        updates = update_region_bytes(graph, profile.storage)
-        if updates and (cap < updates if wear_levelled(profile.storage)
-                        else profile.storage.endurance_cycles < min_lifetime_steps):
-            raise PoetError(f"updating the streamed weights rewrites {format_bytes(updates)} per step: "
-                            f"{profile.name}'s storage lasts {lifetime_steps(profile.storage, updates):,} steps, "
-                            f"fewer than {min_lifetime_steps:,}", field="--min-lifetime-steps")
-        storage = min(storage, cap - updates if wear_levelled(profile.storage) else cap)
-    return Budgets(ram_bytes=ram_bytes, runtime_s=runtime_s, storage_bytes=storage,
-                   min_lifetime_steps=min_lifetime_steps)
+from poet_opt.units import format_bytes, format_seconds
 
 
 def plain_summary(graph: TrainingGraph, costs: NodeCosts) -> dict:
@@ -84,7 +42,7 @@ def min_feasible_ram(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     if mode == "none":
         peak = graph.plain_peak_bytes()
         return peak, peak
-    relaxed = Budgets(ram_bytes=math.inf, runtime_s=budgets.runtime_s, storage_bytes=budgets.storage_bytes)
+    relaxed = replace(budgets, ram_bytes=math.inf)
     form = Formulation(graph, costs, relaxed, mode, minimize_peak=True)
     # Plain training fits any runtime budget poet-opt accepts: the search starts from its peak.
     result = solve_milp(form.milp, backend=backend, time_limit=time_limit, gap=1e-6,
@@ -377,9 +335,11 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     phase("heuristic starts")
     # Past this size the full MILP's root LP is out of reach of any interactive time limit (ResNet-50's
     # 190k columns do not finish it in 90 s; 1000 nodes make 1.6M): the best start stands, with the
-    # plain-training floor as its bound. Without a time limit the user asked to wait for the optimum.
+    # plain-training floor as its bound. Without a time limit the user asked to wait for the optimum,
+    # up to the size whose model would not fit in memory at all.
     full_decisions = decision_count(graph, mode)
-    skip_full = time_limit is not None and full_decisions > FULL_MILP_MAX_DECISIONS and backend == "highs"
+    skip_full = backend == "highs" and (full_decisions > FULL_MILP_MAX_DECISIONS if time_limit is not None
+                                        else full_decisions > FULL_MILP_MEMORY_MAX_DECISIONS)
     # there, a paging start within the gap of the plain floor is proven: nothing else needs to run
     floor = costs.plain_energy_j
     good_enough = floor * (1 + gap) if skip_full and gap > 0 else None
@@ -398,7 +358,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         started = time.perf_counter()
         limit = GAP_MILP_TIME_S if time_limit is None else min(GAP_MILP_TIME_S, time_limit / 5)
         left = None if time_limit is None else time_limit - (time.perf_counter() - began) - reserve
-        if skip_full:  # most of what the heuristics left, the window bound the rest
+        if skip_full and time_limit is not None:  # most of what the heuristics left, the window bound the rest
             limit = min(time_limit * 0.7, 0.6 * left)
         if time_limit is not None:  # what the heuristics left
             limit = max(0.05, min(limit, 0.9 * left))
@@ -420,7 +380,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     first = decisions = form = None
     build_s = 0.0
     skip_full = skip_full and bool(candidates)
-    full_note = f"skipped: {full_decisions} binaries" if skip_full else "solved"
+    full_note = (f"skipped: {full_decisions} binaries" + ("" if time_limit is not None else ", too many to build in "
+                                                         "memory") if skip_full else "solved")
     head = cost_cap = None
     if candidates and not skip_full:
         head = _energy(graph, costs, candidates[0])
@@ -480,7 +441,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                      f"{max(0.0, time_limit - (time.perf_counter() - began)):.1f} s left of the time limit; "
                      "the best heuristic schedule stands")
     if skip_full:
-        first = SolveResult("time_limit", None, None, None, 0.0, backend)
+        # no time limit ran out where none was given: the search ended with the model it could build
+        first = SolveResult("time_limit" if time_limit is not None else "stopped", None, None, None, 0.0, backend)
         decisions = candidates[0] if candidates else None
     cp = None
     if backend == "cpsat":  # the retention-interval model in place of the MILP (docs/cpsat.md)
@@ -563,8 +525,9 @@ GAP_MILP_TIME_S = 10.0
 # nodes, 22 s at 10,000): not started unless it leaves as long again of the time limit.
 GAP_MILP_BUILD_S_PER_NODE_SQUARED = 4e-7
 # Replaying the chosen plan into steps, validating and summarising it, once every solver phase is
-# over: linear in the graph (about 2 s at 100,000 nodes); the phases leave this much for it.
-FINISH_S_PER_NODE = 4e-5
+# over: linear in the graph (about 2 s at 100,000 nodes on a quiet core, 5 s on a busy one); the
+# phases leave this much for it.
+FINISH_S_PER_NODE = 6e-5
 # The window relaxation's share of the time limit (poet_opt/solver/bounds.py), and its time without one
 # (the full MILP then runs to the optimum anyway: the window can only spare it when the start is
 # already within the gap). Below WINDOW_BOUND_MIN_DECISIONS binaries the full MILP proves more, sooner.
@@ -572,6 +535,10 @@ WINDOW_BOUND_SHARE = 0.2
 WINDOW_BOUND_TIME_S = 5.0
 WINDOW_BOUND_MIN_DECISIONS = 20_000
 FULL_MILP_MAX_DECISIONS = 300_000
+# Building the model takes 1.4 KiB per binary (measured on random graphs of 600 and 1,200 nodes:
+# 0.4 GiB for 0.3 million, 1.6 GiB for 1.2 million), and HiGHS copies it: 6 million is some 8 GiB
+# before that copy. A row-tiled bert-base has 2.3 billion.
+FULL_MILP_MEMORY_MAX_DECISIONS = 6_000_000
 # Seconds per binary that building the Formulation takes, with room to spare: 35-80 us measured on
 # random graphs of 120-600 nodes on a loaded 2-core machine (benchmarks/ORDERS.md, time limits).
 BUILD_S_PER_DECISION = 100e-6
@@ -666,8 +633,9 @@ def _raise_infeasible(graph, costs, budgets, mode, backend, time_limit=None, ord
                                     time_limit=limit)
     runtime_note = "" if math.isinf(budgets.runtime_s) else f" and runtime {format_seconds(budgets.runtime_s)}"
     if budgets.min_lifetime_steps is not None and mode in ("joint", "paging"):
+        allowed = budgets.erase_bytes if math.isfinite(budgets.erase_bytes) else budgets.storage_bytes
         runtime_note += (f" and a wear budget of {budgets.min_lifetime_steps:,} steps (at most "
-                         f"{format_bytes(budgets.storage_bytes)} paged out per step)")
+                         f"{format_bytes(allowed)} of erase blocks worn by paging per step)")
     orders = "this execution order" if orders_tried == 1 else f"any of the {orders_tried} execution orders tried"
     head = f"no schedule fits {format_bytes(budgets.ram_bytes)} of RAM{runtime_note} in mode {mode} in {orders}"
     if orders_tried > 1:

@@ -35,7 +35,7 @@ import scipy.sparse as sp
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Budgets, Decisions
+from poet_opt.schedule.decisions import Budgets, Decisions, storage_limits
 
 MODES = ("joint", "remat", "paging", "none")
 
@@ -446,12 +446,11 @@ class Formulation:
             slack = self.budgets.runtime_s * (1 - self.runtime_margin) - plain_s - outside_s
             extra.add_row(run_cols, run_vals / unit, -np.inf, slack / unit)
 
-        # (8) storage capacity: every paged tensor holds its own erase-block-aligned region (and
-        #     erases it once per step, which is what a wear budget, --min-lifetime-steps, bounds)
-        if len(mo):
-            capacity = float(self.budgets.storage_bytes)  # the row in units of it, as for memory
-            if capacity > 0:
-                extra.add_row(self.Mout[mo], costs.storage_bytes[mo] / capacity, -np.inf, 1.0)
+        # (8) storage: what the paged tensors occupy (whole sectors or erase blocks) within what is
+        #     free, and the erase blocks their page-outs wear per step within a wear budget
+        for per_tensor, limit in (storage_limits(costs, self.budgets) if len(mo) else ()):
+            if limit > 0:  # the row in units of its limit, as for memory
+                extra.add_row(self.Mout[mo], per_tensor[mo] / limit, -np.inf, 1.0)
             else:  # no storage at all (a wear budget the medium cannot meet): no page-out
                 ub[self.Mout[mo]] = 0.0
 

@@ -30,11 +30,16 @@ import scipy.sparse as sp
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, totals_of
+from poet_opt.schedule.decisions import Budgets, Decisions, build_steps, storage_limits, totals_of
 from poet_opt.solver.backends import Settle, solve_milp
 from poet_opt.solver.formulation import Milp
 
 CHAIN_DEPTH = 4
+MAX_RAM_ROW_ENTRIES = 20_000_000
+
+
+class TooLarge(Exception):
+    """The model would not be built within memory and time worth spending on a start."""
 
 
 class GapMilp:
@@ -56,6 +61,11 @@ class GapMilp:
                 if b - a >= 2 and size[i] > 0:
                     owner.append(i), gap_a.append(a), gap_b.append(b)
         self.plain_live = np.cumsum(live)[:T]
+        # each gap puts one entry in the RAM row of every stage it spans: quadratic in a long graph
+        # (325 million entries, 7 GiB of arrays, for a row-tiled bert-base), where no MILP would solve
+        spans = sum(b - a - 1 for a, b in zip(gap_a, gap_b))
+        if spans > MAX_RAM_ROW_ENTRIES:
+            raise TooLarge(f"{spans:,} RAM-row entries")
         self.owner, self.gap_a, self.gap_b = np.array(owner, dtype=np.int64), np.array(gap_a), np.array(gap_b)
         G = len(owner)
         # columns: P[g] page in after gap g, C[g] recompute after gap g, O[i] page i out
@@ -185,11 +195,11 @@ class GapMilp:
                 extra_r.append(np.full(len(cl), r)), extra_c.append(cl), extra_v.append(np.asarray(v) / scale)
             lo.append(-np.inf), hi.append((budgets.runtime_s - plain_s) / scale)
             r += 1
-        no_storage = paged_tensors and float(budgets.storage_bytes) <= 0  # a wear budget that forbids paging
-        if paged_tensors and not no_storage:
-            cap = float(budgets.storage_bytes)
+        limits = storage_limits(costs, budgets) if paged_tensors else []
+        no_storage = any(limit <= 0 for _, limit in limits)  # a wear budget that forbids paging
+        for per_tensor, limit in ([] if no_storage else limits):
             extra_r.append(np.full(len(paged_tensors), r)), extra_c.append(self.O[paged_tensors])
-            extra_v.append(costs.storage_bytes[paged_tensors] / cap)
+            extra_v.append(per_tensor[paged_tensors] / limit)
             lo.append(-np.inf), hi.append(1.0)
             r += 1
         A = sp.csr_matrix((np.concatenate(A_vals + extra_v), (np.concatenate(A_rows + extra_r),
@@ -239,7 +249,10 @@ def gap_milp_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode
     or None. ``settle``: when it may stop short of ``gap`` (None: only at ``gap`` or the limit)."""
     if mode == "none":
         return None
-    model = GapMilp(graph, costs, budgets, mode)
+    try:
+        model = GapMilp(graph, costs, budgets, mode)
+    except TooLarge:
+        return None
     try:
         result = solve_milp(model.milp, time_limit=time_limit, gap=gap, threads=threads, settle=settle)
     except (ValueError, RuntimeError):

@@ -12,8 +12,8 @@ from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import (Budgets, Decisions, Keep, build_steps, paged_region_bytes,
-                                         plain_decisions, totals_of)
+from poet_opt.schedule.decisions import (Budgets, Decisions, Keep, build_steps, paged_erased_bytes,
+                                         paged_region_bytes, plain_decisions, storage_limits, totals_of)
 from poet_opt.solver.backends import interrupted
 from poet_opt.solver.baselines import dtr_decisions, sqrt_n_decisions, without_idle_keeps
 from poet_opt.solver.checkpointing import checkpoint_decisions
@@ -151,7 +151,7 @@ def farthest_use_paging(graph: TrainingGraph, budgets: Budgets) -> Decisions | N
 
 def _keep_rank(distance: int, nbytes: int) -> tuple:
     """Which tensors stay for the next stage first: what it reads, then the least bytes times
-    stages held. Every paged tensor takes a whole erase block of storage however small it is, so
+    stages held. On raw flash every paged tensor takes a whole erase block however small it is, so
     holding many small tensors and paging a few large ones keeps the plan within the storage."""
     return (0, 0) if distance == 1 else (1, nbytes * distance)
 
@@ -246,8 +246,10 @@ def recomputes_after_update(graph: TrainingGraph, decisions: Decisions) -> bool:
 
 
 def fits_storage(costs: NodeCosts, budgets: Budgets, decisions: Decisions) -> bool:
-    """The paged tensors' regions within the storage budget."""
-    return paged_region_bytes(costs, decisions) <= float(budgets.storage_bytes) * (1 + 1e-12)
+    """The paged tensors within the storage budget: the space they occupy and the wear they cost."""
+    paged = list(decisions.page_out)
+    return all(float(per_tensor[paged].sum()) <= limit * (1 + 1e-12)
+               for per_tensor, limit in storage_limits(costs, budgets))
 
 
 def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
@@ -478,18 +480,21 @@ def spill_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
 
 
 def _spill_within_storage(owner, gap_a, gap_b, size, is_param, dropped, live, ram, costs, budgets) -> bool:
-    """Keep whole tensors in RAM again, instead of paging them, until the paged regions fit the
-    storage budget (each region is whole erase blocks: on an SD card 4 MiB for a tensor of a few
-    KiB), those that free the fewest byte-stages of RAM per byte of storage first, where RAM allows.
-    Updates ``dropped`` and ``live``; False when storage cannot be met this way."""
+    """Keep whole tensors in RAM again, instead of paging them, until the paged tensors fit the
+    storage budget (on raw flash each takes whole erase blocks, 64 KiB for a tensor of a few KiB)
+    and the wear budget, those that free the fewest byte-stages of RAM per byte of storage (or of
+    wear, whichever is over) first, where RAM allows. Updates ``dropped`` and ``live``; False when
+    storage cannot be met this way."""
     import numpy as np
 
     paged = dropped & ~is_param
-    region = costs.storage_bytes
-    used = float(region[np.unique(owner[paged])].sum()) if paged.any() else 0.0
-    limit = float(budgets.storage_bytes) * (1 + 1e-12)
-    if used <= limit:
+    tensors = np.unique(owner[paged]) if paged.any() else np.zeros(0, dtype=np.int64)
+    limits = [(per_tensor, limit * (1 + 1e-12)) for per_tensor, limit in storage_limits(costs, budgets)]
+    used = [float(per_tensor[tensors].sum()) for per_tensor, _ in limits]
+    over = [k for k, (_, limit) in enumerate(limits) if used[k] > limit]
+    if not over:
         return True
+    region = sum(limits[k][0] for k in over)  # what a tensor kept in RAM gives back, over the rows broken
     by_tensor: dict[int, list[int]] = {}
     for g in np.flatnonzero(paged).tolist():
         by_tensor.setdefault(int(owner[g]), []).append(g)
@@ -501,8 +506,9 @@ def _spill_within_storage(owner, gap_a, gap_b, size, is_param, dropped, live, ra
             for g in gs:
                 live[int(gap_a[g]) + 1:int(gap_b[g])] += int(size[i])
                 dropped[g] = False
-            used -= float(region[i])
-            if used <= limit:
+            for k, (per_tensor, _) in enumerate(limits):
+                used[k] -= float(per_tensor[i])
+            if all(used[k] <= limit for k, (_, limit) in enumerate(limits)):
                 return True
     return False
 
@@ -517,12 +523,17 @@ def storage_shortfall(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) 
 
     if not graph.streams_weights or not math.isfinite(budgets.storage_bytes):
         return None
-    roomy = spill_plan(graph, costs, replace(budgets, storage_bytes=float("inf")))
+    roomy = spill_plan(graph, costs, replace(budgets, storage_bytes=float("inf"), erase_bytes=float("inf")))
     if roomy is None or fits_storage(costs, budgets, roomy):
         return None
+    occupied = paged_region_bytes(costs, roomy)
+    if occupied > budgets.storage_bytes:
+        return (f"the paging plan that fits {format_bytes(budgets.ram_bytes)} pages {len(roomy.page_out):,} "
+                f"tensors: {format_bytes(occupied)} of storage, more than the "
+                f"{format_bytes(budgets.storage_bytes)} left beside the weights")
     return (f"the paging plan that fits {format_bytes(budgets.ram_bytes)} pages {len(roomy.page_out):,} tensors, "
-            f"each in whole erase blocks: {format_bytes(paged_region_bytes(costs, roomy))} of storage, more than the "
-            f"{format_bytes(budgets.storage_bytes)} left beside the weights")
+            f"wearing {format_bytes(paged_erased_bytes(costs, roomy))} of erase blocks per step, more than the "
+            f"{format_bytes(budgets.erase_bytes)} that --min-lifetime-steps leaves beside the weight updates")
 
 
 def refuse_on_storage(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets) -> None:

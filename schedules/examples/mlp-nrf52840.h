@@ -28,6 +28,9 @@
 #define POET_LIVE_PEAK_BYTES 7232u
 #define POET_FLASH_BYTES 4194304u
 #define POET_ERASE_BLOCK_BYTES 4194304u
+/* storage regions (streamed weights, paged tensors) start on multiples of this: erase blocks
+   of their own on raw flash, 512-byte sectors packed on a wear-levelled block device */
+#define POET_REGION_ALIGNMENT_BYTES 4194304u
 #define POET_NUM_STEPS 35u
 #define POET_NUM_TENSORS 16u
 #define POET_NUM_OPERANDS 23u

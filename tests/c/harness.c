@@ -28,12 +28,17 @@ static int fail_read;
 static int flash_write(void *user, uint32_t offset, const uint8_t *src, uint32_t bytes) {
     uint32_t start = offset, end = offset + bytes;
     (void)user;
-    if (offset % POET_ERASE_BLOCK_BYTES || end > POET_FLASH_BYTES) return -2;
-    /* erase the blocks the region spans (NOR/NAND reads erased bytes as 0xFF), then program */
+    if (offset % POET_REGION_ALIGNMENT_BYTES || end > POET_FLASH_BYTES) return -2;
+#if POET_REGION_ALIGNMENT_BYTES == POET_ERASE_BLOCK_BYTES
+    /* raw flash: erase the blocks the region spans (NOR/NAND reads erased bytes as 0xFF), then
+       program; the region is whole blocks of its own */
     end = (end + POET_ERASE_BLOCK_BYTES - 1u) / POET_ERASE_BLOCK_BYTES * POET_ERASE_BLOCK_BYTES;
     if (end > POET_FLASH_BYTES) end = POET_FLASH_BYTES;
     memset(flash + start, 0xFF, end - start);
     memset(flash_written + start, 0, end - start);
+#else
+    (void)start; /* a card packed in sectors: no erase, the write overwrites exactly its bytes */
+#endif
     memcpy(flash + offset, src, bytes);
     memset(flash_written + offset, 1, bytes);
     bytes_written += bytes;
