@@ -235,8 +235,8 @@ class GapMilp:
 
 # The gap MILP searches to a gap of 1e-6 but may settle (backends.Settle) once within 1e-4, where it
 # used to stop: past 1e-4 it still finds cheaper plans for a while, and those were the plans by which
-# CP-SAT ended below the default path on MobileNetV2, ResNet-50 and the layered graphs' joint mode
-# (0.0002%-0.009%, benchmarks/HARD.md), for 0-2.6 s more; it stops as soon as they stop coming.
+# CP-SAT ended below the default path on MobileNetV2 and on the 100-node layered graph at 70% (joint)
+# (0.0002%-0.009%, benchmarks/HARD.md, "Primal"), for 0.03-2.2 s more; it stops once they stop coming.
 # The order screen (driver._screen_orders) still stops at 1e-4: it only ranks orders by these plans.
 GAP = 1e-6
 SETTLE = Settle(gap=1e-4)
