@@ -83,6 +83,22 @@ def _params(ops, gen):
     return params
 
 
+def _two_steps_as_sgd(ops, params, x, y, run_step, peak_bytes: int) -> None:
+    """Two steps of torch.optim.SGD (lr 0.05) on the unsplit network from ``params``, each beside one
+    ``run_step()`` of the plan: the same loss each time, within ``peak_bytes`` of RAM. ``params`` end
+    as SGD leaves them, for the caller to compare with the plan's weights."""
+    reference = [p.requires_grad_(True) for layer in params.values() for p in layer.values()]
+    sgd = torch.optim.SGD(reference, lr=0.05)
+    for _ in range(2):
+        sgd.zero_grad()
+        loss, _ = _reference(ops, params, x, y)
+        loss.backward()
+        sgd.step()
+        ran = run_step()
+        _close(ran["loss"], loss.detach(), "loss")
+        assert ran["peak_bytes"] <= peak_bytes
+
+
 def _close(a, b, what):
     scale = max(float(b.abs().max()), 1e-30)
     err = float((a - b).abs().max()) / scale
@@ -233,16 +249,7 @@ def test_a_slice_blocks_plan_validates_and_trains_as_pytorch_sgd():
     mine = _sliced(net, builder, params)
     x = torch.randn(2, 3, 16, 14, generator=gen, dtype=torch.float64)
     y = torch.tensor([1, 3])
-    reference = [p.requires_grad_(True) for layer in params.values() for p in layer.values()]
-    sgd = torch.optim.SGD(reference, lr=0.05)
-    for _ in range(2):
-        sgd.zero_grad()
-        loss, _ = _reference(net.ops, params, x, y)
-        loss.backward()
-        sgd.step()
-        ran = run_plan(schedule.graph, steps, mine, x, y, 0.05)
-        _close(ran["loss"], loss.detach(), "loss")
-        assert ran["peak_bytes"] <= 20_000
+    _two_steps_as_sgd(net.ops, params, x, y, lambda: run_plan(schedule.graph, steps, mine, x, y, 0.05), 20_000)
     for name, layer in params.items():
         pieces = builder.meta["tiles"].get(name, [name])
         for role, p in layer.items():
@@ -421,16 +428,7 @@ def test_the_strip_plan_trains_as_pytorch_sgd(vww_strip_plan):
     mine = {name: {r: v.clone() for r, v in layer.items()} for name, layer in params.items()}
     x = torch.randn(1, 1, 96, 96, generator=gen, dtype=torch.float64)
     y = torch.tensor([1])
-    reference = [p.requires_grad_(True) for layer in params.values() for p in layer.values()]
-    sgd = torch.optim.SGD(reference, lr=0.05)
-    for _ in range(2):
-        sgd.zero_grad()
-        loss, _ = _reference(net.ops, params, x, y)
-        loss.backward()
-        sgd.step()
-        ran = run_plan(graph, steps, mine, x, y, 0.05)
-        _close(ran["loss"], loss.detach(), "loss")
-        assert ran["peak_bytes"] <= 64 * 1024
+    _two_steps_as_sgd(net.ops, params, x, y, lambda: run_plan(graph, steps, mine, x, y, 0.05), 64 * 1024)
     for name, layer in params.items():
         for role, p in layer.items():
             _close(mine[name][role], p.detach(), f"{name}.{role} after two steps")

@@ -380,8 +380,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     first = decisions = form = None
     build_s = 0.0
     skip_full = skip_full and bool(candidates)
-    full_note = (f"skipped: {full_decisions} binaries" + ("" if time_limit is not None else ", too many to build in "
-                                                         "memory") if skip_full else "solved")
+    why = "" if time_limit is not None else ", too many to build in memory"
+    full_note = f"skipped: {full_decisions} binaries{why}" if skip_full else "solved"
     head = cost_cap = None
     if candidates and not skip_full:
         head = _energy(graph, costs, candidates[0])
