@@ -32,8 +32,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     weights; model/strips.py): "auto" splits activations into strips along H only when some node's
     working set and ``stack_reserve_bytes`` exceed ``device_ram_bytes`` otherwise, with the fewest
     strips that bring every node within ``ram_bytes`` and the device; "off" never; N: at most N
-    strips per tensor. ``before_tiling`` is called with a zoo model's streamed graph before it is split
-    into strips or rows (seconds for bert-base), to refuse it early. Returns (graph, display name)."""
+    strips per tensor. ``before_tiling`` is called with a zoo model's or torch module's streamed graph before
+    it is split into strips or rows (seconds for bert-base), to refuse it early. Returns (graph, display name)."""
     given = [(flag, value) for flag, value in (("--model", model), ("--graph", graph_file), ("--torch", torch),
                                                 ("--onnx", onnx)) if value]
     if len(given) != 1:
@@ -148,6 +148,13 @@ def _strips_value(strips):
     raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
 
 
+def _strip_budget(device_ram_bytes, stack_reserve_bytes: int, ram_bytes):
+    """What every node of a tiled graph must fit: the RAM budget and the device beside its stack
+    reserve, whichever is known and smaller (None: neither)."""
+    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
+    return budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
+
+
 def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, strips, bytes_per_element: int,
                    device_ram_bytes, stack_reserve_bytes: int, ram_bytes) -> TrainingGraph:
     """A torch CNN's graph with its activations in strips, lowered as `poet-opt emulate` lowers it
@@ -162,8 +169,7 @@ def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, stri
     if bytes_per_element != 4:
         raise PoetError(f"activation strips of a torch module are planned in fp32, not {bytes_per_element} bytes "
                         "per element", field="--strips")
-    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
-    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
+    budget = _strip_budget(device_ram_bytes, stack_reserve_bytes, ram_bytes)
     from poet_opt.model.network import lower_network
     from poet_opt.model.operators import parse_full_shape
 
@@ -183,8 +189,7 @@ def _striped(graph: TrainingGraph, build, strips, device_ram_bytes, stack_reserv
     from poet_opt.model.strips import fit_strips, low_memory
 
     transformer = any(n.op == "matmul" for n in graph.nodes)
-    budget = None if device_ram_bytes is None else device_ram_bytes - stack_reserve_bytes
-    budget = budget if ram_bytes is None else ram_bytes if budget is None else min(budget, ram_bytes)
+    budget = _strip_budget(device_ram_bytes, stack_reserve_bytes, ram_bytes)
     if strips != "auto" and not transformer:
         return low_memory(build(strips), budget)
     if strips == "auto" and (device_ram_bytes is None or
