@@ -83,13 +83,10 @@ class _Group(click.Group):
         try:
             self._main(args, prog_name, complete_var, **extra)
         except SystemExit as exc:
-            from poet_opt.solver.backends import abandoned_runs_alive
+            from poet_opt.solver.backends import leave_now_if_abandoned
 
-            if abandoned_runs_alive():
-                sys.stdout.flush()
-                sys.stderr.flush()
-                code = exc.code
-                os._exit(code if isinstance(code, int) and not isinstance(code, bool) else (0 if code is None else 1))
+            code = exc.code
+            leave_now_if_abandoned(code if isinstance(code, int) and not isinstance(code, bool) else (0 if code is None else 1))
             raise
 
     def _main(self, args, prog_name, complete_var, **extra):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import signal
 import sys
 import threading
@@ -195,15 +196,18 @@ def _wait_for_abandoned_runs() -> None:
 ABANDONED_EXIT_WAIT_S = 30.0
 
 
-def abandoned_runs_alive(wait_s: float = 0.3) -> bool:
-    """Whether a HiGHS run given up on (after a time limit or a Ctrl-C) is still inside HiGHS after
-    ``wait_s`` more seconds. A command that must end now (exit 130 within 2 s of a Ctrl-C) then
-    leaves by os._exit after flushing its output: interpreter shutdown would wait for it, or crash
-    when it comes back into Python."""
+def leave_now_if_abandoned(code: int, wait_s: float = 0.3) -> None:
+    """Ends the process with ``code`` at once when a HiGHS run given up on (after a time limit or a
+    Ctrl-C) is still inside HiGHS after ``wait_s`` more seconds: a command that must end now (exit
+    130 within 2 s of a Ctrl-C) leaves by os._exit after flushing its output, since interpreter
+    shutdown would wait for that run, or crash when it comes back into Python. Otherwise returns."""
     until = time.perf_counter() + wait_s
     for worker in _ABANDONED:
         worker.join(max(0.0, until - time.perf_counter()))
-    return any(worker.is_alive() for worker in _ABANDONED)
+    if any(worker.is_alive() for worker in _ABANDONED):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> SolveResult:
