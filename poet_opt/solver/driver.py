@@ -162,8 +162,8 @@ def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began
         outcomes.append(outcome)
         if outcome.status == "interrupted" or interrupted():
             break  # the user asked to stop: keep what was found so far
-        if outcome.energy is not None and outcome.energy <= floor * (1 + 1e-12):
-            break  # plain training's energy: no order can do better
+        if outcome.energy is not None and relative_gap(outcome.energy, floor) <= max(gap, 1e-12):
+            break  # within the gap of plain training's energy, which bounds every order: proven
 
     found = [o for o in outcomes if o.decisions is not None]
     if not found:
@@ -349,8 +349,22 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     reserve = 0.0 if time_limit is None else FINISH_S_PER_NODE * len(graph)  # replay, validation, summary: last
     gap_milp_fits = time_limit is None or GAP_MILP_BUILD_S_PER_NODE_SQUARED * len(graph) ** 2 <= 0.5 * (
         time_limit - (time.perf_counter() - began) - reserve)
-    within_floor = bool(candidates) and skip_full and relative_gap(_energy(graph, costs, candidates[0]), floor) <= gap
-    if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not within_floor \
+    # The caller's plan (a Pareto sweep passes the budget below's) is one more candidate, so every
+    # path below can take it: the gap MILP's rival, the full MILP's start, the floor check, and the
+    # plan kept on a skip.
+    warm = _fitting_plan(graph, costs, budgets, mode, profile, start)
+    if warm is not None and not fits_storage(costs, budgets, warm):
+        warm = None
+    if warm is not None:
+        candidates = sorted([warm, *candidates], key=lambda d: _energy(graph, costs, d))
+    # Plain training's energy bounds every plan: a start that close to it is proven within the gap
+    # asked for (plain training itself when it fits), and every phase after it could only polish the
+    # plan below the gap the user accepted or confirm the proof, so none runs. (A backend the user
+    # named explicitly still runs, and says so if it is missing.)
+    cheapest = _energy(graph, costs, candidates[0]) if candidates else None
+    proven_by_floor = backend == "highs" and cheapest is not None and \
+        relative_gap(cheapest, min(floor, cheapest)) <= max(gap, 1e-12)
+    if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not proven_by_floor \
             and not interrupted():
         # The compact gap MILP's optimum is a plan of the full space: a better start in a second or
         # two (not a bound). Its time counts against the user's limit; it gets most of it when the
@@ -370,13 +384,6 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
             energy = [_energy(graph, costs, d) for d in (best, candidates[0])]
             candidates = [best, *candidates] if energy[0] <= energy[1] else [candidates[0], best, *candidates[1:]]
         solve_s += time.perf_counter() - started
-    # The caller's plan (a Pareto sweep passes the budget below's) is one more candidate, so every
-    # path below can take it: the full MILP's start, the floor check, and the plan kept on a skip.
-    warm = _fitting_plan(graph, costs, budgets, mode, profile, start)
-    if warm is not None and not fits_storage(costs, budgets, warm):
-        warm = None
-    if warm is not None:
-        candidates = sorted([warm, *candidates], key=lambda d: _energy(graph, costs, d))
     first = decisions = form = None
     build_s = 0.0
     skip_full = skip_full and bool(candidates)
@@ -388,15 +395,10 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         # No plan at least as good as the best start spends more than it does above plain training on
         # any one action: the full MILP leaves out every dearer one (see Formulation's cost_cap).
         cost_cap = (head - floor) + 1e-9 * head
-    if candidates and backend == "highs":
-        # Plain training's energy bounds every plan: a start that close to it is already proven within
-        # the gap asked for (plain training itself when it fits), and the full MILP can only confirm it.
-        # (A backend the user named explicitly still runs, and says so if it is missing.)
-        best = _energy(graph, costs, candidates[0])
-        if relative_gap(best, min(floor, best)) <= max(gap, 1e-12):
-            skip_full, full_note = True, "not needed: the best start is within the gap of the plain-training floor"
+    if proven_by_floor:
+        skip_full, full_note = True, "not needed: the best start is within the gap of the plain-training floor"
     window = None
-    if backend == "highs" and candidates and mode != "none" \
+    if backend == "highs" and candidates and mode != "none" and not proven_by_floor \
             and (skip_full or full_decisions > WINDOW_BOUND_MIN_DECISIONS) \
             and graph.plain_peak_bytes() > budgets.ram_bytes and not interrupted():
         # A relaxation small enough to solve at any size (poet_opt/solver/bounds.py): the bound that
@@ -408,9 +410,6 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
             left = time_limit - (time.perf_counter() - began) - reserve
             # with the full MILP skipped, the bound and the window search share what remains
             limit = 0.45 * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
-        if full_note.startswith("not needed"):
-            # already proven within the gap by the floor: one small LP says by how much less
-            limit = min(limit, WINDOW_BOUND_TIME_S)
         if limit > 0.1:
             phase("window bound")
             window = window_bound(graph, costs, budgets, mode, time_limit=limit, threads=threads,
