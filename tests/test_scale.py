@@ -110,6 +110,68 @@ def test_gap_milp_is_exact_on_its_space_and_a_restriction_of_the_full_one(seed):
     assert solve(graph, device, ram=ram, gap=0).totals["energy_j"] <= energy * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("seed,fraction", [(8, 0.7), (15, 0.8), (21, 0.8)])
+def test_the_gap_milp_brings_a_tensor_back_early_for_a_reader_recomputed_there(monkeypatch, seed, fraction):
+    """A tensor may come back inside its gap, where a reader of it is recomputed, and stay until its
+    own read: cheaper than keeping it from the forward pass on or recomputing it twice (on seed 15 the
+    gap MILP without such returns finds no plan at all). The plan replays within budget, the full
+    MILP accepts it as a start, and the full MILP's optimum is no dearer."""
+    from poet_opt.schedule import validator
+    from poet_opt.schedule.document import Schedule
+    from poet_opt.solver import gap_milp
+    from poet_opt.solver.driver import solve
+
+    graph = random_training_graph(8, seed, max_fan_in=3, skip_prob=0.5)
+    device = load_profile("rpi4")
+    costs = node_costs(graph, device)
+    budgets = resolve_budgets(graph, device, costs, int(fraction * graph.plain_peak_bytes()))
+    plan = gap_milp.gap_milp_plan(graph, costs, budgets, "remat", time_limit=20, gap=0, settle=None)
+    monkeypatch.setattr(gap_milp, "MAX_EARLY_RETURNS", 0)
+    late_only = gap_milp.gap_milp_plan(graph, costs, budgets, "remat", time_limit=20, gap=0, settle=None)
+    energy = heuristics.plan_energy_j(graph, costs, plan)
+    assert late_only is None or energy < heuristics.plan_energy_j(graph, costs, late_only) * (1 - 1e-6)
+    users = graph.users()
+    # recomputed in a stage that does not read it, and kept from there (a chain link is not kept)
+    assert any(t not in users[i] and (t + 1, i) in plan.keep for t, i in plan.recompute)
+    steps = build_steps(graph, plan)
+    validator.replay(Schedule(model=graph.name, mode="remat", graph=graph, profile=device, costs=costs,
+                              budgets=budgets, decisions=plan, steps=steps, totals=totals_of(graph, costs, steps),
+                              plain={}, solver={}).to_dict())
+    assert Formulation(graph, costs, budgets, "remat").encode(plan) is not None
+    assert solve(graph, device, ram=budgets.ram_bytes, mode="remat", gap=0, order="given").totals["energy_j"] \
+        <= energy * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("mode", ["remat", "joint"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_without_early_returns_is_the_start_of_the_model_with_them(seed, mode):
+    """gap_milp_plan solves without early returns first and hands that plan to the model with them:
+    it must encode there (a point that keeps every row and decodes to the same plan), or the
+    second solve could end above the first."""
+    from poet_opt.solver import gap_milp
+    from poet_opt.solver.backends import solve_milp
+
+    graph = random_training_graph(12, seed, max_fan_in=3, skip_prob=0.5)
+    device = load_profile("rpi4")
+    costs = node_costs(graph, device)
+    budgets = resolve_budgets(graph, device, costs, int(0.85 * graph.plain_peak_bytes()))
+    late = gap_milp.GapMilp(graph, costs, budgets, mode, early_returns=0)
+    result = solve_milp(late.milp, time_limit=20, gap=0)
+    if result.x is None:
+        pytest.skip("nothing in the space without early returns fits")
+    plan = late.decode(result.x)
+    assert late.encode(plan) is not None
+    model = gap_milp.GapMilp(graph, costs, budgets, mode)
+    assert model.has_early_returns
+    x = model.encode(plan)
+    assert x is not None and model.decode(x) == plan
+    m = model.milp
+    rows = m.A @ x
+    assert (rows >= m.row_lb - 1e-9).all() and (rows <= m.row_ub + 1e-9).all()
+    assert (x >= m.lb).all() and (x <= m.ub).all()
+    assert float(m.c @ x) + m.offset == pytest.approx(heuristics.plan_energy_j(graph, costs, plan), rel=1e-9)
+
+
 def test_past_the_size_limit_the_best_start_stands_with_the_floor_as_bound(monkeypatch):
     import poet_opt.solver.driver as solve_module
 
