@@ -199,3 +199,18 @@ def test_cli_order_flag_and_json():
         bad = CliRunner().invoke(main, ["solve", "--graph", str(path), "--device", "rpi4", "--ram", "1MB",
                                         "--order", "best"])
         assert bad.exit_code == 2
+
+
+def test_a_plan_proven_by_plain_trainings_energy_is_claimed_for_every_order():
+    """When the bound that proves the gap is plain training's energy, the claim covers every
+    execution order (no step sequence in any order goes below it); a bound from a solve in one
+    order is claimed for that order only."""
+    from poet_opt.schedule.report import claim
+
+    graph, device = GRAPHS[4], make_test_device()
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    near = solve(graph, device, ram=hi - (hi - lo) // 20, order="given", gap=0.5, time_limit=30)
+    assert near.solver["status"] == "gap_limit" and near.solver["bound"] == near.solver["plain_floor_j"]
+    assert "of the least energy in any execution order" in claim(near)
+    near.solver["gap_any_order"] = 2 * near.solver["gap"]  # as if a bound above the floor had proved it
+    assert "of the least energy in the given execution order" in claim(near)
