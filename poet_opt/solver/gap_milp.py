@@ -173,7 +173,7 @@ class GapMilp:
         is_early[first_ret[1:] - 1] = False
         away = np.full(R, -1, dtype=np.int64)
         away[is_early] = columns(int(is_early.sum()))
-        self.away, self.first_ret = away, first_ret
+        self.away = away
         n = ncol
 
         def away_terms(q):
