@@ -82,17 +82,19 @@ def test_a_wear_budget_on_a_packed_card_bounds_wear_not_occupancy():
     """Occupancy and wear are two rows: a wear budget binds on the units the page-outs touch, which
     on a packed card are far more than the sectors they occupy."""
     device, graph, ram = _many_small_tensors_case()
-    free = solve(graph, device, ram=ram, mode="joint", time_limit=20, order="given")
+    free = solve(graph, device, ram=ram, mode="joint", time_limit=8, order="given")
     worn = free.erased_bytes_per_step()
     costs = node_costs(graph, device)
     paged = sorted(free.decisions.page_out)
     assert worn > 4 * float(costs.storage_bytes[paged].sum())
     endurance, capacity = device.storage.endurance_cycles, device.storage.capacity_bytes
     steps = endurance * capacity // (worn // 2)  # half the wear of the unbounded plan
-    bounded = solve(graph, device, ram=ram, mode="joint", time_limit=20, order="given", min_lifetime_steps=steps)
+    bounded = solve(graph, device, ram=ram, mode="joint", time_limit=8, order="given", min_lifetime_steps=steps)
     assert bounded.lifetime_steps() is None or bounded.lifetime_steps() >= steps
     assert bounded.erased_bytes_per_step() <= endurance * capacity // steps
-    assert bounded.totals["energy_j"] >= free.totals["energy_j"] * (1 - 1e-9)
+    # Both solves stop at their time limit, so the free plan is no floor for the bounded one (a slower
+    # machine searches less); the free problem's proven bound is, since a wear budget only removes plans.
+    assert bounded.totals["energy_j"] >= free.solver["bound"] * (1 - 1e-9)
     doc = bounded.to_dict()
     validate(doc)
     # the validator counts the same wear on its own: one more page-out than allowed is refused
