@@ -259,6 +259,11 @@ def test_run_refuses_bad_input_in_one_line(cnn_batch, tmp_path, monkeypatch):
     assert_one_line_error(cli(*run_args(cnn_batch, "--storage", sd, "--weights-out", out)), "--storage", "full",
                           out=out)
     assert not any(sd.iterdir())
+    # without --storage: the private temporary directory goes too
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert_one_line_error(cli(*run_args(cnn_batch, "--weights-out", out)), "--storage", "full", out=out)
+    assert not any((tmp_path / "tmp").iterdir())
 
 
 def test_run_stops_on_ctrl_c_with_nothing_written(cnn_batch, tmp_path):
