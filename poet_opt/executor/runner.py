@@ -117,6 +117,9 @@ def check_schedule(network: Network, doc: dict) -> None:
     if any(n.get("op") == "param" for n in nodes):
         raise PoetError("the plan streams its weights from storage (--weights streamed); the PyTorch executor "
                         "keeps them in RAM: solve it with --weights resident", field=SCHEDULE_FIELD)
+    if any(str(n.get("op", "")).endswith("_update") for n in nodes):
+        raise PoetError("the plan has the weight update as graph nodes (--optimizer); the PyTorch executor updates "
+                        "the weights after the step itself: solve it with --optimizer none", field=SCHEDULE_FIELD)
     graph = network.graph
     # the forward nodes first: a frozen layer has no gradient node, so the trainable set changes the
     # backward nodes and would otherwise read as another model
