@@ -192,7 +192,7 @@ def _with_strips(network: Network, strips, module, shape, profile, ram, *, train
 
 
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
-                 out_dir=None, progress=None) -> EmulatedTraining:
+                 out_dir=None, progress=None, program: bool | str = "auto") -> EmulatedTraining:
     """Generate, build and run the training step of a schedule of ``network.graph``: ``plan`` is
     a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here. A tiled network
     (``lower_network(..., tile_bytes=...)``) carries its tiles, so nothing more is needed here."""
@@ -204,7 +204,7 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
         plan = FirmwarePlan(plan, arena.plan_arena(doc), arena.plan_flash(doc))
     target = target_from_profile(profile)
     generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps, lr=float(lr),
-                                 x=x, y=y)
+                                 x=x, y=y, program=program)
     say = progress or (lambda text: None)
     # built in a scratch directory and copied to out_dir only once training ran: a failure leaves
     # nothing half-written there
@@ -215,6 +215,9 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
             # what a board's storage is provisioned with (dd it to the card, or program it to flash)
             image = weights_image(generated.param_layers, plan.flash, target.erased_byte)
             (work / "poet_weights.bin").write_bytes(image.tobytes())
+        if out_dir is not None and generated.program_offset is not None:
+            # provisioned at its offset (the header of poet_train.c names it) beside the weights
+            (work / "poet_program.bin").write_bytes(generated.program)
         if out_dir is not None:
             result.files = _keep(work, Path(out_dir))
         return result
@@ -289,6 +292,8 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     try:
         for node, layer in generated.param_layers.items():  # the board's storage, provisioned
             emulator.storage.load(plan.flash.offsets[node], codegen.packed_params(layer))
+        if generated.program_offset is not None:  # and the step program beside the weights
+            emulator.storage.load(generated.program_offset, np.frombuffer(generated.program, np.uint8))
         result = emulator.run()
         losses = emulator.read_symbol("poet_losses", np.float32).tolist()
         # torch name -> (parameter, its trained value): one pair per tile of a tiled layer
