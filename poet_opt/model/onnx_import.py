@@ -21,12 +21,11 @@ from pathlib import Path
 
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
+from poet_opt.model import ops as registry
 from poet_opt.model.operators import (
-    ELEMENTWISE,
     OpList,
     attention_flops,
     finish,
-    norm_flops,
     parse_full_shape,
     unsupported,
 )
@@ -36,11 +35,11 @@ FIELD = "--onnx"
 VIEWS = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout", "Cast", "Expand",
          "Slice", "Split"}
 METADATA = {"Shape", "Size", "ConstantOfShape", "NonZero"}  # outputs describe tensors; they are not tensors
-ACTIVATIONS = {"Relu": "relu", "Gelu": "gelu", "Tanh": "tanh", "Sigmoid": "sigmoid", "HardSwish": "hardswish",
-               "HardSigmoid": "hardsigmoid", "LeakyRelu": "leaky_relu", "Elu": "elu", "Softmax": "softmax",
-               "LogSoftmax": "log_softmax", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Erf": "erf", "Pow": "pow",
-               "Neg": "neg", "Abs": "abs", "Reciprocal": "reciprocal"}
-BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div"}
+# ONNX op types the registry costs per element and that read one activation: activations, softmax
+ACTIVATIONS = {t: s.name for s in registry.specs() for t in s.onnx if s.flops_per_element is not None and s.arity == 1
+               and s.family in ("activations", "attention")}
+BINARY = {t: s.name for s in registry.specs() for t in s.onnx if s.arity == 2 and s.flops_per_element is not None}
+NORMS = {t: s.name for s in registry.specs() for t in s.onnx if s.family == "norm"}
 FLOAT_TYPES = {1, 10, 11, 16}  # float, float16, double, bfloat16
 
 
@@ -175,19 +174,18 @@ def import_onnx(path, *, input_shape=None, bytes_per_element: int = 4, trainable
             saves = "other" if len(acts) == 2 and kind in ("mul", "div") else ""
         elif op_type == "Clip":
             kind = "relu6" if _clip_bounds(node, attrs, graph) == (0.0, 6.0) else "clip"
-            per, saves = ELEMENTWISE.get(kind, (2, "in"))
+            per, saves = registry.elementwise_rule(kind)
             flops = float(per * out_elems)
         elif op_type in ACTIVATIONS:
             kind = ACTIVATIONS[op_type]
-            per, saves = ELEMENTWISE[kind]
+            per, saves = registry.elementwise_rule(kind)
             flops = float(per * out_elems)
-        elif op_type in ("BatchNormalization", "LayerNormalization", "GroupNormalization",
-                         "InstanceNormalization"):
-            kind = {"BatchNormalization": "batchnorm", "LayerNormalization": "layernorm",
-                    "GroupNormalization": "groupnorm", "InstanceNormalization": "instancenorm"}[op_type]
+        elif op_type in NORMS:
+            kind = NORMS[op_type]
             if kind == "batchnorm":  # running mean and variance are buffers, not trained weights
                 params = sum(math.prod(weights[t]) for t in node.input[1:3] if t in weights)
-            flops, saves = norm_flops(out_elems), "in"
+            flops, saves = registry.elementwise_rule(kind)
+            flops = float(flops * out_elems)
         elif op_type == "MaxPool":
             kind, flops, saves = "maxpool", float(out_elems * math.prod(attrs.get("kernel_shape", [1]))), "in"
         elif op_type == "AveragePool":

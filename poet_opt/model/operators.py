@@ -18,36 +18,8 @@ from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.zoo import ForwardOp, training_graph
 
-# element-wise op -> (FLOP per element, what its backward reads), as PyTorch's autograd saves them
-ELEMENTWISE = {
-    "relu": (1, "out"),
-    "relu6": (2, "in"),
-    "leaky_relu": (2, "in"),
-    "gelu": (5, "in"),
-    "tanh": (5, "out"),
-    "sigmoid": (4, "out"),
-    "silu": (5, "in"),
-    "hardswish": (5, "in"),
-    "hardsigmoid": (3, "in"),
-    "elu": (5, "out"),
-    "softmax": (5, "out"),
-    "log_softmax": (5, "out"),
-    # plain math, as custom layers and older ONNX opsets (GELU through Erf) spell activations
-    "exp": (4, "out"),
-    "log": (4, "in"),
-    "sqrt": (2, "out"),
-    "erf": (5, "in"),
-    "pow": (4, "in"),
-    "neg": (1, ""),
-    "abs": (1, "in"),
-    "reciprocal": (1, "out"),
-}
-
-NORMS = ("batchnorm", "layernorm", "groupnorm", "instancenorm")
-
-
-def norm_flops(elements: int) -> float:
-    return 5.0 * elements  # mean, variance, normalise, scale, shift
+# What an operator costs per element and what its backward reads lives in the operator registry
+# (poet_opt.model.ops); the rule below needs more than the output's size.
 
 
 def attention_flops(batch_heads: int, seq_q: int, seq_k: int, d_qk: int, d_v: int) -> float:

@@ -36,11 +36,14 @@ import math
 from typing import Sequence
 
 from poet_opt.errors import PoetError
+from poet_opt.model import ops as registry
 from poet_opt.model.graph import Node, TrainingGraph
 from poet_opt.model.strips import first_node_of
 
 ROW_MARK, COL_MARK, HEAD_MARK = "@r", "@c", "@h"
-TOKENWISE = ("add", "gelu", "tanh")
+# elementwise operators (the registry's) go piece by piece: block b, feature piece j of the output
+# reads the same piece of each input
+TOKENWISE = tuple(n for n in registry.names(split="elementwise", tiling="rows") if n != "input")
 ROW_OPS = ("input", "embedding", "linear", "layernorm", "matmul", "softmax", *TOKENWISE)
 
 
@@ -337,9 +340,9 @@ class _Builder:
         elif o.op in TOKENWISE:
             if (b, j) in g:
                 deps = {g[b, j]}
-                if o.op == "gelu":
-                    deps.add(self.fwd[f][b, j])
-                elif o.op == "tanh":
+                if "in" in o.saves:  # gelu: the input piece, as the registry says its backward reads
+                    deps |= {self.fwd[x][b, j] for x in o.inputs}
+                if "out" in o.saves:  # tanh: the output piece
                     deps.add(self.fwd[u][b, j])
                 out.append({"deps": deps, "own": False, "flops": o.flops * self.share(b, u) * self.colshare(u, j),
                             "rec": {"kind": o.op, "layer": o.name}})

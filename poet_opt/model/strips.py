@@ -31,10 +31,13 @@ import math
 from typing import Sequence
 
 from poet_opt.errors import PoetError
+from poet_opt.model import ops as registry
 from poet_opt.model.graph import Node, TrainingGraph
 
-ELEMENTWISE = ("relu", "relu6", "gelu", "tanh", "add", "concat")
-WINDOWED = ("conv2d", "maxpool", "avgpool")
+# what the operator registry lets go strip by strip (activations, add, the concat of weight slices)
+# and what reads a window of rows (convolutions, pooling)
+ELEMENTWISE = tuple(n for n in registry.names(split=("elementwise", "channels"), tiling="strips") if n != "input")
+WINDOWED = registry.names(split="window", tiling="strips")
 STRIP_MARK = "@s"  # strip j of tensor L is named L@sj
 
 

@@ -22,13 +22,12 @@ from typing import Any, Callable
 
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
+from poet_opt.model import ops as registry
 from poet_opt.model.operators import (
-    ELEMENTWISE,
     OpList,
     attention_flops,
     elements,
     finish,
-    norm_flops,
     parse_full_shape,
     unsupported,
 )
@@ -304,8 +303,6 @@ def _attr_params(module, n) -> list:
 _VIEW_METHODS = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
                  "unsqueeze", "expand", "expand_as", "view_as", "reshape_as", "narrow", "chunk", "split", "unbind",
                  "detach", "clone", "float", "type_as", "to", "__getitem__", "getitem", "movedim", "swapaxes"}
-_BINARY = {"add": "add", "iadd": "add", "radd": "add", "sub": "sub", "isub": "sub", "rsub": "sub", "mul": "mul",
-           "imul": "mul", "rmul": "mul", "truediv": "div", "div": "div", "itruediv": "div"}
 
 
 def _callable_name(n) -> str:
@@ -332,32 +329,23 @@ def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_co
     if not isinstance(value, torch.Tensor):
         return None
     out = value.numel()
-    if fn in _BINARY:
-        kind = _BINARY[fn]
+    spec = registry.by_torch_function(fn)
+    if spec is not None and spec.arity == 2 and spec.flops_per_element is not None:  # add, sub, mul, div
         both = len(act_inputs) == 2
         # d(a*b)/da reads b: a product of two activations keeps the other operand
-        saves = "other" if both and kind in ("mul", "div") else ""
-        return kind, float(out), saves, []
-    if fn in ("cat", "concat", "concatenate", "stack"):
-        return "concat", float(out), "", []
-    if fn in ("matmul", "bmm", "mm"):
+        return spec.name, spec.flops(out), "other" if both and spec.saves == "other" else "", []
+    if spec is not None and spec.name == "concat":
+        return spec.name, spec.flops(out), spec.saves, []
+    if spec is not None and spec.name == "matmul":
         a = values[n.args[0]]
         return "matmul", 2.0 * out * a.shape[-1], "other", []
-    if fn == "scaled_dot_product_attention":
+    if spec is not None and spec.name == "attention":
         q, k, v = (values[a] for a in n.args[:3])
         batch_heads = q.numel() // (q.shape[-2] * q.shape[-1])
         return "attention", attention_flops(batch_heads, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]), \
             "in+out", []  # flash attention keeps q, k, v and its output
-    functional = {"relu": "relu", "relu_": "relu", "relu6": "relu6", "gelu": "gelu", "tanh": "tanh",
-                  "sigmoid": "sigmoid", "silu": "silu", "hardswish": "hardswish", "hardsigmoid": "hardsigmoid",
-                  "leaky_relu": "leaky_relu", "elu": "elu", "softmax": "softmax", "log_softmax": "log_softmax",
-                  "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "sqrt", "erf": "erf", "pow": "pow",
-                  "neg": "neg", "abs": "abs", "reciprocal": "reciprocal"}
-    if fn in functional:
-        per, saves = ELEMENTWISE[functional[fn]]
-        return functional[fn], float(per * out), saves, []
-    if fn in ("layer_norm", "batch_norm", "group_norm", "instance_norm"):
-        return fn.replace("_", ""), norm_flops(out), "in", []
+    if spec is not None and spec.flops_per_element is not None:  # activations, norms, embedding: per element
+        return spec.name, spec.flops(out), spec.saves, []
     if fn == "linear":
         return "linear", 2.0 * out * values[n.args[0]].shape[-1], "", []
     if fn in ("conv1d", "conv2d", "conv3d"):
@@ -372,8 +360,6 @@ def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_co
         return "avgpool", float(values[act_inputs[0]].numel()), "", []
     if fn in ("adaptive_max_pool2d", "amax", "max"):
         return "maxpool", float(values[act_inputs[0]].numel()), "in", []
-    if fn == "embedding":
-        return "embedding", float(out), "", []
     unsupported(fn, _name(n), known_costs, FIELD)
     return fn, 0.0, "in", []
 
@@ -409,21 +395,9 @@ def _lower_module(torch, n, m, value, act_inputs, values, known_costs):
         return f"conv{len(m.kernel_size)}d", 2.0 * out * per_output, "", params
     if isinstance(m, nn.Linear):
         return "linear", 2.0 * out * m.in_features, "", params
-    if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
-        return "batchnorm", norm_flops(out), "in", params
-    if isinstance(m, nn.LayerNorm):
-        return "layernorm", norm_flops(out), "in", params
-    if isinstance(m, nn.GroupNorm):
-        return "groupnorm", norm_flops(out), "in", params
-    if isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
-        return "instancenorm", norm_flops(out), "in", params
-    activations = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.GELU: "gelu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
-                   nn.SiLU: "silu", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid",
-                   nn.LeakyReLU: "leaky_relu", nn.ELU: "elu", nn.Softmax: "softmax", nn.LogSoftmax: "log_softmax"}
-    for cls, op in activations.items():
-        if isinstance(m, cls):
-            per, saves = ELEMENTWISE[op]
-            return op, float(per * out), saves, params
+    spec = next(filter(None, (registry.by_torch_module(c.__name__) for c in type(m).__mro__)), None)
+    if spec is not None and spec.flops_per_element is not None:  # norms and activations: per element
+        return spec.name, spec.flops(out), spec.saves, params
     if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
         return "maxpool", float(out * _window(m.kernel_size, value.dim() - 2)), "in", params
     if isinstance(m, (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)):
@@ -432,8 +406,6 @@ def _lower_module(torch, n, m, value, act_inputs, values, known_costs):
         return "avgpool", float(out * _window(m.kernel_size, value.dim() - 2)), "", params
     if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
         return "avgpool", float(x.numel()), "", params
-    if isinstance(m, nn.Embedding):
-        return "embedding", float(out), "", params
     op = type(m).__name__
     unsupported(op, str(n.target), known_costs, FIELD)
     return op, 0.0, "in", params

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from poet_opt.errors import PoetError
+from poet_opt.model import ops as registry
 from poet_opt.model.graph import Node, TrainingGraph
 
 
@@ -46,12 +47,6 @@ class _Op:
         return math.prod(self.shape)
 
 
-_ACTIVATIONS = {  # op -> (FLOP per element, what its backward reads), as PyTorch saves them
-    "relu": (1, "out"),
-    "relu6": (2, "in"),
-    "gelu": (5, "in"),
-    "tanh": (5, "out"),
-}
 
 
 class _Net:
@@ -80,12 +75,15 @@ class _Net:
                          weights + (cout if bias else 0), window=(k, stride, k // 2))
 
     def bn(self, x, name):
-        return self._add(name, "batchnorm", (x,), self.shape(x), 5 * math.prod(self.shape(x)),
-                         2 * self.shape(x)[0], "in")
+        return self._per_element(x, name, "batchnorm", 2 * self.shape(x)[0])
 
     def act(self, x, name, fn="relu"):
-        per_element, saves = _ACTIVATIONS[fn]
-        return self._add(name, fn, (x,), self.shape(x), per_element * math.prod(self.shape(x)), saves=saves)
+        return self._per_element(x, name, fn)
+
+    def _per_element(self, x, name, op, params=0):
+        """An operator of x's shape whose FLOPs per element and backward reads the registry says."""
+        spec = registry.spec(op)
+        return self._add(name, op, (x,), self.shape(x), spec.flops(math.prod(self.shape(x))), params, spec.saves)
 
     def add(self, a, b, name):
         assert self.shape(a) == self.shape(b), (name, self.shape(a), self.shape(b))
@@ -118,11 +116,10 @@ class _Net:
         return self._add(name, "linear", (x,), out_shape, 2 * rows * fan_in * out, fan_in * out + out)
 
     def layernorm(self, x, name):
-        return self._add(name, "layernorm", (x,), self.shape(x), 5 * math.prod(self.shape(x)),
-                         2 * self.shape(x)[-1], "in")
+        return self._per_element(x, name, "layernorm", 2 * self.shape(x)[-1])
 
     def softmax(self, x, name):
-        return self._add(name, "softmax", (x,), self.shape(x), 5 * math.prod(self.shape(x)), saves="out")
+        return self._per_element(x, name, "softmax")
 
     def matmul(self, a, b, name, shape, macs):
         return self._add(name, "matmul", (a, b), shape, 2 * macs, saves="other")
