@@ -471,24 +471,26 @@ def test_softmax(k, rows, d, scale, offset):
 # ---- elementwise ----
 
 def activation_inputs(rng):
-    # both clamp points of relu6 exactly, and a stretch where GELU's tail is tiny
-    return np.concatenate([rng.uniform(-9, 9, 2000), [0.0, -0.0, 6.0, 1e-30, -1e-30, -8.5, 7.0]]).astype(np.float32)
+    # both clamp points of relu6 exactly (and hardswish's, -3 and 3), a stretch where GELU's tail is
+    # tiny, and SiLU's sigmoid far out on both sides
+    return np.concatenate([rng.uniform(-9, 9, 2000), [0.0, -0.0, 6.0, 1e-30, -1e-30, -8.5, 7.0, -3.0, 3.0, -95.0,
+                                                      95.0]]).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ["relu", "relu6", "gelu"])
+@pytest.mark.parametrize("name", ["relu", "relu6", "gelu", "silu", "hardswish"])
 def test_activation(k, name):
     rng = np.random.default_rng(15)
     x = activation_inputs(rng)
     tx = t64(x, True)
-    ty = {"relu": torch.relu, "relu6": Fn.relu6, "gelu": Fn.gelu}[name](tx)
+    ty = {"relu": torch.relu, "relu6": Fn.relu6, "gelu": Fn.gelu, "silu": Fn.silu, "hardswish": Fn.hardswish}[name](tx)
     dy = rand(rng, x.size)
     ty.backward(t64(dy))
     forward, backward = getattr(k, f"{name}_forward"), getattr(k, f"{name}_backward")
     y = np.full(x.shape, np.nan, np.float32)
     forward(ptr(y), ptr(x), x.size)
     check(f"{name} forward", y, ty)
-    # relu and relu6 may read the input or the output: the masks agree; gelu reads the input
-    for source in ((x, y) if name != "gelu" else (x,)):
+    # relu and relu6 may read the input or the output: the masks agree; the others read the input
+    for source in ((x, y) if name in ("relu", "relu6") else (x,)):
         dx0 = rand(rng, x.size)
         dx = dx0.copy()
         backward(ptr(dx), ptr(dy), ptr(source), x.size)

@@ -24,14 +24,17 @@ a node's first compute, weight gradients accumulate only at ``grad:f``'s first c
 from __future__ import annotations
 
 from poet_opt.errors import PoetError
+from poet_opt.model import ops as registry
 from poet_opt.model.network import Layer, Network
 
-# Operators whose data gradient is written out below; any other is differentiated by re-running its
-# forward from its inputs (all of them resident: the graph's rule "in" for these operators).
-_EXPLICIT = {"conv2d", "linear", "relu", "softmax", "add", "copy", "global_avgpool", "matmul"}
-# Linear operators whose backward reads nothing (the graph keeps no input for them): differentiated
-# on a zero broadcast to the input's shape, which holds one number, not the input
-_LINEAR = {"avgpool"}
+# Operators whose data gradient is written out below. Those whose backward reads their output
+# (relu, softmax, tanh, ...) use the registry's torch backward (OpSpec.torch_backward) on it; any
+# other is differentiated by re-running its forward from its inputs (all of them resident: the
+# graph's rule "in" for these operators).
+_EXPLICIT = {"conv2d", "linear", "add", "copy", "global_avgpool", "matmul"}
+# Linear operators whose backward reads nothing (the graph keeps no input for them: avgpool, neg):
+# differentiated on a zero broadcast to the input's shape, which holds one number, not the input
+_LINEAR = {s.name for s in registry.specs() if s.saves == "" and s.arity == 1} - _EXPLICIT
 _INPLACE_FUNCTIONS = {"iadd", "isub", "imul", "itruediv"}
 
 
@@ -171,7 +174,6 @@ class Kernels:
     def _data_gradient(self, user: Layer, which: int, table: dict):
         """d(loss)/d(the producer of operand ``which`` of ``user``), from grad:user."""
         torch = self.torch
-        aten = torch.ops.aten
         gu = table["grad:" + user.name]
         chain = user.operand_views[which]
         op = user.op
@@ -180,6 +182,11 @@ class Kernels:
                 p = gu.new_zeros(()).requires_grad_(True).expand(user.operand_shapes[which])
                 (g,) = torch.autograd.grad(self._run(user, [self._view(p, chain)], first=False), p, gu)
             return g
+        spec = registry.get(op)
+        if op not in _EXPLICIT and spec is not None and spec.saves == "out" and spec.torch_backward is not None:
+            with torch.no_grad():
+                gv = spec.torch_backward(torch, gu, table[user.name])
+            return self._unview(user.operand_shapes[which], chain, gv) if chain else gv
         if op not in _EXPLICIT:
             return self._by_autograd(user, which, table, gu)
         m = self.modules.get(user.origin.target) if user.origin.op == "call_module" else None
@@ -192,10 +199,6 @@ class Kernels:
                                                 m.padding, m.dilation, m.groups)
             elif op == "linear":
                 gv = gu.matmul(m.weight)
-            elif op == "relu":  # reads its own output, as autograd saves it
-                gv = aten.threshold_backward(gu, table[user.name], 0)
-            elif op == "softmax":
-                gv = aten._softmax_backward_data(gu, table[user.name], table[user.name].dim() - 1, gu.dtype)
             elif op == "global_avgpool":
                 shape = self._viewed_shape(user, which, table)
                 gv = (gu.reshape(shape[0], shape[1], 1, 1) / (shape[2] * shape[3])).expand(shape)

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import math
 
+from poet_opt.model import ops as registry
+from poet_opt.model.rows import TOKENWISE
+
 EPS = 1e-5  # torch.nn.LayerNorm's default
 
 
@@ -199,12 +202,9 @@ class _Replay:
                 out.append(env[self.name(p, b, h)] @ self.all_rows(env, v, lo, hi))
             return self.t.cat(out, dim=2)
         xs = [env[self.name(i, b, j)] for i in inputs]
-        if op == "add":
-            return xs[0] + xs[1]
-        if op == "gelu":
-            return self.t.nn.functional.gelu(xs[0])
-        if op == "tanh":
-            return self.t.tanh(xs[0])
+        spec = registry.get(op)
+        if op in TOKENWISE and spec.torch_forward is not None:  # add, gelu, tanh, ...: piece by piece
+            return spec.torch_forward(self.t, *xs)
         raise ValueError(f"no row kernel for {op}")
 
     def _scores_of(self, probs: str) -> str:
@@ -261,12 +261,11 @@ class _Replay:
             return part
         if kind == "add":
             return env[self.name(u, b, j, "grad:")]
-        if kind == "gelu":
-            x = env[self.name(f, b, j)].detach().requires_grad_(True)
-            (dx,) = t.autograd.grad(t.nn.functional.gelu(x), x, env[self.name(u, b, j, "grad:")])
-            return dx
-        if kind == "tanh":
-            return env[self.name(u, b, j, "grad:")] * (1 - env[self.name(u, b, j)] ** 2)
+        spec = registry.get(kind)
+        if kind in TOKENWISE and spec.arity == 1:  # gelu, tanh, ...: from what its backward reads
+            return spec.torch_gradient(t, env[self.name(u, b, j, "grad:")],
+                                       x=env[self.name(f, b, j)] if spec.saves == "in" else None,
+                                       y=env[self.name(u, b, j)] if spec.saves == "out" else None)
         if kind == "layernorm":
             (c0, c1) = self.cols[u][j]
             d = self.layers[u]["shape"][-1]

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import math
 
+from poet_opt.model import ops as registry
+from poet_opt.model.strips import ELEMENTWISE
+
 EPS = 1e-5  # batch norm's, as torch.nn.BatchNorm2d's default
 
 
@@ -169,12 +172,11 @@ class _Replay:
             if name not in self.parts:
                 return F.batch_norm(xs[0], None, None, w["weight"], w["bias"], training=True, eps=EPS)
             return self._xhat(env, name, xs[0]) * w["weight"][None, :, None, None] + w["bias"][None, :, None, None]
-        if op == "relu":
-            return self.t.relu(xs[0])
         if op == "add":  # x + x records its input once: add has two operands
             return xs[0] + xs[-1]
-        if op == "concat":
-            return self.t.cat(xs, dim=1)
+        spec = registry.get(op)
+        if spec is not None and op in ELEMENTWISE and spec.torch_forward is not None:  # relu, concat, ...
+            return spec.torch_forward(self.t, *xs)
         raise ValueError(f"no strip kernel for {op}")
 
     # -- gradients ---------------------------------------------------------------------------------
@@ -236,8 +238,10 @@ class _Replay:
                 out[:, :, a - lo:b - lo] = local[:, :, a - r0:b - r0]
             return out
         g = env[self.strip_name(u, j, "grad:")]
-        if op == "relu":
-            return g * (env[self.strip_name(u, j)] > 0)
+        spec = registry.get(op)
+        if spec is not None and op in ELEMENTWISE and spec.arity == 1:  # what its backward reads: this strip
+            x = env[self.strip_name(f, j)] if spec.saves == "in" else None
+            return spec.torch_gradient(t, g, x=x, y=env[self.strip_name(u, j)] if spec.saves == "out" else None)
         if op == "add":  # x + x (its input recorded once) passes the gradient on twice
             return g if len(layer["inputs"]) == 2 else 2 * g
         if op == "concat":

@@ -13,7 +13,7 @@ from poet_opt.firmware.writer import (  # noqa: F401 (the names firmware callers
     KERNEL_FILES,
     PAGING_FILES,
     GeneratedStep,
-    _Writer,
+    StepWriter,
     packed_params,
     param_layers,
     streams_weights,
@@ -38,4 +38,4 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
                         "multiples of 4", field="--device")
     if network.graph.meta.get("strips"):
         return StripWriter(network, doc, plan, flash, lr, program).render(steps, x, y)
-    return _Writer(network, doc, plan, flash, lr, program).render(steps, x, y)
+    return StepWriter(network, doc, plan, flash, lr, program).render(steps, x, y)

@@ -14,8 +14,9 @@ emits the same maths on the strip buffers the plan holds in the arena:
 - batch norm over strips chains its per-channel statistics (``stats:L@sj``: mean and sum of
   squared deviations, merged with Chan et al.'s update) and the sums its backward needs
   (``gstats:L@sj``), and normalises each strip with the last (poet_kernels_strips.c);
-- ReLU, add and the concat of weight slices go strip by strip; a weight slice over strips reads its
-  channels of the concat's gradient strips (``grad_alias``), so no per-slice gradient is stored;
+- activations and add go strip by strip with the registry's elementwise kernels (OpSpec.c_forward), and
+  so does the concat of weight slices; a weight slice over strips reads its channels of the concat's
+  gradient strips (``grad_alias``), so no per-slice gradient is stored;
 - ``wgrad:L@sj`` adds strip j's weight gradient to the previous link's; the last link adds its part
   into the previous sum (which nothing reads after it) and applies ``w -= lr * g`` to the weights in
   the arena, then writes them back, as a streamed layer's update does.
@@ -28,17 +29,18 @@ from __future__ import annotations
 import re
 
 from poet_opt.errors import PoetError
-from poet_opt.firmware.writer import _Writer, _float, _ident
+from poet_opt.firmware.writer import StepWriter, c_float, c_ident, elementwise_backward, elementwise_kernel
+from poet_opt.model import ops as registry
 from poet_opt.model.strips import touching
 
-WINDOWED = ("conv2d", "maxpool", "avgpool")
+WINDOWED = registry.names(split="window", tiling="strips")  # the registry's convolutions and pooling
 NEG_INF = "(-__builtin_inff())"
 # Scratch a window's kernel call may use: a window is cut into chunks of output rows that fit it,
 # so the scratch stays small beside the arena whatever the strips (one output row at the least)
 SCRATCH_BYTES = 8 * 1024
 
 
-class StripWriter(_Writer):
+class StripWriter(StepWriter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         meta = self.net.graph.meta["strips"]
@@ -196,15 +198,13 @@ class StripWriter(_Writer):
             stats = self.at(ops, f"stats:{name}@s{len(self.strips(name)) - 1}", f"{name}'s strips")
             lines = [f"poet_batchnorm_strip_forward({out}, {xs[0]}, {stats}, {self.param(layer, 'weight', ops)}, "
                      f"{self.param(layer, 'bias', ops)}, {n}u, {c}u, {(b - a) * w}u, {n * h * w}u, "
-                     f"{_float(layer.attrs['eps'])});"]
+                     f"{c_float(layer.attrs['eps'])});"]
             if first and j == 0 and layer.buffers:  # the running statistics move once a step
-                lines.append(f"poet_batchnorm_strip_running({_ident(k, 'running_mean')}, {_ident(k, 'running_var')}, "
-                             f"{stats}, {c}u, {n * h * w}u, {_float(layer.attrs['momentum'])});")
+                lines.append(f"poet_batchnorm_strip_running({c_ident(k, 'running_mean')}, {c_ident(k, 'running_var')}, "
+                             f"{stats}, {c}u, {n * h * w}u, {c_float(layer.attrs['momentum'])});")
             return lines
-        if op in ("relu", "relu6", "gelu"):
-            return [f"poet_{op}_forward({out}, {xs[0]}, {count}u);"]
-        if op == "add":
-            return [f"poet_add_forward({out}, {xs[0]}, {xs[1]}, {count}u);"]
+        if elementwise_kernel(op):  # activations, add: strip by strip with the registry's kernel
+            return [f"{registry.spec(op).c_forward}({out}, {', '.join(xs)}, {count}u);"]
         if op == "concat":  # the weight slices' channels, side by side in each sample's block
             return [f"poet_copy_strided({out} + {first}u, {x}, {n}u, {part}u, {whole}u, {part}u);"
                     for x, (first, part, whole) in zip(xs, self.concat_slices(layer, b - a, w))]
@@ -269,7 +269,7 @@ class StripWriter(_Writer):
         stats = self.at(ops, f"stats:{name}@s{len(self.strips(name)) - 1}", f"gstats:{name}@s{j}")
         return [f"poet_batchnorm_strip_grad_stats({out}, {prev}, {self.buf(ops, name, j, 'grad:')}, "
                 f"{self.buf(ops, x, j)}, {stats}, {n}u, {c}u, {(b - a) * w}u, {n * h * w}u, "
-                f"{_float(self.net.layers[name].attrs['eps'])});"]
+                f"{c_float(self.net.layers[name].attrs['eps'])});"]
 
     # -- gradients -------------------------------------------------------------------------------
 
@@ -313,13 +313,10 @@ class StripWriter(_Writer):
             sums = self.at(ops, f"gstats:{u}@s{last}", f"{u}'s backward")
             return [f"poet_batchnorm_strip_backward({out}, {g}, {self.buf(ops, f, j)}, {stats}, {sums}, "
                     f"{self.param(user, 'weight', ops)}, {n}u, {c}u, {(hi - lo) * w}u, {n * h * w}u, "
-                    f"{_float(user.attrs['eps'])});"]
-        if op == "relu":
-            return [f"poet_relu_backward({out}, {g}, {self.buf(ops, u, j)}, {count}u);"]
-        if op in ("relu6", "gelu"):
-            return [f"poet_{op}_backward({out}, {g}, {self.buf(ops, f, j)}, {count}u);"]
-        if op == "add":
-            return [f"poet_accumulate({out}, {g}, {count}u);" for o in user.operands if o == f]
+                    f"{c_float(user.attrs['eps'])});"]
+        if elementwise_kernel(op):  # one call per operand that is f (x + x adds twice)
+            return [elementwise_backward(op, out, g, count, lambda x: self.buf(ops, x, j), u, user.operands)
+                    for o in user.operands if o == f]
         if op == "concat":  # a slice's gradient is its channels of the concat's
             first, part, whole = self.concat_slices(user, hi - lo, w)[user.operands.index(f)]
             return [f"poet_accumulate_strided({out}, {g} + {first}u, {n}u, {part}u, {part}u, {whole}u);"]
@@ -418,14 +415,14 @@ class StripWriter(_Writer):
             shape = self.window_shape(layer, rows_in, c1 - c0)
             if fused:
                 lines.append(f"poet_conv2d_backward_params_sgd({w_arena}, {self.param(layer, 'bias', ops)}, {gy}, "
-                             f"poet_scratch, {shape}, {_float(self.lr)});")
+                             f"poet_scratch, {shape}, {c_float(self.lr)});")
             else:
                 bias = f"{into} + {weights}u" if "bias" in layer.params else "NULL"
                 lines.append(f"poet_conv2d_backward_params({into}, {bias}, {gy}, poet_scratch, {shape});")
         if not last:
             return lines
         if not fused:  # the previous sum is read by nothing after this link: it takes the last part in place
-            lines.append(f"poet_sgd_step({w_arena}, {into}, {total}u, {_float(self.lr)});")
+            lines.append(f"poet_sgd_step({w_arena}, {into}, {total}u, {c_float(self.lr)});")
         return lines + self.write_back(updates[0], ops)
 
     def write_back(self, p: int, ops) -> list[str]:
@@ -439,7 +436,7 @@ class StripWriter(_Writer):
         # gamma and beta's gradients are the whole tensor's sums of dy * xhat and dy
         c = layer.shape[1]
         sums = self.at(ops, f"gstats:{layer.name}@s{len(self.strips(layer.name)) - 1}", f"{layer.name}'s update")
-        lr = _float(self.lr)
+        lr = c_float(self.lr)
         return [f"poet_sgd_step({self.param(layer, 'weight', ops)}, {sums} + {c}u, {c}u, {lr});",
                 f"poet_sgd_step({self.param(layer, 'bias', ops)}, {sums}, {c}u, {lr});", *self.write_back(p, ops)]
 

@@ -39,6 +39,7 @@ import numpy as np
 from poet_opt.errors import PoetError
 from poet_opt.firmware import program
 from poet_opt.firmware.arena import ArenaPlan, FlashPlan
+from poet_opt.model import ops as registry
 from poet_opt.model.network import Layer, Network
 
 KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_kernels_strips.c",
@@ -98,7 +99,21 @@ def packed_params(layer: Layer) -> np.ndarray:
     return np.concatenate([p.value.astype(np.float32).reshape(-1) for p in layer.params.values()])
 
 
-def _float(v: float) -> str:
+def elementwise_kernel(op: str) -> bool:
+    """Whether the registry gives ``op`` C kernels of the elementwise convention (OpSpec)."""
+    spec = registry.get(op)
+    return spec is not None and spec.c_convention == "elementwise" and spec.c_forward is not None
+
+
+def elementwise_backward(op: str, g: str, gu: str, n: int, at, output: str, operands) -> str:
+    """The call dx += f'(saved) dy of an elementwise kernel: ``saved`` is its output or its inputs, as
+    the registry says its backward reads (at(tensor name) -> the C pointer to it), or nothing."""
+    spec = registry.spec(op)
+    saved = [at(output)] if spec.saves == "out" else [at(o) for o in operands] if spec.saves == "in" else []
+    return f"{spec.c_backward}({', '.join([g, gu, *saved])}, {n}u);"
+
+
+def c_float(v: float) -> str:
     v = float(np.float32(v))
     if not math.isfinite(v):
         raise PoetError(f"a weight or input value is {v}; the firmware starts from finite numbers", field="--data")
@@ -107,18 +122,18 @@ def _float(v: float) -> str:
 
 def _array(ctype: str, name: str, values: np.ndarray, *, const: bool, used: bool = False) -> str:
     flat = values.reshape(-1)
-    fmt = _float if ctype == "float" else (lambda v: str(int(v)))
+    fmt = c_float if ctype == "float" else (lambda v: str(int(v)))
     body = ",\n".join("    " + ", ".join(fmt(v) for v in flat[k:k + 6]) for k in range(0, len(flat), 6))
     attrs = "__attribute__((used)) " if used else ""
     storage = "static const " if const else ("" if used else "static ")
     return f"{attrs}{storage}{ctype} {name}[{max(1, len(flat))}] = {{\n{body or '    0'}\n}};\n"
 
 
-def _ident(k: int, role: str) -> str:
+def c_ident(k: int, role: str) -> str:
     return f"poet_{role}_{k}"
 
 
-class _Writer:
+class StepWriter:
     def __init__(self, network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, lr: float,
                  program: bool | str = "auto"):
         self.net, self.doc, self.plan, self.flash, self.lr = network, doc, plan, flash, float(lr)
@@ -148,7 +163,7 @@ class _Writer:
         if role not in layer.params:
             return "NULL"
         if not self.streamed:
-            return _ident(self.layer_index[layer.name], role)
+            return c_ident(self.layer_index[layer.name], role)
         node = self.param_node[layer.name]
         if node not in ops:
             raise PoetError(f"internal: the schedule does not hold the weights of {layer.name!r} where they are read")
@@ -160,7 +175,7 @@ class _Writer:
         return f"(poet_arena + {ops[node] // 4 + before}u)"
 
     def grad(self, layer: Layer, role: str) -> str:
-        return _ident(self.layer_index[layer.name], "g" + role) if role in layer.params else "NULL"
+        return c_ident(self.layer_index[layer.name], "g" + role) if role in layer.params else "NULL"
 
     # -- declarations ----------------------------------------------------------------------------
 
@@ -170,17 +185,17 @@ class _Writer:
             for role, p in layer.params.items():
                 if self.streamed:  # on storage, read into the arena where the schedule says
                     break
-                name = _ident(k, role)
+                name = c_ident(k, role)
                 self.decls.append(f"/* {p.torch_name} {list(p.value.shape)} */\n"
                                   + _array("float", name, p.value, const=not layer.trainable, used=layer.trainable))
                 if layer.trainable:
                     self.param_symbols[p.torch_name] = name
-                    self.decls.append(f"static float {_ident(k, 'g' + role)}[{p.value.size}];\n")
+                    self.decls.append(f"static float {c_ident(k, 'g' + role)}[{p.value.size}];\n")
             for role, b in layer.buffers.items():
-                self.decls.append(_array("float", _ident(k, role), b.value, const=False, used=True))
+                self.decls.append(_array("float", c_ident(k, role), b.value, const=False, used=True))
             if layer.op in ("batchnorm", "layernorm"):
                 count = layer.shape[1] if layer.op == "batchnorm" else layer.elements // layer.shape[-1]
-                self.decls.append(f"static float {_ident(k, 'mean')}[{count}], {_ident(k, 'invstd')}[{count}];\n")
+                self.decls.append(f"static float {c_ident(k, 'mean')}[{count}], {c_ident(k, 'invstd')}[{count}];\n")
             shape = self.shape_struct(layer, k)
             if shape:
                 self.decls.append(shape)
@@ -191,16 +206,16 @@ class _Writer:
             n, c, h, w = layer.operand_shapes[0]
             _, co, ho, wo = layer.shape
             fields = [n, c, h, w, co, ho, wo, *a["kernel"], *a["stride"], *a["padding"], a["groups"]]
-            return f"static const poet_conv2d_shape {_ident(k, 'shape')} = {{{', '.join(f'{v}u' for v in fields)}}};\n"
+            return f"static const poet_conv2d_shape {c_ident(k, 'shape')} = {{{', '.join(f'{v}u' for v in fields)}}};\n"
         if layer.op in ("maxpool", "avgpool"):
             n, c, h, w = layer.operand_shapes[0]
             fields = [n, c, h, w, layer.shape[2], layer.shape[3], *a["kernel"], *a["stride"], *a["padding"]]
-            return f"static const poet_pool2d_shape {_ident(k, 'shape')} = {{{', '.join(f'{v}u' for v in fields)}}};\n"
+            return f"static const poet_pool2d_shape {c_ident(k, 'shape')} = {{{', '.join(f'{v}u' for v in fields)}}};\n"
         if layer.op == "batchnorm":
             x = layer.operand_shapes[0]
             spatial = math.prod(x[2:]) if len(x) > 2 else 1
-            return (f"static const poet_batchnorm_shape {_ident(k, 'shape')} = {{{x[0]}u, {x[1]}u, {spatial}u, "
-                    f"{_float(a['eps'])}, {_float(a['momentum'])}}};\n")
+            return (f"static const poet_batchnorm_shape {c_ident(k, 'shape')} = {{{x[0]}u, {x[1]}u, {spatial}u, "
+                    f"{c_float(a['eps'])}, {c_float(a['momentum'])}}};\n")
         return ""
 
     # -- kernels ---------------------------------------------------------------------------------
@@ -209,22 +224,22 @@ class _Writer:
         k = self.layer_index[layer.name]
         x = [self.at(ops, o, f"{layer.name}'s forward") for o in layer.operands]
         n = layer.elements
-        S = "&" + _ident(k, "shape")
+        S = "&" + c_ident(k, "shape")
         op = layer.op
         if op == "input":
             return [f"poet_copy({out}, poet_input, {n}u);"]
         if op == "conv2d":
             return [f"poet_conv2d_forward({out}, {x[0]}, {self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {S});"]
         if op == "batchnorm":
-            rm, rv = ((_ident(k, "running_mean"), _ident(k, "running_var")) if first and layer.buffers else ("NULL", "NULL"))
-            return [f"poet_batchnorm_forward({out}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, {rm}, {rv}, {x[0]}, "
+            rm, rv = ((c_ident(k, "running_mean"), c_ident(k, "running_var")) if first and layer.buffers else ("NULL", "NULL"))
+            return [f"poet_batchnorm_forward({out}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, {rm}, {rv}, {x[0]}, "
                     f"{self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {S});"]
         if op == "layernorm":
             d = layer.shape[-1]
-            return [f"poet_layernorm_forward({out}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, {x[0]}, "
-                    f"{self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {n // d}u, {d}u, {_float(layer.attrs['eps'])});"]
-        if op in ("relu", "relu6", "gelu"):
-            return [f"poet_{op}_forward({out}, {x[0]}, {n}u);"]
+            return [f"poet_layernorm_forward({out}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, {x[0]}, "
+                    f"{self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {n // d}u, {d}u, {c_float(layer.attrs['eps'])});"]
+        if elementwise_kernel(op):  # activations, add, copy: the registry's kernel, y = f(x..., n)
+            return [f"{registry.spec(op).c_forward}({out}, {', '.join(x)}, {n}u);"]
         if op == "maxpool":
             return [f"poet_maxpool2d_forward({out}, {x[0]}, {S});"]
         if op == "avgpool":
@@ -236,10 +251,6 @@ class _Writer:
             fi, fo = layer.attrs["features_in"], layer.attrs["features_out"]
             return [f"poet_linear_forward({out}, {x[0]}, {self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, "
                     f"{n // fo}u, {fi}u, {fo}u);"]
-        if op == "add":
-            return [f"poet_add_forward({out}, {x[0]}, {x[1]}, {n}u);"]
-        if op == "copy":
-            return [f"poet_copy({out}, {x[0]}, {n}u);"]
         if op == "softmax":
             d = layer.shape[-1]
             return [f"poet_softmax_forward({out}, {x[0]}, {n // d}u, {d}u);"]
@@ -269,24 +280,23 @@ class _Writer:
         """g += d(loss)/d(operand `which` of user), from grad:user."""
         k = self.layer_index[user.name]
         gu = self.at(ops, "grad:" + user.name, f"grad:{f} through {user.name}")
-        S = "&" + _ident(k, "shape")
+        S = "&" + c_ident(k, "shape")
         n = user.elements
         op = user.op
         if op == "conv2d":
             return f"poet_conv2d_backward_input({g}, {gu}, {self.param(user, 'weight', ops)}, {S});"
         if op == "batchnorm":
             x = self.at(ops, f, f"{user.name}'s backward")
-            return (f"poet_batchnorm_backward({g}, NULL, NULL, {gu}, {x}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, "
+            return (f"poet_batchnorm_backward({g}, NULL, NULL, {gu}, {x}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, "
                     f"{self.param(user, 'weight', ops)}, {S});")
         if op == "layernorm":
             x = self.at(ops, f, f"{user.name}'s backward")
             d = user.shape[-1]
-            return (f"poet_layernorm_backward({g}, NULL, NULL, {gu}, {x}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, "
+            return (f"poet_layernorm_backward({g}, NULL, NULL, {gu}, {x}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, "
                     f"{self.param(user, 'weight', ops)}, {n // d}u, {d}u);")
-        if op == "relu":  # reads its output, as autograd saves it
-            return f"poet_relu_backward({g}, {gu}, {self.at(ops, user.name, user.name + ' backward')}, {n}u);"
-        if op in ("relu6", "gelu"):
-            return f"poet_{op}_backward({g}, {gu}, {self.at(ops, f, user.name + ' backward')}, {n}u);"
+        if elementwise_kernel(op):  # dx += f'(saved) dy, saved as the registry says the backward reads
+            return elementwise_backward(op, g, gu, n, lambda name: self.at(ops, name, user.name + " backward"),
+                                        user.name, user.operands)
         if op == "maxpool":
             return f"poet_maxpool2d_backward({g}, {gu}, {self.at(ops, f, user.name + ' backward')}, {S});"
         if op == "avgpool":
@@ -297,8 +307,6 @@ class _Writer:
         if op == "linear":
             fi, fo = user.attrs["features_in"], user.attrs["features_out"]
             return f"poet_linear_backward_input({g}, {gu}, {self.param(user, 'weight', ops)}, {n // fo}u, {fi}u, {fo}u);"
-        if op in ("add", "copy"):
-            return f"poet_accumulate({g}, {gu}, {n}u);"
         if op == "concat":  # a tile's gradient is its features' share of the whole
             lo, inner, outer, count, whole = self.slices(user)[which]
             return f"poet_accumulate_strided({g}, {gu} + {lo * inner}u, {outer}u, {count}u, {count}u, {whole}u);"
@@ -315,7 +323,7 @@ class _Writer:
     def weight_gradient(self, layer: Layer, g: str, ops: dict[int, int]) -> list[str]:
         k = self.layer_index[layer.name]
         x = self.at(ops, layer.operands[0], f"{layer.name}'s weight gradient")
-        S = "&" + _ident(k, "shape")
+        S = "&" + c_ident(k, "shape")
         gw, gb = self.grad(layer, "weight"), self.grad(layer, "bias")
         if layer.op == "conv2d":
             return [f"poet_conv2d_backward_params({gw}, {gb}, {g}, {x}, {S});"]
@@ -323,11 +331,11 @@ class _Writer:
             fi, fo = layer.attrs["features_in"], layer.attrs["features_out"]
             return [f"poet_linear_backward_params({gw}, {gb}, {g}, {x}, {layer.elements // fo}u, {fi}u, {fo}u);"]
         if layer.op == "batchnorm":
-            return [f"poet_batchnorm_backward(NULL, {gw}, {gb}, {g}, {x}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, "
+            return [f"poet_batchnorm_backward(NULL, {gw}, {gb}, {g}, {x}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, "
                     f"{self.param(layer, 'weight', ops)}, {S});"]
         if layer.op == "layernorm":
             d = layer.shape[-1]
-            return [f"poet_layernorm_backward(NULL, {gw}, {gb}, {g}, {x}, {_ident(k, 'mean')}, {_ident(k, 'invstd')}, "
+            return [f"poet_layernorm_backward(NULL, {gw}, {gb}, {g}, {x}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, "
                     f"{self.param(layer, 'weight', ops)}, {layer.elements // d}u, {d}u);"]
         raise PoetError(f"node {layer.name!r}: no weight-gradient kernel for operator {layer.op}", field="--torch")
 
@@ -341,19 +349,19 @@ class _Writer:
         g = self.at(ops, "grad:" + layer.name, f"{layer.name}'s update")
         x = self.at(ops, layer.operands[0], f"{layer.name}'s update")
         w, b = self.param(layer, "weight", ops), self.param(layer, "bias", ops)
-        S, lr = "&" + _ident(k, "shape"), _float(self.lr)
+        S, lr = "&" + c_ident(k, "shape"), c_float(self.lr)
         if layer.op == "linear":
             fi, fo = layer.attrs["features_in"], layer.attrs["features_out"]
             call = f"poet_linear_backward_params_sgd({w}, {b}, {g}, {x}, {layer.elements // fo}u, {fi}u, {fo}u, {lr});"
         elif layer.op == "conv2d":
             call = f"poet_conv2d_backward_params_sgd({w}, {b}, {g}, {x}, {S}, {lr});"
         elif layer.op == "batchnorm":
-            call = (f"poet_batchnorm_backward_params_sgd({w}, {b}, {g}, {x}, {_ident(k, 'mean')}, "
-                    f"{_ident(k, 'invstd')}, {S}, {lr});")
+            call = (f"poet_batchnorm_backward_params_sgd({w}, {b}, {g}, {x}, {c_ident(k, 'mean')}, "
+                    f"{c_ident(k, 'invstd')}, {S}, {lr});")
         else:
             d = layer.shape[-1]
-            call = (f"poet_layernorm_backward_params_sgd({w}, {b}, {g}, {x}, {_ident(k, 'mean')}, "
-                    f"{_ident(k, 'invstd')}, {layer.elements // d}u, {d}u, {lr});")
+            call = (f"poet_layernorm_backward_params_sgd({w}, {b}, {g}, {x}, {c_ident(k, 'mean')}, "
+                    f"{c_ident(k, 'invstd')}, {layer.elements // d}u, {d}u, {lr});")
         nbytes = int(self.nodes[p]["bytes"])
         return [call, f"rc = poet_page_out({self.flash.offsets[p]}u, (poet_arena + {ops[p] // 4}u), {nbytes}u);",
                 "if (rc) return rc;"]
@@ -459,8 +467,8 @@ class _Writer:
                 continue
             k = self.layer_index[layer.name]
             for role, p in layer.params.items():
-                zero.append(f"    poet_zero({_ident(k, 'g' + role)}, {p.value.size}u);")
-                sgd.append(f"    poet_sgd_step({_ident(k, role)}, {_ident(k, 'g' + role)}, {p.value.size}u, {_float(self.lr)});")
+                zero.append(f"    poet_zero({c_ident(k, 'g' + role)}, {p.value.size}u);")
+                sgd.append(f"    poet_sgd_step({c_ident(k, role)}, {c_ident(k, 'g' + role)}, {p.value.size}u, {c_float(self.lr)});")
         body = self.step_body()
         run, interpreter, code, offset = self.as_program(body)
         arena_words = max(1, -(-self.plan.arena_bytes // 4))

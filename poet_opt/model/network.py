@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from poet_opt.errors import PoetError
+from poet_opt.model import ops as registry
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.operators import finish
 from poet_opt.model.tiling import feature_ranges
@@ -337,12 +338,11 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             return make("layernorm", x, eps=float(m.eps))
         if isinstance(m, nn.Linear):
             return make("linear", x, features_in=m.in_features, features_out=m.out_features)
-        if isinstance(m, (nn.ReLU, nn.ReLU6)):
-            return make("relu" if type(m) is nn.ReLU else "relu6", x)
-        if isinstance(m, nn.GELU):
-            if m.approximate != "none":
+        spec = next(filter(None, (registry.by_torch_module(c.__name__) for c in type(m).__mro__)), None)
+        if spec is not None and spec.split == "elementwise" and spec.arity == 1:  # the registry's activations
+            if isinstance(m, nn.GELU) and m.approximate != "none":
                 raise _unsupported(name, "GELU's tanh approximation")
-            return make("gelu", x)
+            return make(_elementwise(spec, name, f"module {type(m).__name__}", chains), x)
         if isinstance(m, nn.Softmax):
             if m.dim not in (-1, len(xs) - 1):
                 raise _unsupported(name, "a softmax over a dimension other than the last")
@@ -365,8 +365,12 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
         if len(operands) != 2 or n.kwargs.get("alpha", 1) != 1 or shapes[operands[0]] != shapes[operands[1]]:
             raise _unsupported(name, "an addition that is not of two tensors of the same shape")
         return make("add", operands)
-    if fn in ("relu", "relu6") or n.target is torch.nn.functional.relu6:
-        return make("relu6" if fn == "relu6" else "relu", [_source(n.args[0], producers, modules, name, chains)])
+    spec = registry.by_torch_function(fn)
+    if spec is not None and spec.split == "elementwise" and spec.arity == 1:
+        if chains is None and (len(n.args) > 1 or set(n.kwargs) - {"inplace"}):  # a slope, an approximation
+            raise _unsupported(name, f"{fn} with arguments")
+        return make(_elementwise(spec, name, f"operator {fn}", chains),
+                    [_source(n.args[0], producers, modules, name, chains)])
     if fn in ("matmul", "bmm") and n.target in (torch.matmul, torch.bmm, operator.matmul) or fn == "matmul":
         operands = _tensor_args(n, producers, modules, name, chains)
         a, b = (shapes[p] for p in operands)
@@ -384,6 +388,17 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
     if o.op == "copy":
         return make("copy", [_source(n.args[0], producers, modules, name, chains)])
     raise _unsupported(name, f"operator {fn or n.target}")
+
+
+def _elementwise(spec, name: str, what: str, chains) -> str:
+    """An activation's op, if the backend that lowers it can run it: the firmware (``chains`` None)
+    needs its C kernels, the executor (a list) a backward from what the graph keeps (OpSpec)."""
+    if chains is None and spec.c_forward is None:
+        raise _unsupported(name, what)
+    if chains is not None and spec.saves == "out" and spec.torch_backward is None:
+        raise PoetError(f"node {name!r}: {what}; the PyTorch executor has no backward for it from its output, "
+                        "the only tensor the graph keeps for it", field=FIELD)
+    return spec.name
 
 
 def _pair(v) -> tuple[int, int]:

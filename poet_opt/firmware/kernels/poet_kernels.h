@@ -273,6 +273,15 @@ void poet_global_avgpool_strip_forward(float *y, const float *x, uint32_t planes
 /* dx[p][..] += dy[p] / whole over the strip */
 void poet_global_avgpool_strip_backward(float *dx, const float *dy, uint32_t planes, uint32_t spatial, uint32_t whole);
 
+/* ---- SiLU and hardswish (poet_kernels_basic.c) ---- */
+
+/* SiLU x * sigmoid(x) and hardswish x * relu6(x + 3) / 6, as torch.nn.SiLU() and nn.Hardswish();
+ * the forwards may write in place, the backwards read the forward's INPUT x */
+void poet_silu_forward(float *y, const float *x, uint32_t n);
+void poet_silu_backward(float *dx, const float *dy, const float *x, uint32_t n);
+void poet_hardswish_forward(float *y, const float *x, uint32_t n);
+void poet_hardswish_backward(float *dx, const float *dy, const float *x, uint32_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -379,3 +379,56 @@ void poet_adam_step(float *w, float *m, float *v, const float *g, uint32_t n, co
         w[i] -= step_size * (mi / (poet_sqrtf(vi) * inv_sqrt_bc2 + eps));
     }
 }
+
+/* ---- SiLU and hardswish (MobileNetV3, EfficientNet), added through the operator registry ---- */
+
+/* sigmoid(x) without overflow: exp of a non-positive argument only */
+static float poet_sigmoid1(float x)
+{
+    float e;
+    if (x >= 0.0f)
+        return 1.0f / (1.0f + poet_expf(-x));
+    e = poet_expf(x);
+    return e / (1.0f + e);
+}
+
+void poet_silu_forward(float *y, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        y[i] = x[i] * poet_sigmoid1(x[i]);
+}
+
+/* torch's silu_backward: dy * s * (1 + x (1 - s)), s = sigmoid(x) */
+void poet_silu_backward(float *dx, const float *dy, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i) {
+        const float s = poet_sigmoid1(x[i]);
+        dx[i] += dy[i] * s * (1.0f + x[i] * (1.0f - s));
+    }
+}
+
+/* x * min(max(x + 3, 0), 6) / 6, as torch computes it */
+void poet_hardswish_forward(float *y, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i) {
+        const float v = x[i];
+        const float r = v + 3.0f < 0.0f ? 0.0f : (v + 3.0f > 6.0f ? 6.0f : v + 3.0f);
+        y[i] = v * r / 6.0f;
+    }
+}
+
+/* torch's hardswish_backward, boundaries included: 0 up to -3, dy (x / 3 + 1/2) strictly between -3
+ * and 3, dy from 3 on */
+void poet_hardswish_backward(float *dx, const float *dy, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i) {
+        const float v = x[i];
+        if (v <= -3.0f)
+            continue;
+        dx[i] += v < 3.0f ? dy[i] * (v / 3.0f + 0.5f) : dy[i];
+    }
+}

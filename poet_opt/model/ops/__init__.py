@@ -73,6 +73,19 @@ class OpSpec:
         """The tilings the graph builders split this operator in."""
         return self.tilings if self.tilings is not None else _DEFAULT_TILINGS[self.split]
 
+    def torch_gradient(self, torch, grad, x=None, y=None):
+        """The gradient into the input of a one-input elementwise operator, from its output's
+        gradient and what its backward reads: ``y`` (its output) when saves is "out", ``x`` (its
+        input) when "in", nothing when "" (linear: differentiated at zero)."""
+        if self.saves == "out" and self.torch_backward is not None:
+            return self.torch_backward(torch, grad, y)
+        if self.torch_forward is None or self.saves not in ("in", ""):
+            raise KeyError(f"{self.name}: no PyTorch reference differentiates it from what its backward reads")
+        with torch.enable_grad():
+            leaf = (x if self.saves == "in" else torch.zeros_like(grad)).detach().requires_grad_(True)
+            (dx,) = torch.autograd.grad(self.torch_forward(torch, leaf), leaf, grad)
+        return dx
+
     def flops(self, elements: int) -> float:
         """Forward FLOPs for an output of ``elements`` elements (operators whose rule is per element)."""
         if self.flops_per_element is None:

@@ -13,7 +13,7 @@ register(
            torch_forward=lambda t, a, b: t.add(a, b), c_forward="poet_add_forward", c_backward="poet_accumulate",
            c_convention="elementwise", arity=2, doc="two tensors of one shape (a residual connection)"),
     OpSpec("concat", "structure", "channels", "", 1, torch_functions=("cat", "concat", "concatenate", "stack"),
-           onnx=("Concat",), torch_forward=lambda t, *xs: t.cat(xs, dim=1), arity=-1,
+           onnx=("Concat",), torch_forward=lambda t, *xs: t.cat(xs, dim=1), arity=-1, tilings=("strips", "slices"),
            c_forward="poet_copy_strided", c_backward="poet_accumulate_strided",
            doc="along channels, as weight slices join; strips go strip by strip"),
     OpSpec("copy", "structure", "whole", "", 0, torch_forward=lambda t, x: x.clone(), c_forward="poet_copy",

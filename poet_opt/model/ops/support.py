@@ -1,0 +1,78 @@
+"""What runs where: for every operator of the registry and every tiling, which backends execute it
+and which refuse it before solving. tests/test_support_matrix.py runs every cell and checks it:
+a backend said to run it must equal PyTorch, one said to refuse must raise one PoetError naming the
+operator (or the option that asked for the tiling). docs/operators.md is this table, generated.
+
+Graph and costs, the validator and the C header work on the graph alone: they run every operator
+in every tiling its graph builder implements (``OpSpec.tiled``). The firmware generator and the
+PyTorch executor need the operator lowered from a torch module and a kernel or reference for it;
+their sets below are the facts of today's backends, which the matrix keeps true.
+"""
+
+from __future__ import annotations
+
+from poet_opt.model.ops import OpSpec, specs
+
+BACKENDS = ("graph", "validator", "header", "firmware", "executor")
+TILINGS_CHECKED = ("whole", "strips", "rows", "slices")
+
+# firmware (the emulated Cortex-M): operators network.py lowers from a torch module and writer.py /
+# strip_codegen.py have C kernels for
+FIRMWARE = {
+    "whole": {"input", "add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
+              "global_avgpool", "batchnorm", "layernorm", "linear", "matmul", "softmax", "param"},
+    "strips": {"input", "add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
+               "global_avgpool", "batchnorm", "param"},
+    "rows": set(),  # the generator refuses row-tiled plans (issue 27, item 5)
+    "slices": {"conv2d", "linear", "concat", "param"},
+}
+# the PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
+# (executor/strips.py) for strips; the row replay (executor/rows.py) for row tiles
+EXECUTOR = {
+    "whole": {"input", "add", "copy", "relu", "relu6", "leaky_relu", "gelu", "tanh", "sigmoid", "silu", "hardswish",
+              "hardsigmoid", "exp", "log", "erf", "neg", "abs", "reciprocal", "pow", "conv2d", "maxpool", "avgpool",
+              "global_avgpool", "batchnorm", "layernorm", "linear", "matmul", "softmax", "attention"},
+    "strips": {"input", "add", "relu", "relu6", "gelu", "tanh", "sigmoid", "silu", "hardswish", "hardsigmoid", "exp",
+               "log", "erf", "neg", "abs", "reciprocal", "conv2d", "maxpool", "avgpool", "global_avgpool",
+               "batchnorm", "param"},
+    "rows": set(),  # checked by tests/test_rows.py for the zoo's own transformers only
+    "slices": set(),  # the executor replays whole layers; it refuses weight slices
+}
+
+
+def graph_runs(spec: OpSpec, tiling: str) -> bool:
+    return tiling == "whole" or tiling in spec.tiled
+
+
+def runs(spec: OpSpec, tiling: str, backend: str) -> bool:
+    """Whether ``backend`` executes ``spec`` in ``tiling`` (else it refuses before solving)."""
+    if not graph_runs(spec, tiling):
+        return False
+    if backend in ("graph", "validator", "header"):
+        return True
+    return spec.name in (FIRMWARE if backend == "firmware" else EXECUTOR)[tiling]
+
+
+def table() -> str:
+    """docs/operators.md's tables, from the registry and the support sets above."""
+    mark = {True: "yes", False: "-"}
+    lines = ["| operator | family | PyTorch | ONNX | FLOPs | backward reads | split | C kernels |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in specs():
+        torch_names = ", ".join([*(f"nn.{m}" for m in s.torch_modules), *s.torch_functions]) or "-"
+        flops = f"{s.flops_per_element:g} / element" if s.flops_per_element is not None else (s.flop_rule or "0")
+        kernels = ", ".join(k for k in (s.c_forward, s.c_backward) if k) or "-"
+        lines.append(f"| `{s.name}` | {s.family} | {torch_names} | {', '.join(s.onnx) or '-'} | {flops} | "
+                     f"{s.saves or 'nothing'} | {s.split} | {kernels} |")
+    lines += ["", "What runs where (firmware / executor; graph, validator and C header run every tiling the "
+              "graph builder splits the operator in):", "",
+              "| operator | " + " | ".join(TILINGS_CHECKED) + " |", "|---|" + "---|" * len(TILINGS_CHECKED)]
+    for s in specs():
+        cells = []
+        for t in TILINGS_CHECKED:
+            if not graph_runs(s, t):
+                cells.append("not split")
+            else:
+                cells.append(f"{mark[runs(s, t, 'firmware')]} / {mark[runs(s, t, 'executor')]}")
+        lines.append(f"| `{s.name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

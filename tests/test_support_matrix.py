@@ -1,0 +1,483 @@
+"""The support matrix (issue 27, item 5): every operator of the registry, in every tiling, through
+every backend, either equals PyTorch or is refused before solving with one PoetError naming it.
+
+What each backend is expected to do is poet_opt/model/ops/support.py (and docs/operators.md, its
+generated table); this module runs every cell and checks it. Probes are tiny: one small module per
+operator for the graph, the validator, the C header and the PyTorch executor (in process, cheap),
+and for the firmware one emulated run per tiling of a chain holding every operator the firmware is
+said to run there, after a refusal check per operator (lowering only, no build). The graph-only
+backends (graph and costs, validator, C header) run each graph once. ``input`` and ``param`` are
+part of every probe (the batch; streamed weights) and have no probe of their own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+from poet_opt.errors import PoetError  # noqa: E402
+from poet_opt.model import ops  # noqa: E402
+from poet_opt.model.network import lower_network  # noqa: E402
+from poet_opt.model.ops import support  # noqa: E402
+
+STRUCTURAL = {"input", "param"}
+LR = 0.05
+
+
+# -- one probe per operator ------------------------------------------------------------------------
+
+class Probe(nn.Module):
+    """conv (or linear) -> the operator -> conv (or linear) -> pooling -> linear head: the operator
+    sits between two layers with weights, so its backward is on the path of every gradient."""
+
+    def __init__(self, body, kind="cnn", channels=4, positive=False):
+        super().__init__()
+        self.kind, self.body, self.positive = kind, body, positive
+        if kind == "cnn":
+            self.pre, self.post = nn.Conv2d(3, channels, 3, padding=1), nn.Conv2d(channels, 4, 3, padding=1)
+            self.head = nn.Linear(4, 3)
+        else:  # "mlp": (N, 6) -> linear -> op -> linear -> head, "seq": (N, 6, 6) tokens
+            self.pre, self.post = nn.Linear(6, 6), nn.Linear(6, 6)
+            self.head = nn.Linear(36 if kind == "seq" else 6, 3)
+        if positive:  # log, sqrt, reciprocal, div: an input that stays positive through one step
+            with torch.no_grad():
+                self.pre.weight.abs_()
+                self.pre.bias.fill_(0.5)
+
+    def forward(self, x):
+        y = self.post(self.body(self.pre(x)))
+        if self.kind == "cnn":
+            y = F.adaptive_avg_pool2d(y, 1)
+        return self.head(torch.flatten(y, 1))
+
+
+class Two(nn.Module):
+    """A binary operator of two branches of one input."""
+
+    def __init__(self, fn, kind="cnn", positive=False):
+        super().__init__()
+        self.fn = fn
+        self.b = nn.Conv2d(4, 4, 1) if kind == "cnn" else nn.Linear(6, 6)
+        if positive:  # a divisor away from zero
+            with torch.no_grad():
+                self.b.weight.abs_()
+                self.b.bias.fill_(1.0)
+
+    def forward(self, x):
+        return self.fn(x, self.b(x))
+
+
+class Method(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _unary(spec):
+    if spec.torch_modules:
+        return getattr(nn, spec.torch_modules[0])()
+    fn = spec.torch_functions[0]
+    if fn == "pow":
+        return Method(lambda x: x.pow(2))
+    return Method(getattr(torch, fn))
+
+
+def probe(name: str):
+    """(module, input shape, dtype) that exercises ``name``, or None (no PyTorch spelling)."""
+    spec = ops.spec(name)
+    torch.manual_seed(7)
+    cnn, mlp = (2, 3, 8, 8), (2, 6)
+    if name in ("clip", "global_avgpool"):
+        return (Probe(nn.Identity()), cnn) if name == "global_avgpool" else None  # Probe pools to 1 x 1
+    if name == "copy":  # a reshape PyTorch must copy: of a transposed tensor
+        return Probe(Method(lambda x: x.transpose(1, 2).reshape(2, 36).reshape(2, 6, 6)), "seq"), (2, 6, 6)
+    if spec.family == "activations" and spec.arity == 1:
+        return Probe(_unary(spec), positive=name in ("log", "sqrt", "reciprocal")), cnn
+    if name in ("add", "sub", "mul", "div"):
+        fn = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[name]
+        return Probe(Two(fn, positive=name == "div"), positive=name == "div"), cnn
+    if name == "concat":
+        return Probe(nn.Sequential(Two(lambda a, b: torch.cat([a, b], 1)), nn.Conv2d(8, 4, 1))), cnn
+    if name in ("conv2d", "maxpool", "avgpool", "batchnorm", "groupnorm", "instancenorm"):
+        body = {"conv2d": nn.Conv2d(4, 4, 3, padding=1), "maxpool": nn.MaxPool2d(2),
+                "avgpool": nn.AvgPool2d(2), "batchnorm": nn.BatchNorm2d(4), "groupnorm": nn.GroupNorm(2, 4),
+                "instancenorm": nn.InstanceNorm2d(4, affine=True)}[name]
+        return Probe(body), cnn
+    if name in ("conv1d", "conv3d"):
+        d = 1 if name == "conv1d" else 3
+        conv = (nn.Conv1d if d == 1 else nn.Conv3d)(3, 4, 3)
+        return nn.Sequential(conv, nn.Flatten(), nn.LazyLinear(3)), (2, 3) + (5,) * d
+    if name in ("linear", "layernorm", "softmax", "log_softmax"):
+        body = {"linear": nn.Linear(6, 6), "layernorm": nn.LayerNorm(6), "softmax": nn.Softmax(-1),
+                "log_softmax": nn.LogSoftmax(-1)}[name]
+        return Probe(body, "mlp"), mlp
+    if name == "matmul":
+        return Probe(Two(torch.matmul, "mlp"), "seq"), (2, 6, 6)
+    if name == "attention":
+        return Probe(Method(lambda x: F.scaled_dot_product_attention(x, x, x)), "seq"), (2, 6, 6)
+    if name == "embedding":
+        return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(20, 3)), (2, 5)
+    raise AssertionError(f"no probe for {name}: add one when adding an operator")
+
+
+def _materialise(module, shape):
+    if isinstance(module, nn.Sequential) and isinstance(module[0], nn.Embedding):
+        x = torch.randint(0, 10, shape)
+    else:  # log, sqrt, reciprocal, div: a positive input through positive weights stays positive
+        x = torch.rand(shape) if getattr(module, "positive", False) else torch.rand(shape) * 2 - 1
+    module(x)  # LazyLinear takes its size
+    return x
+
+
+def _batch(module, shape, seed=3):
+    torch.manual_seed(seed)
+    x = _materialise(module, shape)
+    y = torch.randint(0, 3, (shape[0],))
+    return x, y
+
+
+def _refusal(exc: PoetError, name: str, spec, also=()) -> None:
+    """A refusal names the operator: its graph name, a PyTorch spelling or the node (whose name is
+    the module's, which the probe makes from its class), or the option that asked for the tiling."""
+    words = {name, *spec.torch_modules, *spec.torch_functions, *also, *(("reshape",) if name == "copy" else ())}
+    assert any(w in str(exc) for w in words), f"{name}: the refusal does not name it: {exc}"
+
+
+# -- graph, validator, C header ---------------------------------------------------------------------
+
+def _graph_backends(graph, name: str):
+    from poet_opt.firmware.header import export
+    from poet_opt.schedule.validator import validate
+    from poet_opt.solver.driver import solve
+
+    schedule = solve(graph, "rpi4", ram=10 ** 12, mode="none")
+    doc = schedule.to_dict()
+    verdict = validate(doc)
+    assert verdict["valid"] if isinstance(verdict, dict) and "valid" in verdict else verdict, verdict
+    text, _, _ = export(doc)
+    assert f"{len(graph.nodes)}" in text
+
+
+def _check_costs(graph, name: str, spec) -> None:
+    nodes = [n for n in graph.nodes if n.kind == "forward" and n.op == name]
+    assert nodes, f"{name}: not in the graph"
+    by_id = {n.id: n for n in graph.nodes}
+    for n in nodes:
+        if spec.flops_per_element is not None:
+            assert n.flops == pytest.approx(spec.flops(n.bytes // 4)), name
+        grads = [g for g in graph.nodes if g.name == f"grad:{by_id[n.deps[0]].name}"] if n.deps else []
+        for g in grads:  # what the backward reads, as the registry says
+            if "out" in spec.saves:
+                assert n.id in g.deps, name
+            if spec.saves == "in":
+                assert n.deps[0] in g.deps, name
+
+
+NAMES = [s.name for s in ops.specs() if s.name not in STRUCTURAL]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_whole(name, tmp_path):
+    spec = ops.spec(name)
+    made = probe(name)
+    if made is None:  # ONNX only (clip): graph and costs from the ONNX importer
+        return _onnx_only(name, spec, tmp_path)
+    module, shape = made
+    x, y = _batch(module, shape)
+    from poet_opt.model.torch_import import import_torch
+
+    graph = import_torch(module, shape)
+    if name == "global_avgpool":  # the importer's avgpool, lowered to global pooling for the kernels
+        assert lower_network(module, shape, views=True).layers["head"].operands
+    else:
+        _check_costs(graph, name, spec)
+    _graph_backends(graph, name)
+    # the executor: one SGD step equals torch's, or a refusal before solving
+    try:
+        from poet_opt.executor.train import prepare
+
+        network = prepare(module, shape)
+    except PoetError as exc:
+        assert not support.runs(spec, "whole", "executor"), f"{name}: the executor refuses it: {exc}"
+        _refusal(exc, name, spec)
+    else:
+        assert support.runs(spec, "whole", "executor"), f"{name}: the executor runs it; support.py says not"
+        _executor_step(module, network, x, y, name)
+    # the firmware: lowering refuses it, or the chain run below covers it
+    try:
+        lower_network(module, shape)
+    except PoetError as exc:
+        assert not support.runs(spec, "whole", "firmware"), f"{name}: the firmware refuses it: {exc}"
+        _refusal(exc, name, spec)
+    else:
+        assert support.runs(spec, "whole", "firmware"), f"{name}: the firmware lowers it; support.py says not"
+        assert name in CHAIN_OPS["whole"], f"{name}: the firmware runs it but no chain checks it"
+
+
+def _executor_step(module, network, x, y, name):
+    import copy
+
+    from poet_opt.executor.runner import ScheduleExecutor
+    from poet_opt.solver.driver import solve
+
+    reference = copy.deepcopy(module)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    schedule = solve(network.graph, "rpi4", ram=10 ** 12, mode="none")
+    with ScheduleExecutor(network, schedule, lr=LR, device="cpu") as step:
+        step(x, y)
+    reference.train()
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    F.cross_entropy(reference(x), y).backward()
+    opt.step()
+    for n, p in reference.named_parameters():
+        mine = dict(module.named_parameters())[n]
+        change = (p.detach() - before[n]).abs().max()
+        assert torch.allclose(mine.detach(), p.detach(), rtol=0, atol=1e-6 * max(1.0, float(p.abs().max()))), \
+            (name, n, float((mine - p).abs().max()), float(change))
+
+
+def _onnx_only(name, spec, tmp_path):
+    from poet_opt.model.onnx_import import import_onnx
+
+    class Clip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.b(torch.clamp(self.a(x), -1.0, 2.0))
+
+    path = tmp_path / "clip.onnx"
+    torch.onnx.export(Clip(), (torch.zeros(2, 6),), str(path), dynamo=False)
+    graph = import_onnx(path)
+    _check_costs(graph, name, spec)
+    _graph_backends(graph, name)
+    assert not support.runs(spec, "whole", "firmware") and not support.runs(spec, "whole", "executor")
+
+
+# -- the firmware: one emulated run per tiling -------------------------------------------------------
+
+class Chain(nn.Module):
+    """Every operator the firmware runs on (C, H, W) tensors, in one network: conv, batch norm, the
+    activations with C kernels, a residual add, max and average pooling, global pooling, a linear
+    head (and, with weight slices, conv and linear layers cut into slices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.acts = nn.Sequential(nn.ReLU(), nn.ReLU6(), nn.GELU(), nn.SiLU(), nn.Hardswish())
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
+        self.pool1, self.pool2 = nn.MaxPool2d(2), nn.AvgPool2d(2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.acts(self.bn1(self.conv1(x)))
+        x = self.pool1(x + self.conv2(x))
+        return self.fc(torch.flatten(self.pool(self.pool2(x)), 1))
+
+
+class SeqChain(nn.Module):
+    """The firmware's token operators: linear, layer norm, a product of two activations, softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.ln = nn.Linear(6, 6), nn.Linear(6, 6), nn.LayerNorm(6)
+        self.sm, self.head = nn.Softmax(-1), nn.Linear(36, 3)
+
+    def forward(self, x):
+        x = self.ln(x)
+        return self.head(torch.flatten(self.sm(torch.matmul(self.q(x), self.k(x))), 1))
+
+
+CHAIN_OPS = {"whole": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
+                       "global_avgpool", "batchnorm", "linear", "layernorm", "matmul", "softmax"},
+             "strips": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
+                        "global_avgpool", "batchnorm"},
+             "slices": {"conv2d", "linear", "concat"}}
+
+
+def _emulate(factory, shape, tmp_path, **kw):
+    pytest.importorskip("unicorn")
+    pytest.importorskip("ziglang")
+    from poet_opt.firmware.trainer import emulate_training
+
+    rng = np.random.default_rng(2)
+    data = tmp_path / "batch.npz"
+    np.savez(data, x=rng.standard_normal(shape).astype(np.float32), y=rng.integers(0, 3, shape[0]))
+    result = emulate_training(torch_model=factory, input_shape=",".join(map(str, shape)), device="nrf52840",
+                              ram="200KiB", steps=1, lr=LR, data=data, **kw)
+    module = factory()
+    with np.load(data) as d:
+        x, yy = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    module.train()
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    F.cross_entropy(module(x), yy).backward()
+    opt.step()
+    reference = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    assert set(result.weights) == set(reference)
+    largest = max(float(np.abs(w).max()) for w in reference.values())
+    worst = max(float(np.abs(result.weights[n] - w).max()) for n, w in reference.items())
+    assert worst <= 1e-4 * largest, worst
+    return {layer.op for layer in result.network.layers.values()}
+
+
+def _chain():
+    torch.manual_seed(11)
+    return Chain()
+
+
+def _seq_chain():
+    torch.manual_seed(12)
+    return SeqChain()
+
+
+@pytest.mark.parametrize("tiling", ["whole", "strips", "slices"])
+def test_firmware_chain_equals_torch(tiling, tmp_path):
+    kw = {"whole": {"weights": "resident", "strips": "off"},
+          "strips": {"weights": "streamed", "strips": 2},
+          "slices": {"weights": "streamed", "tile_bytes": 256, "strips": "off"}}[tiling]
+    ran = _emulate(_chain, (2, 3, 8, 8), tmp_path, **kw)
+    if tiling == "whole":
+        (tmp_path / "seq").mkdir()
+        ran |= _emulate(_seq_chain, (2, 6, 6), tmp_path / "seq", **kw)
+    claimed = {s.name for s in ops.specs() if support.runs(s, tiling, "firmware")} - STRUCTURAL
+    assert CHAIN_OPS[tiling] == claimed, "every operator the firmware is said to run is in a chain"
+    assert CHAIN_OPS[tiling] <= ran, CHAIN_OPS[tiling] - ran
+
+
+# -- activation strips --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_strips(name):
+    spec = ops.spec(name)
+    made = probe(name)
+    if made is None or len(made[1]) != 4:  # strips split (C, H, W) tensors: the operator meets none
+        assert "strips" not in spec.tiled or made is None
+        return
+    module, shape = made
+    x, y = _batch(module, shape)
+    try:
+        network = lower_network(module, shape, weights="streamed", strips=2)
+    except PoetError as exc:
+        assert not support.graph_runs(spec, "strips"), f"{name}: the strip graph refuses it: {exc}"
+        _refusal(exc, name, spec, also=("--strips",))
+        return
+    graph = network.graph
+    if name != "global_avgpool":
+        split = [n for n in graph.nodes if n.op == name and "@s" in n.name]
+        assert split or not support.graph_runs(spec, "strips"), f"{name}: not split into strips"
+        if not split:  # the builder kept it whole: a (C,) tensor or a binary op it does not split
+            return
+    assert support.graph_runs(spec, "strips")
+    _graph_backends(graph, name)
+    # the executor's strip replay, against autograd on the module
+    from poet_opt.executor.strips import replay
+
+    params = {lname: {role: torch.tensor(p.value) for role, p in layer.params.items()}
+              for lname, layer in network.layers.items()}
+    try:
+        result = replay(graph, params, x, y, LR)
+    except (ValueError, KeyError) as exc:
+        assert not support.runs(spec, "strips", "executor"), f"{name}: the strip replay cannot run it: {exc}"
+        return
+    assert support.runs(spec, "strips", "executor"), f"{name}: the strip replay runs it; support.py says not"
+    module.train()
+    module.zero_grad()
+    F.cross_entropy(module(x), y).backward()
+    grads = {n: p.grad for n, p in module.named_parameters()}
+    for lname, layer in network.layers.items():
+        for role, p in layer.params.items():
+            mine = result["weight_grads"][lname][role]
+            assert torch.allclose(mine, grads[p.torch_name], atol=1e-6, rtol=1e-4), (name, lname, role)
+    # the firmware: lowering refuses it, or the strips chain covers it
+    assert (name in CHAIN_OPS["strips"]) == support.runs(spec, "strips", "firmware")
+
+
+# -- row tiles and weight slices: the graph builders ----------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rows(name):
+    """Row tiles exist for the zoo's transformers: the FFN's activation is swapped for each
+    operator; the row builder splits it or refuses it naming it. Both executors refuse row plans."""
+    from dataclasses import replace
+
+    from poet_opt.model import zoo
+    from poet_opt.model.rows import refuse_rows
+
+    spec = ops.spec(name)
+    net = zoo._Net((8, 64))
+    zoo._encoder_block(net, 0, "block", d=64, heads=2, d_ff=128)
+    swap = spec.arity == 1 and spec.flops_per_element is not None
+    if swap:
+        net.ops = [replace(o, op=name, saves=spec.saves) if o.op == "gelu" else o for o in net.ops]
+    elif name not in {o.op for o in net.ops}:
+        net.ops = [replace(o, op=name) if o.op == "gelu" else o for o in net.ops]
+    rows = {"blocks": 2, "piece": 32, "vocab_rows": 64}
+    try:
+        graph = zoo._training_graph("probe", net.ops, 1, 4, "all", {}, weights="streamed", rows=rows)
+    except PoetError as exc:
+        assert not support.graph_runs(spec, "rows"), f"{name}: the row builder refuses it: {exc}"
+        _refusal(exc, name, spec)
+        return
+    assert support.graph_runs(spec, "rows"), f"{name}: the row builder splits it; the registry says not"
+    assert any(n.op == name and "@r" in n.name for n in graph.nodes), name
+    _graph_backends(graph, name)
+    nodes = [{"name": n.name, "op": n.op} for n in graph.nodes]
+    for who in ("the firmware generator", "the PyTorch executor"):
+        with pytest.raises(PoetError, match="row"):
+            refuse_rows(nodes, who, "--model")
+    assert not support.runs(spec, "rows", "firmware") and not support.runs(spec, "rows", "executor")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_slices(name):
+    """Weight slices cut the output features of the registry's sliceable layers; every other
+    operator stays whole in a sliced graph. The executor refuses slices, naming the option."""
+    spec = ops.spec(name)
+    made = probe(name)
+    if made is None:
+        return
+    module, shape = made
+    _materialise(module, shape)
+    from poet_opt.model.torch_import import import_torch
+
+    try:
+        graph = import_torch(module, shape, weights="streamed", tile_bytes=64)
+    except PoetError as exc:
+        pytest.fail(f"{name}: slices never refuse an operator, they leave it whole: {exc}")
+    sliced = {n.op for n in graph.nodes if n.kind == "forward" and "#" in n.name}
+    assert sliced <= {s.name for s in ops.specs() if "slices" in s.tiled}
+    if "slices" in spec.tiled and name not in ("concat", "embedding"):
+        assert name in sliced, f"{name}: not sliced"
+        _graph_backends(graph, name)
+    from poet_opt.executor.train import prepare  # noqa: F401 (the executor's entry)
+
+    with pytest.raises(PoetError, match="--weight-tile|weight tiles"):
+        lower_network(module, shape, views=True, weights="streamed", tile_bytes=64)
+    assert not support.runs(spec, "slices", "executor")
+    assert (name in CHAIN_OPS["slices"]) == support.runs(spec, "slices", "firmware")
+
+
+def test_the_docs_table_is_the_registrys():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operators.md").read_text()
+    start = doc.index("<!-- generated: python -m poet_opt.model.ops -->\n") + len(
+        "<!-- generated: python -m poet_opt.model.ops -->\n")
+    end = doc.index("<!-- end generated -->")
+    assert doc[start:end] == support.table(), "regenerate: python -m poet_opt.model.ops"
+
+
+def test_every_operator_has_a_probe_or_says_why_not():
+    missing = [n for n in NAMES if probe(n) is None and n != "clip"]
+    assert not missing
+    assert math.isclose(len(NAMES) + len(STRUCTURAL), len(ops.specs()))
