@@ -542,7 +542,10 @@ def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], n
     ``tiling`` = {"blocks": row blocks, "piece": features per column piece, "vocab_rows": table rows
     per embedding tile}."""
     if not is_transformer(ops):
-        raise PoetError("row tiling is for the zoo's transformers (transformer-block, bert-base)", field="--strips")
+        other = next((o for o in ops if o.op not in ROW_OPS), None)  # name the operator rows cannot split
+        why = f"; {other.name} ({other.op}) cannot be tiled by rows" if other is not None else ""
+        raise PoetError(f"row tiling is for the zoo's transformers (transformer-block, bert-base){why}",
+                        field="--strips")
     blocks, piece = int(tiling["blocks"]), int(tiling["piece"])
     vocab_rows = int(tiling.get("vocab_rows") or piece)
     if min(blocks, piece, vocab_rows) < 1:

@@ -32,9 +32,9 @@ EXECUTOR = {
     "whole": {"input", "add", "copy", "relu", "relu6", "leaky_relu", "gelu", "tanh", "sigmoid", "silu", "hardswish",
               "hardsigmoid", "exp", "log", "erf", "neg", "abs", "reciprocal", "pow", "conv2d", "maxpool", "avgpool",
               "global_avgpool", "batchnorm", "layernorm", "linear", "matmul", "softmax", "attention"},
-    "strips": {"input", "add", "relu", "relu6", "gelu", "tanh", "sigmoid", "silu", "hardswish", "hardsigmoid", "exp",
-               "log", "erf", "neg", "abs", "reciprocal", "conv2d", "maxpool", "avgpool", "global_avgpool",
-               "batchnorm", "param"},
+    "strips": {"input", "add", "concat", "relu", "relu6", "gelu", "tanh", "sigmoid", "silu", "hardswish",
+               "hardsigmoid", "exp", "log", "erf", "neg", "abs", "reciprocal", "conv2d", "maxpool", "avgpool",
+               "global_avgpool", "batchnorm", "param"},
     "rows": set(),  # checked by tests/test_rows.py for the zoo's own transformers only
     "slices": set(),  # the executor replays whole layers; it refuses weight slices
 }
