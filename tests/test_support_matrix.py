@@ -25,7 +25,7 @@ from poet_opt.model import ops  # noqa: E402
 from poet_opt.model.network import lower_network  # noqa: E402
 from poet_opt.model.ops import support  # noqa: E402
 
-STRUCTURAL = {"input", "param"}
+STRUCTURAL = set(support.STRUCTURAL)
 LR = 0.05
 
 

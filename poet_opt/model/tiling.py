@@ -16,7 +16,10 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-TILEABLE = ("conv2d", "linear", "embedding")
+from poet_opt.model import ops as registry
+
+# the registry's layers that slice over their output features (concat joins the slices)
+TILEABLE = tuple(n for n in registry.names(tiling="slices") if n != "concat")
 TILE_MARK = "#"  # tile j of layer L is named L#j; the concat keeps the name L
 
 

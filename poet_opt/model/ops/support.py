@@ -5,8 +5,9 @@ operator (or the option that asked for the tiling). docs/operators.md is this ta
 
 Graph and costs, the validator and the C header work on the graph alone: they run every operator
 in every tiling its graph builder implements (``OpSpec.tiled``). The firmware generator and the
-PyTorch executor need the operator lowered from a torch module and a kernel or reference for it;
-their sets below are the facts of today's backends, which the matrix keeps true.
+PyTorch executor need the operator lowered from a torch module and a kernel or reference for it:
+for elementwise operators that follows from the registry entry; for the others the sets below
+are the facts of today's backends, which the matrix keeps true.
 """
 
 from __future__ import annotations
@@ -14,27 +15,43 @@ from __future__ import annotations
 from poet_opt.model.ops import OpSpec, specs
 
 BACKENDS = ("graph", "validator", "header", "firmware", "executor")
+# the batch and streamed weights: in every graph (the weights only when streamed), no probe of their own
+STRUCTURAL = ("input", "param")
 TILINGS_CHECKED = ("whole", "strips", "rows", "slices")
 
-# firmware (the emulated Cortex-M): operators network.py lowers from a torch module and writer.py /
-# strip_codegen.py have C kernels for
+# Elementwise operators (activations, add) follow from their registry entry: the firmware runs
+# those with C kernels of the elementwise convention, whole and strip by strip; the executor runs
+# one it can differentiate from what the graph keeps (its input; or its output, with a torch
+# backward from it), whole when PyTorch spells it (it runs the traced node itself) and over strips
+# when the registry has its PyTorch reference (the replay calls torch_forward).
+
+
+def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
+    if tiling not in ("whole", "strips"):
+        return False
+    if backend == "firmware":
+        return spec.c_convention == "elementwise" and spec.c_forward is not None
+    from_what_is_kept = spec.saves != "out" or spec.torch_backward is not None
+    if tiling == "whole":
+        return from_what_is_kept and bool(spec.torch_modules or spec.torch_functions)
+    return from_what_is_kept and spec.torch_forward is not None
+
+
+# Every other operator: the facts of today's backends. The firmware: what network.py lowers from a
+# torch module and writer.py / strip_codegen.py have C kernels for.
 FIRMWARE = {
-    "whole": {"input", "add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
-              "global_avgpool", "batchnorm", "layernorm", "linear", "matmul", "softmax", "param"},
-    "strips": {"input", "add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
-               "global_avgpool", "batchnorm", "param"},
+    "whole": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
+              "softmax"},
+    "strips": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
     "rows": set(),  # the generator refuses row-tiled plans (issue 27, item 5)
-    "slices": {"conv2d", "linear", "concat", "param"},
+    "slices": {"conv2d", "linear", "concat"},
 }
-# the PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
-# (executor/strips.py) for strips; the row replay (executor/rows.py) for row tiles
+# The PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
+# (executor/strips.py) for strips; row plans and weight slices it refuses.
 EXECUTOR = {
-    "whole": {"input", "add", "copy", "relu", "relu6", "leaky_relu", "gelu", "tanh", "sigmoid", "silu", "hardswish",
-              "hardsigmoid", "exp", "log", "erf", "neg", "abs", "reciprocal", "pow", "conv2d", "maxpool", "avgpool",
-              "global_avgpool", "batchnorm", "layernorm", "linear", "matmul", "softmax", "attention"},
-    "strips": {"input", "add", "concat", "relu", "relu6", "gelu", "tanh", "sigmoid", "silu", "hardswish",
-               "hardsigmoid", "exp", "log", "erf", "neg", "abs", "reciprocal", "conv2d", "maxpool", "avgpool",
-               "global_avgpool", "batchnorm", "param"},
+    "whole": {"copy", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
+              "softmax", "attention"},
+    "strips": {"concat", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
     "rows": set(),  # checked by tests/test_rows.py for the zoo's own transformers only
     "slices": set(),  # the executor replays whole layers; it refuses weight slices
 }
@@ -50,6 +67,8 @@ def runs(spec: OpSpec, tiling: str, backend: str) -> bool:
         return False
     if backend in ("graph", "validator", "header"):
         return True
+    if spec.split == "elementwise" and spec.arity > 0:
+        return _elementwise(spec, tiling, backend)
     return spec.name in (FIRMWARE if backend == "firmware" else EXECUTOR)[tiling]
 
 
@@ -70,7 +89,9 @@ def table() -> str:
     for s in specs():
         cells = []
         for t in TILINGS_CHECKED:
-            if not graph_runs(s, t):
+            if s.name in STRUCTURAL:
+                cells.append("every graph")
+            elif not graph_runs(s, t):
                 cells.append("not split")
             else:
                 cells.append(f"{mark[runs(s, t, 'firmware')]} / {mark[runs(s, t, 'executor')]}")
