@@ -88,3 +88,26 @@ def test_public_entry_points_from_the_package_top():
     assert callable(sweep) and callable(plot_front) and callable(plot_timeline)
     with pytest.raises(AttributeError):
         poet_opt.no_such_thing  # noqa: B018
+
+
+def test_no_module_imports_another_modules_private_names():
+    """``from poet_opt.x import _name`` couples a module to another's insides (issue 27: the strip
+    code generator imported the writer's _Writer, _float, _ident); what is shared is public."""
+    import ast
+
+    found = []
+    for path in (ROOT / "poet_opt").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("poet_opt"):
+                found += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, found
+
+
+def test_docs_architecture_names_every_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [str(p.relative_to(ROOT / "poet_opt")) for p in (ROOT / "poet_opt").rglob("*.py")
+               if p.name != "__init__.py" and "firmware/board" not in str(p)
+               and str(p.relative_to(ROOT / "poet_opt")) not in text
+               and not (p.parent == ROOT / "poet_opt" and f"`{p.name}`" in text)]
+    assert not missing, f"docs/architecture.md, 'Where each concept lives', lacks {missing}"

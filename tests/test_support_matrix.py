@@ -397,7 +397,7 @@ def test_strips(name):
     spec = ops.spec(name)
     tile = 512 if name == "concat" else None  # body's and post's 148 weights in slices, joined by a concat
     try:
-        graph = zoo._training_graph("probe", _zoo_probe(name), 2, 4, "all", {"bytes_per_element": 4},
+        graph = zoo.training_graph("probe", _zoo_probe(name), 2, 4, "all", {"bytes_per_element": 4},
                                     weights="streamed", strips={8: 2, 4: 2}, tile_bytes=tile)
     except PoetError as exc:
         assert not support.graph_runs(spec, "strips"), f"{name}: the strip graph refuses it: {exc}"
@@ -475,7 +475,7 @@ def test_rows(name):
         net.ops = [replace(o, op=name) if o.op == "gelu" else o for o in net.ops]
     rows = {"blocks": 2, "piece": 32, "vocab_rows": 32}
     try:
-        graph = zoo._training_graph("probe", net.ops, 1, 4, "all", {}, weights="streamed", rows=rows)
+        graph = zoo.training_graph("probe", net.ops, 1, 4, "all", {}, weights="streamed", rows=rows)
     except PoetError as exc:
         assert not support.graph_runs(spec, "rows"), f"{name}: the row builder refuses it: {exc}"
         _refusal(exc, name, spec)
