@@ -303,7 +303,7 @@ class SeqChain(nn.Module):
 CHAIN_OPS = {"whole": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
                        "global_avgpool", "batchnorm", "linear", "layernorm", "matmul", "softmax"},
              "strips": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
-                        "global_avgpool", "batchnorm"},
+                        "global_avgpool", "batchnorm", "concat"},
              "slices": {"conv2d", "linear", "concat"}}
 
 
@@ -349,7 +349,7 @@ def _seq_chain():
 @pytest.mark.parametrize("tiling", ["whole", "strips", "slices"])
 def test_firmware_chain_equals_torch(tiling, tmp_path):
     kw = {"whole": {"weights": "resident", "strips": "off"},
-          "strips": {"weights": "streamed", "strips": 2},
+          "strips": {"weights": "streamed", "strips": 2, "tile_bytes": 512},  # strips of weight slices too
           "slices": {"weights": "streamed", "tile_bytes": 256, "strips": "off"}}[tiling]
     ran = _emulate(_chain, (2, 3, 8, 8), tmp_path, **kw)
     if tiling == "whole":
@@ -426,9 +426,9 @@ def test_strips(name):
             params[layer] = roles
     for base, tiles in (graph.meta.get("tiles") or {}).items():  # a slice: its rows of the layer's tensors
         lo = 0
-        for tile in tiles:
-            hi = lo + graph.meta["strips"]["layers"][tile]["shape"][0]
-            params[tile] = {r: v[lo:hi].clone() for r, v in params[tile].items()}
+        for piece in tiles:
+            hi = lo + graph.meta["strips"]["layers"][piece]["shape"][0]
+            params[piece] = {r: v[lo:hi].clone() for r, v in params[piece].items()}
             lo = hi
     try:
         result = replay(graph, params, x, y, LR)

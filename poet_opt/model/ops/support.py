@@ -42,7 +42,7 @@ def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
 FIRMWARE = {
     "whole": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
               "softmax"},
-    "strips": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
+    "strips": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "concat"},
     "rows": set(),  # the generator refuses row-tiled plans (issue 27, item 5)
     "slices": {"conv2d", "linear", "concat"},
 }
