@@ -122,6 +122,22 @@ def test_torch_and_onnx_import_cost_them_from_the_registry(models, tmp_path):
     torch_ops = [n.op for n in import_torch(ns["hardswish_mlp"](), SHAPES["hardswish_mlp"]).nodes
                  if n.kind == "forward"]
     assert torch_ops == ["input", "linear", "hardswish", "linear", "silu", "linear"]
+    # opset 24's Swish is SiLU (alpha 1): one silu node with the registry's cost
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((3, 4), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"), helper.make_node("Swish", ["h"], ["s"], name="act"),
+         helper.make_node("MatMul", ["s", "w2"], ["y"], name="out")],
+        "swish", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])],
+        [w, numpy_helper.from_array(np.ones((4, 2), np.float32), "w2")])
+    swish = tmp_path / "swish.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]), str(swish))
+    nodes = [n for n in import_onnx(swish).nodes if n.kind == "forward"]
+    assert [n.op for n in nodes] == ["input", "linear", "silu", "linear"]
+    assert nodes[2].flops == 5 * 2 * 4
 
 
 @pytest.mark.parametrize("factory", ["silu_cnn", "hardswish_mlp"])

@@ -36,8 +36,9 @@ register(
          lambda t, g, y: _aten(t).tanh_backward(g, y)),
     _act("sigmoid", 4, "out", ("Sigmoid",), ("sigmoid", "sigmoid_"), ("Sigmoid",), lambda t, x: t.sigmoid(x),
          lambda t, g, y: _aten(t).sigmoid_backward(g, y)),
-    _act("silu", 5, "in", ("SiLU",), ("silu",), (), lambda t, x: t.nn.functional.silu(x), c=True,
-         doc="x * sigmoid(x), MobileNetV3's and EfficientNet's swish; ONNX spells it Sigmoid then Mul"),
+    _act("silu", 5, "in", ("SiLU",), ("silu",), ("Swish",), lambda t, x: t.nn.functional.silu(x), c=True,
+         doc="x * sigmoid(x), MobileNetV3's and EfficientNet's swish; ONNX: Swish (opset 24), or Sigmoid then Mul "
+             "as torch's exporter writes it"),
     _act("hardswish", 5, "in", ("Hardswish",), ("hardswish",), ("HardSwish",),
          lambda t, x: t.nn.functional.hardswish(x), c=True, doc="x * relu6(x + 3) / 6 (MobileNetV3)"),
     _act("hardsigmoid", 3, "in", ("Hardsigmoid",), ("hardsigmoid",), ("HardSigmoid",),
