@@ -29,6 +29,16 @@ STRUCTURAL = set(support.STRUCTURAL)
 LR = 0.05
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny tensors: PyTorch's thread pool costs more than it gives, and ten times more on a shared
+    # machine (a 4x8x8 convolution's backward took 0.23 s with threads spinning against other jobs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- one probe per operator ------------------------------------------------------------------------
 
 class Probe(nn.Module):
@@ -536,3 +546,44 @@ def test_every_operator_has_a_probe_or_says_why_not():
     missing = [n for n in NAMES if probe(n) is None and n != "clip"]
     assert not missing
     assert math.isclose(len(NAMES) + len(STRUCTURAL), len(ops.specs()))
+
+
+ROW_REPLAYED = [n for n in ops.names(split="elementwise", tiling="rows")
+                if ops.spec(n).arity == 1 and ops.spec(n).torch_forward is not None
+                and n not in ("log", "sqrt", "reciprocal")]  # their domain: the FFN's inputs go negative
+
+
+@pytest.mark.parametrize("name", ROW_REPLAYED)
+def test_row_replay_runs_every_elementwise_operator_as_autograd(name, monkeypatch):
+    """No executor runs a row plan yet (both refuse it, above); the row replay they would walk
+    (executor/rows.py) already runs every elementwise operator from the registry: a toy BERT with
+    its FFN activation swapped for ``name`` replays equal to autograd on the same model, whose
+    activation is torch's own function of that name (not the registry's reference)."""
+    from dataclasses import replace
+
+    from test_rows import _params, _reference, _tiny_bert
+
+    from poet_opt.executor.rows import replay
+    from poet_opt.model.zoo import training_graph
+
+    spec = ops.spec(name)
+    net = _tiny_bert(layers=1)
+    swapped = [replace(o, op=name, saves=spec.saves, flops=spec.flops(math.prod(o.shape))) if o.op == "gelu" else o
+               for o in net.ops]
+    graph = training_graph("tiny", swapped, 2, 8, "all", {}, weights="streamed",
+                           rows={"blocks": 2, "piece": 8, "vocab_rows": 4})
+    assert any(n.op == name and "@r" in n.name for n in graph.nodes)
+    gen = torch.Generator().manual_seed(1)
+    params = _params(net.ops, gen)
+    ids, y = torch.randint(0, 11, (2, 8), generator=gen), torch.tensor([2, 0])
+    mine = {k: {r: v.clone() for r, v in layer.items()} for k, layer in params.items()}
+    for p in (p for layer in params.values() for p in layer.values()):
+        p.requires_grad_(True)
+    fn = getattr(F, name, None) or getattr(torch, name)
+    monkeypatch.setattr(F, "gelu", fn)  # the reference's FFN activation: torch's own
+    F.cross_entropy(_reference(net.ops, params, ids)[-1], y).backward()
+    result = replay(graph, mine, ids, y, 0.1)
+    for layer, roles in params.items():
+        for role, p in roles.items():
+            got = result["weight_grads"][layer][role]
+            assert torch.allclose(got, p.grad, rtol=1e-9, atol=1e-12), (name, layer, role)
