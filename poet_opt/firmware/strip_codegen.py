@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 
 from poet_opt.errors import PoetError
+from poet_opt.firmware.c_text import identifier
 from poet_opt.firmware.writer import _Writer, _float, _ident
 from poet_opt.model.strips import touching
 
@@ -107,7 +108,7 @@ class StripWriter(_Writer):
             kind = "poet_pool2d_shape"
         key = (kind, *fields)
         if key not in self.windows:
-            self.windows[key] = f"poet_window_{len(self.windows)}"
+            self.windows[key] = identifier("poet_window", len(self.windows))
             values = ", ".join(f"{v}u" for v in fields)
             self.decls.append(f"static const {kind} {self.windows[key]} = {{{values}}};\n")
         return "&" + self.windows[key]
