@@ -126,7 +126,7 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
     """--model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE, exactly one
     (poet_opt.model.load.load_training_graph); ``profile`` decides --weights auto; streamed layers
     with more weights than ``weight_tile`` (default: a quarter of the smallest ``ram``) are sliced."""
-    from poet_opt.model.load import load_training_graph
+    from poet_opt.model.load import default_tile_bytes, load_training_graph
     from poet_opt.units import parse_size
 
     # weights that do not fit the storage are refused before the activations are tiled (seconds)
@@ -139,7 +139,7 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
         if tile < 1:
             raise PoetError("must be at least 1 B", field="--weight-tile")
     else:
-        tile = None if budgets is None else max(1, min(budgets) // 4)
+        tile = default_tile_bytes(budgets)
     largest = None if budgets is None else max(budgets)
     return load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                bytes_per_element=bytes_per_element, input_shape=input_shape, trainable=trainable,
