@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from poet_opt.cli import main
@@ -328,6 +328,9 @@ def torch_can_trace(name: str) -> bool:
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(outer=c_names().filter(torch_can_trace), inner=c_names().filter(torch_can_trace))
+# found by this test: the writer took "layers./*.@"'s gradient for a partial sum of "layers./*."
+@example(outer="/*", inner="@")
+@example(outer="x", inner="x@1")
 def test_any_torch_names_train_the_same_firmware(tmp_path_factory, plain_firmware, outer, inner):
     if outer == inner:
         inner += "_"
@@ -335,3 +338,37 @@ def test_any_torch_names_train_the_same_firmware(tmp_path_factory, plain_firmwar
     assert summary["loss"] == plain_firmware[0]["loss"]  # the build is -std=c99 -Wall -Wextra -Werror -pedantic
     assert symbols(out / "poet_train.elf") == plain_firmware[1]
     assert without_comments(out / "poet_train.c") == plain_firmware[2]
+
+
+CLASHING = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(16, 8)
+        self.add_module("grad:relu", nn.Linear(8, 4))  # the name of the relu's gradient node
+
+    def forward(self, x):
+        return getattr(self, "grad:relu")(torch.relu(self.first(x)))
+
+
+def make():
+    return Net()
+"""
+
+
+def test_a_module_named_like_a_derived_node_is_refused(tmp_path, plain_firmware):
+    """The generator finds operands by node name: a second node of the same name would be read as
+    the first. One line naming --torch, exit 2, rather than a firmware that trains something else."""
+    (tmp_path / "clash.py").write_text(CLASHING)
+    result = cli("emulate", "--torch", f"{tmp_path / 'clash.py'}:make", "--input-shape", "2,16", "--device",
+                 "stm32f746", "--ram", "16KiB", "--steps", "2", "--lr", "0.05", "--data", batch(tmp_path / "b.npz"),
+                 "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.stderr
+    line, = result.stderr.splitlines()
+    assert "--torch" in line and "'grad:relu'" in line and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()

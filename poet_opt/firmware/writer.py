@@ -409,10 +409,11 @@ class _Writer:
         elif name.startswith("update:"):
             pass  # the update alone, below
         else:
-            f = name[len("grad:"):].partition("@")[0]  # grad:x@i: a partial sum of grad:x
+            f = self.gradient_of(name)
             layer = self.net.layers[f]
             users = self.users[f]
-            partial = [d for d in info["deps"] if str(self.nodes[d]["name"]).startswith(f"grad:{f}@")]
+            partial = [d for d in info["deps"] if self.gradient_of(str(self.nodes[d]["name"])) == f
+                       and self.nodes[d]["name"] != "grad:" + f]
             if partial:  # the sum so far, from the partial node before this one
                 lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
                              f"{layer.elements}u);")
@@ -422,7 +423,7 @@ class _Writer:
                 # streamed weights may split the sum over the users into a chain of nodes (one
                 # user's weights in RAM at a time): this node adds the users whose gradient it reads
                 users = [u for u in users if self.by_name.get("grad:" + u.name) in info["deps"]]
-            if f == logits and "@" not in name:
+            if f == logits and name == "grad:" + f:  # once: not again in a partial sum
                 lines.append(f"poet_cross_entropy_backward({out}, {self.at(ops, logits, 'the loss gradient')}, "
                              f"poet_labels, {batch}u, {classes}u);")
             for user in users:
@@ -434,6 +435,14 @@ class _Writer:
         for p in info.get("updates", ()):  # after the data gradients, which read the old weights
             lines += self.update(p, ops)
         return lines
+
+    def gradient_of(self, name: str) -> str | None:
+        """The layer whose gradient node ``name`` is (or a partial sum of, ``grad:x@i``): a layer's
+        own name first, since a name may hold "@" itself (node names are unique: codegen.generate)."""
+        if not name.startswith("grad:"):
+            return None
+        whole = name[len("grad:"):]
+        return whole if whole in self.net.layers else whole.rpartition("@")[0]
 
     def weights_comment(self) -> list[str]:
         """Where the board must have each layer's weights before the first step (float32, the
