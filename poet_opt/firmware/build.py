@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from poet_opt.firmware.c_text import check_identifier, constant
+from poet_opt.firmware.c_text import constant, identifier
 from poet_opt.firmware.targets import (
     DEFAULT_FLASH_LINK_BYTES,
     FLASH_BASE,
@@ -51,7 +51,7 @@ def run_zig_build(commands: Sequence[Sequence[str]], what: str, timeout_s: float
 
 
 def _define_flags(defines: Mapping[str, Any]) -> list[str]:
-    return [f"-D{check_identifier(key)}" if value is None else f"-D{check_identifier(key)}={constant(value)}"
+    return [f"-D{identifier(key)}" if value is None else f"-D{identifier(key)}={constant(value)}"
             for key, value in defines.items()]
 
 

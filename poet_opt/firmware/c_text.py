@@ -37,10 +37,11 @@ def identifier(*parts) -> str:
     """A C name joined from the generator's own parts (a role such as ``weight``, a counter), never
     from a user's name: the parts are checked, so a name slipped in by mistake fails loudly here
     instead of reaching the compiler."""
-    text = "_".join(str(p) for p in parts)
-    if not all(isinstance(p, int) or (isinstance(p, str) and _IDENTIFIER.match(p)) for p in parts):
+    own = [isinstance(p, int) and not isinstance(p, bool) and p >= 0 or isinstance(p, str) and _IDENTIFIER.match(p)
+           for p in parts]
+    if not parts or not all(own) or isinstance(parts[0], int):
         raise AssertionError(f"internal: a C identifier built from {parts!r}, which are not the generator's own")
-    return check_identifier(text)
+    return "_".join(str(p) for p in parts)
 
 
 def _escape(ch: str) -> str:
