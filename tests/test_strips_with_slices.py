@@ -120,3 +120,20 @@ def test_a_negative_strip_count_is_refused_naming_the_option():
     with pytest.raises(PoetError) as err:
         lower_network(strip_cnn(), SHAPE, weights="streamed", strips=0)
     assert err.value.field == "--strips"
+
+
+def test_solve_gives_resnet18_the_same_graph_from_the_zoo_and_from_torch():
+    """`solve --model resnet18-cifar` and `solve --torch ...:resnet18` at 200 KiB on the nRF52840:
+    the same strips, slices, nodes and sizes, so the same plan (before, --torch was refused)."""
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.model.load import default_tile_bytes, load_training_graph
+
+    profile = load_profile("nrf52840")
+    common = dict(weights="auto", tile_bytes=default_tile_bytes([200 * 1024]), ram_bytes=200 * 1024,
+                  device_ram_bytes=profile.memory.ram_bytes, stack_reserve_bytes=profile.memory.stack_reserve_bytes)
+    zoo, _ = load_training_graph("resnet18-cifar", **common)
+    traced, _ = load_training_graph(torch="poet_opt.examples.torch_models:resnet18", input_shape="1,3,32,32",
+                                    **common)
+    assert zoo.meta["strips"]["per_height"] == traced.meta["strips"]["per_height"]
+    assert [(n.name, n.kind, n.bytes, n.deps, n.flops) for n in zoo.nodes] == \
+        [(n.name, n.kind, n.bytes, n.deps, n.flops) for n in traced.nodes]

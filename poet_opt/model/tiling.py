@@ -25,7 +25,11 @@ def tile_count(op, bytes_per_element: int, max_weight_bytes: int | None) -> int:
     if max_weight_bytes is None or op.op not in TILEABLE or op.params * bytes_per_element <= max_weight_bytes:
         return 1
     features = op.shape[0] if op.op == "conv2d" else op.shape[-1]
-    return min(features, math.ceil(op.params * bytes_per_element / max(1, max_weight_bytes)))
+    # whole features per slice, so that the largest slice (slices differ by one feature) stays
+    # within the size: dividing the bytes alone left slices one feature over it
+    per_feature = op.params * bytes_per_element / features
+    per_slice = max(1, int(max_weight_bytes // per_feature))
+    return min(features, math.ceil(features / per_slice))
 
 
 def tile_weights(ops: Sequence, train: set[int], bytes_per_element: int,
