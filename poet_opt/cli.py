@@ -300,14 +300,14 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
     import numpy as np
 
     from poet_opt.files import write_atomic
-    from poet_opt.firmware.trainer import emulate_training
+    from poet_opt.firmware.trainer import emulate_training, output_files
 
     if (model is None) == (torch_spec is None):
         raise click.UsageError("give --model NAME or --torch FILE.py:FACTORY (with --input-shape)")
     if weights_out is not None:
         _check_writable(weights_out, field="--weights-out")
-    _check_not_inputs([("--weights-out", weights_out), ("-o", out_dir)], device=device, torch_spec=torch_spec,
-                      data=data)
+    kept = [("-o", path) for path in output_files(out_dir)] if out_dir is not None else []
+    _check_not_inputs([*kept, ("--weights-out", weights_out)], device=device, torch_spec=torch_spec, data=data)
     say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
     result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                               steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,

@@ -89,7 +89,8 @@ def _add(frame: list, size: int, height: int) -> None:
 
 def check_not_inputs(outputs, inputs) -> None:
     """Refuse an output path that is an input, or another output, of the same command: writing it
-    would replace the file being read. ``outputs`` and ``inputs``: (option, path or None) pairs."""
+    would replace the file being read. ``outputs`` and ``inputs``: (option, path or None) pairs;
+    a command that writes a directory lists each file it writes there (``write_files``)."""
     seen = [(option, path) for option, path in inputs if path is not None]
     for option, out in outputs:
         if out is None:
@@ -101,11 +102,42 @@ def check_not_inputs(outputs, inputs) -> None:
         seen.append((option, out))
 
 
+def _identities(path) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of the file at ``path`` and, when it is a symbolic link, of the link itself:
+    a hard link, a symbolic link or another spelling of an input is the input."""
+    found = set()
+    for stat in (os.stat, os.lstat):
+        try:
+            st = stat(path)
+        except (OSError, ValueError):  # missing, a dangling link, a NUL in the name
+            continue
+        found.add((st.st_dev, st.st_ino))
+    return found
+
+
 def _same_file(a, b) -> bool:
-    try:
-        return os.path.samefile(a, b)  # hard links and symbolic links too
-    except OSError:  # one does not exist yet: the same path is still the same file
-        return Path(a).resolve() == Path(b).resolve()
+    ids = _identities(a)
+    if ids:
+        return bool(ids & _identities(b))
+    # it does not exist yet: two outputs are still one when their paths are one
+    return Path(os.path.abspath(a)) == Path(os.path.abspath(b)) or Path(a).resolve() == Path(b).resolve()
+
+
+def write_files(directory, files, *, field: str, inputs=()) -> list[Path]:
+    """Write each ``name -> bytes or source Path`` of ``files`` into ``directory`` (created if
+    missing), each through ``write_atomic``: refused, before anything is written, when one of them
+    is one of ``inputs`` ((option, path) pairs); an entry there that is a symbolic link is replaced,
+    never followed. Returns the paths written."""
+    directory = Path(directory)
+    targets = {name: directory / name for name in files}
+    for name in files:
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise AssertionError(f"internal: {name!r} is not a file name")
+    check_not_inputs([(field, path) for path in targets.values()], inputs)
+    for name, content in files.items():
+        data = Path(content).read_bytes() if isinstance(content, Path) else content
+        write_atomic(targets[name], lambda fh, data=data: fh.write(data), field=field, binary=True)
+    return list(targets.values())
 
 
 def write_json_atomic(doc: dict, path: str | Path, *, field: str = "--out") -> None:
@@ -124,7 +156,9 @@ def write_atomic(path: str | Path, write, *, field: str = "--out", binary: bool 
                  newline: str | None = None) -> None:
     """Call ``write(fh)`` on a temporary file next to the target, then rename it over the target,
     so that a crash, a full disk or a kill (the CLI turns SIGTERM into an exception) never leaves
-    half a file, nor the temporary."""
+    half a file, nor the temporary. The temporary is created exclusively (O_EXCL: never through a
+    link planted under its name), and the rename replaces a link at the target rather than
+    writing through it, so nothing outside the target's directory is ever written."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,10 +173,12 @@ def write_atomic(path: str | Path, write, *, field: str = "--out", binary: bool 
         mode = {"mode": "wb"} if binary else {"mode": "w", "encoding": "utf-8", "newline": newline}
         with os.fdopen(fd, **mode) as fh:
             write(fh)
-        # mkstemp creates 0600; give the file the mode an ordinary open() would have
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+            # mkstemp creates 0600; give the file the mode an ordinary open() would have (by its
+            # descriptor: the name could be swapped for a link in between)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fh.fileno(), 0o666 & ~umask)
+        # a rename replaces a symbolic link at `path` instead of writing where it points
         os.replace(tmp, path)
     except BaseException:
         if tmp is not None:

@@ -166,12 +166,14 @@ def test_validate_accepts_a_solved_schedule(tmp_path, good_doc):
     assert result.stdout.startswith(f"{path}: valid: ") and result.stderr == ""
 
 
-def test_validate_accepts_a_schedule_without_a_ram_budget(tmp_path, good_doc):
+def test_validate_refuses_a_schedule_without_a_ram_budget(tmp_path, good_doc):
+    # only runtime_s may be null (docs/schedule-format.md): every plan has a RAM budget, which its
+    # header's arena is checked against (issue 28)
     doc = json.loads(json.dumps(good_doc))
-    doc["budgets"]["ram_bytes"] = None  # the format allows null: no such budget was set
+    doc["budgets"]["ram_bytes"] = None
     result = cli("validate", write_doc(tmp_path / "noram.json", doc))
-    assert result.exit_code == 0, result.stderr
-    assert "no RAM budget" in result.stdout
+    assert result.exit_code == 2, result.stderr
+    assert "budgets.ram_bytes is null" in result.stderr and result.stdout == ""
 
 
 def test_devices_lists_every_builtin_profile():

@@ -288,3 +288,47 @@ def test_validator_imports_nothing_from_poet_opt_but_errors():
                 assert module == "errors", f"relative import of {module!r}"
             elif module.startswith("poet_opt"):
                 assert module == "poet_opt.errors", module
+
+
+# --- issue 28, 13: fields a hostile or careless file gets wrong -----------------------------
+
+DEVICE = {"name": "board", "cpu": "Arm Cortex-M4", "ram_bytes": 262144, "bytes_per_element": 4, "alignment_bytes": 4,
+          "storage_kind": "spi-flash", "storage_capacity_bytes": 1 << 24, "erase_block_bytes": 4096,
+          "endurance_cycles": 100_000, "wear_levelling": False, "stack_reserve_bytes": 4096}
+
+
+def with_device(**edits) -> dict:
+    doc = schedule()
+    doc["device"] = {**DEVICE, **edits}
+    return doc
+
+
+def test_a_sound_device_section_validates():
+    validate(with_device())
+
+
+@pytest.mark.parametrize("section, key, value, needles", [
+    ("budgets", "ram_bytes", None, ("budgets.ram_bytes is null",)),
+    ("device", "storage_capacity_bytes", -1, ("device.storage_capacity_bytes is -1", "non-negative integer")),
+    ("budgets", "min_lifetime_steps", 1e30, ("budgets.min_lifetime_steps", "at most 2^63 - 1")),
+    ("budgets", "min_lifetime_steps", 10**30, ("budgets.min_lifetime_steps", "at most 2^63 - 1")),
+    ("budgets", "min_lifetime_steps", 0, ("budgets.min_lifetime_steps is 0",)),
+    ("budgets", "min_lifetime_steps", 2.5, ("budgets.min_lifetime_steps", "integer")),
+    ("device", "storage_kind", "tape", ("device.storage_kind is 'tape'", "spi-flash")),
+    ("device", "erase_block_bytes", 0, ("device.erase_block_bytes is 0", "positive")),
+    ("device", "endurance_cycles", "many", ("device.endurance_cycles",)),
+    ("device", "wear_levelling", "yes", ("device.wear_levelling", "true or false")),
+])
+def test_malformed_budget_and_device_fields_are_refused_by_name(section, key, value, needles):
+    doc = with_device()
+    doc[section][key] = value
+    not_a_schedule(doc, *needles)
+
+
+def test_storage_kinds_are_the_profiles_kinds():
+    # the validator keeps its own list (it imports nothing from the profiles): it must not drift
+    import typing
+
+    from poet_opt.device.profiles import Storage
+
+    assert set(validator.STORAGE_KINDS) == set(typing.get_args(Storage.model_fields["kind"].annotation))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from poet_opt.firmware.c_text import constant, identifier
 from poet_opt.firmware.targets import (
     DEFAULT_FLASH_LINK_BYTES,
     FLASH_BASE,
@@ -50,7 +51,8 @@ def run_zig_build(commands: Sequence[Sequence[str]], what: str, timeout_s: float
 
 
 def _define_flags(defines: Mapping[str, Any]) -> list[str]:
-    return [f"-D{key}" if value is None else f"-D{key}={value}" for key, value in defines.items()]
+    return [f"-D{identifier(key)}" if value is None else f"-D{identifier(key)}={constant(value)}"
+            for key, value in defines.items()]
 
 
 def render_linker_script(target: Target, *, min_stack_bytes: int = 1024) -> str:

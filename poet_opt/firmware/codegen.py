@@ -33,6 +33,13 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
     if not network.graph.meta.get("strips"):  # a strip plan needs the network lowered with its strips
         refuse_strips(doc["graph"]["nodes"], "the firmware generator for a network lowered without strips",
                       "--model")
+    names = [str(n["name"]) for n in doc["graph"]["nodes"]]
+    if len(set(names)) < len(names):
+        # the generator finds a node's operands by name: a layer named like a derived node
+        # ("L@s0", "grad:L@1") would be read as that node
+        twice = next(name for name in names if names.count(name) > 1)
+        raise PoetError(f"two nodes of the graph are named {twice!r}: a module's name reads like a node derived "
+                        "from another (a gradient, strip, slice or partial sum); rename it", field="--torch")
     if any(o % 4 for o in plan.step_offsets) or any(o % 4 for offs in plan.operand_offsets for o in offs):
         raise PoetError(f"device.alignment_bytes is {plan.alignment}; fp32 tensors need offsets that are "
                         "multiples of 4", field="--device")

@@ -24,6 +24,7 @@ import struct
 from dataclasses import dataclass
 
 from poet_opt.errors import PoetError
+from poet_opt.firmware.c_text import identifier
 
 # a step whose straight-line C would have more calls than this runs as a program
 PROGRAM_CALLS = 20_000
@@ -198,7 +199,10 @@ def interpreter(program: StepProgram, *, storage_offset: int | None) -> list[str
         lines.append(_bytes_array("poet_program", program.code))
     lines += [
         "static void *const poet_program_bases[] = {",
-        *(f"    (void *){'0' if b == 'NULL' else b}," for b in program.bases),
+        # a base is a generated array or the address of a generated struct (_SYMBOL's \w takes any
+        # Unicode letter: only an ASCII identifier passes into C)
+        *(f"    (void *){'0' if b == 'NULL' else b[:b.startswith('&')] + identifier(b.lstrip('&'))},"
+          for b in program.bases),
         "};",
         f"static const float poet_program_floats[{max(1, len(program.floats))}] = {{"
         + ", ".join(_c_float(f) for f in program.floats or [0.0]) + "};",
@@ -303,7 +307,7 @@ def _case(number: int, kernel: str, kinds: tuple[str, ...], checked: bool) -> li
         body.append("            *loss = ((const float *)a0)[0];")
     else:
         args = ", ".join(f"a{k}" for k in range(len(kinds)))
-        body.append(f"            {'rc = ' if checked else ''}{kernel}({args});")
+        body.append(f"            {'rc = ' if checked else ''}{identifier(kernel)}({args});")
         if checked:
             body.append("            if (rc) {")
             body.append("                return rc;")

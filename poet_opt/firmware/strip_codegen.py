@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 
 from poet_opt.errors import PoetError
+from poet_opt.firmware.c_text import identifier
 from poet_opt.firmware.writer import StepWriter, c_float, c_ident, elementwise_backward, elementwise_kernel
 from poet_opt.model import ops as registry
 from poet_opt.model.strips import touching
@@ -136,7 +137,7 @@ class StripWriter(StepWriter):
             kind = "poet_pool2d_shape"
         key = (kind, *fields)
         if key not in self.windows:
-            self.windows[key] = f"poet_window_{len(self.windows)}"
+            self.windows[key] = identifier("poet_window", len(self.windows))
             values = ", ".join(f"{v}u" for v in fields)
             self.decls.append(f"static const {kind} {self.windows[key]} = {{{values}}};\n")
         return "&" + self.windows[key]

@@ -17,7 +17,7 @@ import numpy as np
 
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
-from poet_opt.files import check_not_inputs
+from poet_opt.files import check_not_inputs, write_files
 from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
 from poet_opt.firmware.targets import target_from_profile
@@ -115,6 +115,10 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         raise PoetError(f"expected a positive whole number of steps, got {steps!r}", field="--steps")
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
         raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
+    # every file this reads, so that -o writes none of them (before the solve, not after it)
+    inputs = _input_files(data, device, torch_model)
+    if out_dir is not None:
+        check_not_inputs([("-o", path) for path in output_files(out_dir)], inputs)
     profile = load_profile(device)
     target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
     if model is not None:  # a zoo model takes the batch's shape
@@ -163,9 +167,16 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode,
                             graph_for=(lambda budget: striped(budget).graph) if refit else None)
     network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
-    if out_dir is not None:
-        check_not_inputs([("-o", Path(out_dir))], [("--data", Path(data))])
-    return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress)
+    return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress,
+                        inputs=inputs)
+
+
+def _input_files(data, device, torch_model) -> list[tuple[str, Path]]:
+    """The files emulate reads, by option: a device or torch module given by name is no file."""
+    given = [("--data", data), ("--device", device)]
+    if isinstance(torch_model, str):
+        given.append(("--torch", torch_model.rsplit(":", 1)[0]))
+    return [(option, Path(path)) for option, path in given if isinstance(path, (str, Path)) and Path(path).is_file()]
 
 
 def _with_strips(network: Network, strips, module, shape, profile, ram, *, trainable, name, weights, tile) -> Network:
@@ -192,10 +203,11 @@ def _with_strips(network: Network, strips, module, shape, profile, ram, *, train
 
 
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
-                 out_dir=None, progress=None, program: bool | str = "auto") -> EmulatedTraining:
+                 out_dir=None, progress=None, program: bool | str = "auto", inputs=()) -> EmulatedTraining:
     """Generate, build and run the training step of a schedule of ``network.graph``: ``plan`` is
     a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here. A tiled network
-    (``lower_network(..., tile_bytes=...)``) carries its tiles, so nothing more is needed here."""
+    (``lower_network(..., tile_bytes=...)``) carries its tiles, so nothing more is needed here.
+    ``out_dir`` gets ``output_files``, none of which may be one of ``inputs`` ((option, path) pairs)."""
     from poet_opt.firmware import arena
     from poet_opt.firmware.fit import FirmwarePlan
 
@@ -219,26 +231,35 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
             # provisioned at its offset (the header of poet_train.c names it) beside the weights
             (work / "poet_program.bin").write_bytes(generated.program)
         if out_dir is not None:
-            result.files = _keep(work, Path(out_dir))
+            result.files = _keep(work, Path(out_dir), inputs)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _keep(work: Path, out_dir: Path) -> list[Path]:
+# what -o DIR receives: the generated step, its image and linker script, the storage image of
+# streamed weights, and everything a board project needs besides its own poet_storage.c
+GENERATED_FILES = ("poet_train.c", "poet_train.elf", "poet_train.ld", "poet_weights.bin", "poet_program.bin")
+
+
+def _library_files() -> list[Path]:
+    return [*(KERNEL_DIR / n for n in (*codegen.KERNEL_FILES, "poet_kernels.h")),
+            *(BOARD_DIR / n for n in (*codegen.PAGING_FILES, "poet_paging.h", "poet_storage.h"))]
+
+
+def output_files(out_dir) -> list[Path]:
+    """Every file ``emulate -o out_dir`` may write."""
+    return [Path(out_dir) / name for name in (*GENERATED_FILES, *(p.name for p in _library_files()))]
+
+
+def _keep(work: Path, out_dir: Path, inputs) -> list[Path]:
+    made = {p.name for p in work.iterdir() if p.suffix in (".c", ".elf", ".ld", ".bin")}
+    # -o was checked against the inputs for exactly these names, before the solve
+    assert made <= set(GENERATED_FILES), f"internal: {sorted(made - set(GENERATED_FILES))} are not in GENERATED_FILES"
+    files = {name: work / name for name in GENERATED_FILES if name in made}
+    files.update({path.name: path for path in _library_files()})
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        kept = []
-        for path in sorted(work.iterdir()):
-            if path.suffix in (".c", ".elf", ".ld", ".bin"):
-                shutil.copy2(path, out_dir / path.name)
-                kept.append(out_dir / path.name)
-        # everything a board project needs besides its own poet_storage.c
-        for folder, name in [*((KERNEL_DIR, n) for n in (*codegen.KERNEL_FILES, "poet_kernels.h")),
-                             *((BOARD_DIR, n) for n in (*codegen.PAGING_FILES, "poet_paging.h", "poet_storage.h"))]:
-            shutil.copy2(folder / name, out_dir / name)
-            kept.append(out_dir / name)
-        return kept
+        return write_files(out_dir, files, field="-o", inputs=inputs)
     except OSError as exc:
         raise PoetError(f"cannot write here: {exc.strerror}", source=str(out_dir), field="-o") from None
 

@@ -39,6 +39,7 @@ import numpy as np
 from poet_opt.errors import PoetError
 from poet_opt.firmware import program
 from poet_opt.firmware.arena import ArenaPlan, FlashPlan
+from poet_opt.firmware.c_text import block_comment, comment, float_literal, identifier
 from poet_opt.model import ops as registry
 from poet_opt.model.network import Layer, Network
 
@@ -114,10 +115,7 @@ def elementwise_backward(op: str, g: str, gu: str, n: int, at, output: str, oper
 
 
 def c_float(v: float) -> str:
-    v = float(np.float32(v))
-    if not math.isfinite(v):
-        raise PoetError(f"a weight or input value is {v}; the firmware starts from finite numbers", field="--data")
-    return f"{v.hex()}f" if v else "0.0f"
+    return float_literal(v)
 
 
 def _array(ctype: str, name: str, values: np.ndarray, *, const: bool, used: bool = False) -> str:
@@ -130,7 +128,7 @@ def _array(ctype: str, name: str, values: np.ndarray, *, const: bool, used: bool
 
 
 def c_ident(k: int, role: str) -> str:
-    return f"poet_{role}_{k}"
+    return identifier("poet", role, k)
 
 
 class StepWriter:
@@ -186,7 +184,7 @@ class StepWriter:
                 if self.streamed:  # on storage, read into the arena where the schedule says
                     break
                 name = c_ident(k, role)
-                self.decls.append(f"/* {p.torch_name} {list(p.value.shape)} */\n"
+                self.decls.append(block_comment(p.torch_name, list(p.value.shape)) + "\n"
                                   + _array("float", name, p.value, const=not layer.trainable, used=layer.trainable))
                 if layer.trainable:
                     self.param_symbols[p.torch_name] = name
@@ -381,19 +379,19 @@ class StepWriter:
             if kind == "free":
                 continue
             if kind == "page_out":
-                lines += [f"/* {s}: page out {name} */",
+                lines += [block_comment(f"{s}: page out", name),
                           f"rc = poet_page_out({self.flash.offsets[node]}u, {out}, {nbytes}u);",
                           "if (rc) return rc;"]
                 continue
             if kind == "page_in":
-                lines += [f"/* {s}: page in {name} */",
+                lines += [block_comment(f"{s}: page in", name),
                           f"rc = poet_page_in({self.flash.offsets[node]}u, {out}, {nbytes}u);",
                           "if (rc) return rc;"]
                 continue
             first = node not in computed
             computed.add(node)
             ops = dict(zip(info["deps"], self.plan.operand_offsets[s]))
-            lines.append(f"/* {s}: {'compute' if first else 'recompute'} {name} */")
+            lines.append(block_comment(f"{s}: {'compute' if first else 'recompute'}", name))
             if info.get("updates") and not first:
                 # its data gradients would read the weights it has already changed
                 raise PoetError(f"the schedule computes {name!r} again after it updated its weights in place; "
@@ -419,10 +417,11 @@ class StepWriter:
         elif name.startswith("update:"):
             pass  # the update alone, below
         else:
-            f = name[len("grad:"):].partition("@")[0]  # grad:x@i: a partial sum of grad:x
+            f = self.gradient_of(name)
             layer = self.net.layers[f]
             users = self.users[f]
-            partial = [d for d in info["deps"] if str(self.nodes[d]["name"]).startswith(f"grad:{f}@")]
+            partial = [d for d in info["deps"] if self.gradient_of(str(self.nodes[d]["name"])) == f
+                       and self.nodes[d]["name"] != "grad:" + f]
             if partial:  # the sum so far, from the partial node before this one
                 lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
                              f"{layer.elements}u);")
@@ -432,7 +431,7 @@ class StepWriter:
                 # streamed weights may split the sum over the users into a chain of nodes (one
                 # user's weights in RAM at a time): this node adds the users whose gradient it reads
                 users = [u for u in users if self.by_name.get("grad:" + u.name) in info["deps"]]
-            if f == logits and "@" not in name:
+            if f == logits and name == "grad:" + f:  # once: not again in a partial sum
                 lines.append(f"poet_cross_entropy_backward({out}, {self.at(ops, logits, 'the loss gradient')}, "
                              f"poet_labels, {batch}u, {classes}u);")
             for user in users:
@@ -445,6 +444,14 @@ class StepWriter:
             lines += self.update(p, ops)
         return lines
 
+    def gradient_of(self, name: str) -> str | None:
+        """The layer whose gradient node ``name`` is (or a partial sum of, ``grad:x@i``): a layer's
+        own name first, since a name may hold "@" itself (node names are unique: codegen.generate)."""
+        if not name.startswith("grad:"):
+            return None
+        whole = name[len("grad:"):]
+        return whole if whole in self.net.layers else whole.rpartition("@")[0]
+
     def weights_comment(self) -> list[str]:
         """Where the board must have each layer's weights before the first step (float32, the
         parameters one after the other)."""
@@ -455,7 +462,7 @@ class StepWriter:
             names = ", ".join(f"{p.torch_name}{'' if p.rows is None else '[%d:%d]' % p.rows} {list(p.value.shape)}"
                               for p in layer.params.values())
             what = "read and rewritten each step" if layer.trainable else "read only (frozen)"
-            rows.append(f" * {self.flash.offsets[n]:>12} {int(self.nodes[n]['bytes']):>10}  {names}; {what}")
+            rows.append(f" * {self.flash.offsets[n]:>12} {int(self.nodes[n]['bytes']):>10}  {comment(names)}; {what}")
         return ["/* Streamed weights on the storage device, provisioned before the first step:",
                 " *       offset      bytes  parameters (float32, in this order)", *rows, " */", ""]
 
@@ -473,7 +480,7 @@ class StepWriter:
         run, interpreter, code, offset = self.as_program(body)
         arena_words = max(1, -(-self.plan.arena_bytes // 4))
         text = "\n".join([
-            f"/* Generated by poet-opt: {steps} training step(s) of {self.net.name} as the schedule says. */",
+            block_comment(f"Generated by poet-opt: {steps} training step(s) of", self.net.name, "as the schedule says."),
             "#include <stddef.h>",
             "#include <stdint.h>",
             '#include "poet_kernels.h"',

@@ -33,6 +33,12 @@ REL_TOL, ABS_TOL = 1e-6, 1e-12
 # counts fit a signed 64-bit integer; times and energies, one node's or a total, at most 1e30.
 MAX_INTEGER = 2**63 - 1
 MAX_QUANTITY = 1e30
+# The device section's sizes and counts (docs/schedule-format.md); the last four must be positive.
+DEVICE_INTEGERS = ("ram_bytes", "bytes_per_element", "alignment_bytes", "storage_capacity_bytes",
+                   "erase_block_bytes", "endurance_cycles", "stack_reserve_bytes")
+DEVICE_POSITIVE = ("bytes_per_element", "alignment_bytes", "erase_block_bytes", "endurance_cycles")
+# the storage kinds of docs/profiles.md; kept here, not imported, as the validator shares no code
+STORAGE_KINDS = ("sd-card", "spi-flash", "qspi-flash", "internal-flash", "emmc", "nvme", "ssd", "usb")
 # Solvers hit the runtime budget with equality; this absorbs their floating-point noise.
 RUNTIME_SLACK = 1e-9
 
@@ -136,10 +142,17 @@ def _read_plan(doc, source) -> dict:
     for key in BUDGET_KEYS:
         if key not in budgets:
             raise PoetError(f"budgets has no {key!r}", source=source)
-    # null: no such budget was set (e.g. no runtime limit), so there is nothing to enforce.
+    # null: no such budget was set (no runtime limit), so there is nothing to enforce; every plan
+    # has a RAM budget, what its header's arena is checked against (docs/schedule-format.md)
+    if budgets["ram_bytes"] is None:
+        raise PoetError("budgets.ram_bytes is null; expected a non-negative integer (bytes)", source=source)
     limits = {k: None if budgets[k] is None else
               _number(budgets[k], f"budgets.{k}", source, most=None if k == "runtime_s" else MAX_INTEGER)
               for k in BUDGET_KEYS}
+    if budgets.get("min_lifetime_steps") is not None:
+        if _number(budgets["min_lifetime_steps"], "budgets.min_lifetime_steps", source, integer=True) < 1:
+            raise PoetError("budgets.min_lifetime_steps is 0; expected a positive whole number or null", source=source)
+    _read_device(doc, source)
 
     steps = []
     for k, step in enumerate(_section(doc, "steps", list, source)):
@@ -154,6 +167,27 @@ def _read_plan(doc, source) -> dict:
         steps.append((op, n))
     return {"names": names, "size": size, "deps": deps, "cost": cost, "limits": limits, "steps": steps,
             "reads": reads, "writes": writes, "updates": updates}
+
+
+def _read_device(doc: dict, source) -> None:
+    """The ``device`` section, where a file has one: what the header, the wear check and the
+    summaries read from it must be numbers of the right kind and a storage kind the cost model knows."""
+    if "device" not in doc:
+        return
+    device = _section(doc, "device", dict, source)
+    for key in DEVICE_INTEGERS:
+        if device.get(key) is not None:
+            _number(device[key], f"device.{key}", source, integer=True)
+    for key in DEVICE_POSITIVE:
+        if device.get(key) is not None and device[key] < 1:
+            raise PoetError(f"device.{key} is {_shown(device[key])}; expected a positive integer", source=source)
+    kind = device.get("storage_kind")
+    if kind is not None and kind not in STORAGE_KINDS:
+        raise PoetError(f"device.storage_kind is {_shown(kind)}; expected one of {', '.join(STORAGE_KINDS)}",
+                        source=source)
+    for key in ("wear_levelling", "write_cache"):
+        if device.get(key) is not None and not isinstance(device[key], bool):
+            raise PoetError(f"device.{key} is {_shown(device[key])}; expected true or false", source=source)
 
 
 def _read_reported(doc: dict, source) -> tuple[dict, dict | None]:
@@ -278,9 +312,7 @@ def _check_wear(doc: dict, source: str | None) -> None:
     want = budgets.get("min_lifetime_steps")
     if want is None:
         return
-    if isinstance(want, bool) or not isinstance(want, int) or want < 1:
-        raise ScheduleInvalid(f"budgets.min_lifetime_steps is {_shown(want)}; expected a positive whole number or "
-                              "null", source=source)
+    want = int(want)  # _read_plan has checked it
     device = doc.get("device") if isinstance(doc.get("device"), dict) else {}
     block, endurance, capacity = (device.get(k) for k in ("erase_block_bytes", "endurance_cycles",
                                                           "storage_capacity_bytes"))
