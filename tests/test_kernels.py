@@ -216,6 +216,21 @@ CONV_CASES = {
     "rectangular": (2, 2, 6, 9, 3, (3, 2), (1, 3), (1, 0), 1, True),
     "5x5 stride 3 pad 2": (1, 2, 11, 8, 3, (5, 5), (3, 3), (2, 2), 1, True),
     "padding wider than kernel": (1, 2, 4, 3, 2, (2, 2), (2, 1), (3, 2), 1, True),
+    # The kernels' register tiles: 4 channels (here 4 + 4 + 1) by 8, 4, 2 or 1 columns away from
+    # the padding, the columns next to it with their own taps; 3x3 and 1x1 at strides 1 and 2 are
+    # compiled apart from the general case, and the data gradient runs over classes of columns of
+    # the same phase modulo the stride.
+    "tiled 3x3 same": (1, 9, 6, 19, 9, (3, 3), (1, 1), (1, 1), 1, True),
+    "tiled 3x3 stride 2": (2, 5, 9, 22, 6, (3, 3), (2, 2), (1, 1), 1, False),
+    "tiled strip rows (no padding along H)": (1, 8, 5, 14, 4, (3, 3), (1, 1), (0, 1), 1, True),
+    "tiled 3x3 unpadded": (1, 4, 6, 13, 5, (3, 3), (1, 1), (0, 0), 1, False),
+    "tiled pointwise": (2, 9, 3, 11, 10, (1, 1), (1, 1), (0, 0), 1, True),
+    "tiled pointwise stride 2": (1, 8, 7, 13, 5, (1, 1), (2, 2), (0, 0), 1, False),
+    "tiled depthwise": (1, 3, 5, 21, 3, (3, 3), (1, 1), (1, 1), 3, True),
+    "tiled depthwise stride 2": (1, 2, 6, 37, 2, (3, 3), (2, 2), (1, 1), 2, False),
+    "tiled grouped, 4 channels a group": (1, 8, 4, 10, 8, (3, 3), (1, 1), (1, 1), 2, True),
+    "tiled 5x5 (general path)": (1, 4, 7, 15, 5, (5, 5), (1, 1), (2, 2), 1, True),
+    "tiled 3x3 stride 3 (general path)": (1, 5, 8, 20, 4, (3, 3), (3, 3), (1, 1), 1, True),
 }
 
 
@@ -402,7 +417,10 @@ def test_layernorm(k, shape, affine):
 
 # ---- dense layers ----
 
-@pytest.mark.parametrize("x_shape,out,bias", [((5, 7), 3, True), ((2, 3, 8), 6, False), ((1, 33), 10, True)])
+# The kernels run in tiles of 4 rows by 4 outputs over a reduction unrolled by 4: (9, 13) -> 11 has
+# a remainder of every one (rows 4 + 4 + 1, outputs 4 + 4 + 3, inputs 12 + 1), (8, 16) -> 8 none.
+@pytest.mark.parametrize("x_shape,out,bias", [((5, 7), 3, True), ((2, 3, 8), 6, False), ((1, 33), 10, True),
+                                              ((9, 13), 11, True), ((8, 16), 8, False), ((3, 2, 6), 5, True)])
 def test_linear(k, x_shape, out, bias):
     rng = np.random.default_rng(12)
     d_in = x_shape[-1]
