@@ -257,6 +257,28 @@ def test_conv2d_random_geometry(k, geometry, seed):
     run_conv(k, np.random.default_rng(seed), **geometry)
 
 
+@pytest.mark.parametrize("case", [c for c in CONV_CASES if c.startswith("tiled")] + ["depthwise", "pointwise"])
+def test_fused_sgd_equals_the_gradient_then_sgd_bit_for_bit(k, case):
+    """The fused weight update forms the very sums the gradient kernel does, tile for tile, in
+    every path the tiles take (depthwise columns, 4 x 4 channel tiles, their remainders)."""
+    from kernel_host import CONV, FL, F
+
+    n, c_in, h, w, c_out, kernel, stride, pad, groups, bias = CONV_CASES[case]
+    s = conv_shape(n, c_in, h, w, c_out, kernel, stride, pad, groups)
+    rng = np.random.default_rng(7)
+    x, wt = rand(rng, n, c_in, h, w), rand(rng, c_out, c_in // groups, *kernel)
+    b, dy = rand(rng, c_out), rand(rng, n, c_out, s.h_out, s.w_out)
+    gw, gb = np.zeros_like(wt), np.zeros_like(b)
+    k.conv2d_backward_params(ptr(gw), ptr(gb), ptr(dy), ptr(x), C.byref(s))
+    want_w, want_b = wt.copy(), b.copy()
+    k.sgd_step(ptr(want_w), ptr(gw), want_w.size, 0.01)
+    k.sgd_step(ptr(want_b), ptr(gb), want_b.size, 0.01)
+    fused = k.lib.poet_conv2d_backward_params_sgd
+    fused.restype, fused.argtypes = None, [F, F, F, F, CONV, FL]
+    fused(ptr(wt), ptr(b), ptr(dy), ptr(x), C.byref(s), 0.01)
+    assert np.array_equal(wt, want_w) and np.array_equal(b, want_b)
+
+
 def test_shape_checks(k):
     good = conv_shape(2, 4, 7, 5, 6, (3, 3), (2, 2), (1, 1), 2)
     assert k.conv2d_shape_ok(C.byref(good))

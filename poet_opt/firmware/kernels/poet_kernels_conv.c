@@ -57,8 +57,10 @@ int poet_conv2d_shape_ok(const poet_conv2d_shape *s)
  * reduction, and each destination is touched once per call. */
 #if defined(__GNUC__)
 #define POET_INLINE static inline __attribute__((always_inline))
+#define POET_OUTLINE static __attribute__((noinline))
 #else
 #define POET_INLINE static inline
+#define POET_OUTLINE static
 #endif
 
 /* acc[c * Q + q] = sum over u < nu, v < nv, t < T of a[u au + v av + t at + q aq] * w[c wc + u wu + v wv + t wt]:
@@ -69,23 +71,33 @@ POET_INLINE void window_tile(float *acc, const float *a, int32_t au, int32_t av,
                              uint32_t nv, const uint32_t T, const uint32_t C, const uint32_t Q)
 {
     float s[16], xv[24];
+    /* one pointer into the data and one per channel's weights, stepped along: the taps' loads
+     * take immediate offsets and no address is recomputed per row */
+    const float *xp = a, *wp[4];
+    const int32_t x_next = au - (int32_t)nv * av, w_next = wu - (int32_t)nv * wv;
     uint32_t u, v, t, c, q;
     for (c = 0; c < C * Q; ++c)
         s[c] = 0.0f;
+    for (c = 0; c < C; ++c)
+        wp[c] = w + (int32_t)c * wc;
     for (u = 0; u < nu; ++u) {
-        const float *au_ = a + (int32_t)u * au, *wu_ = w + (int32_t)u * wu;
         for (v = 0; v < nv; ++v) {
-            const float *ap = au_ + (int32_t)v * av, *wp = wu_ + (int32_t)v * wv;
             for (t = 0; t < T; ++t) {
                 for (q = 0; q < Q; ++q)
-                    xv[q] = ap[(int32_t)t * at + (int32_t)q * aq];
+                    xv[q] = xp[(int32_t)t * at + (int32_t)q * aq];
                 for (c = 0; c < C; ++c) {
-                    const float wt_c = wp[(int32_t)c * wc + (int32_t)t * wt];
+                    const float wt_c = wp[c][(int32_t)t * wt];
                     for (q = 0; q < Q; ++q)
                         s[c * Q + q] += wt_c * xv[q];
                 }
             }
+            xp += av;
+            for (c = 0; c < C; ++c)
+                wp[c] += wv;
         }
+        xp += x_next;
+        for (c = 0; c < C; ++c)
+            wp[c] += w_next;
     }
     for (c = 0; c < C * Q; ++c)
         acc[c] = s[c];
@@ -103,25 +115,39 @@ POET_INLINE void reduce_tile(float *acc, const float *a, int32_t ac, int32_t au,
         s[c] = 0.0f;
     for (u = 0; u < nu; ++u)
         for (v = 0; v < nv; ++v) {
-            const float *ap = a + (int32_t)u * au + (int32_t)v * av, *bp = b + (int32_t)u * bu + (int32_t)v * bv;
-            for (t = 0; t + 4 <= nt; t += 4, ap += 4 * at, bp += 4 * bt)
+            /* one pointer per row, stepped along it: the loads take immediate offsets */
+            const float *pa[4], *pb[4];
+            for (c = 0; c < C; ++c)
+                pa[c] = a + (int32_t)u * au + (int32_t)v * av + (int32_t)c * ac;
+            for (q = 0; q < Q; ++q)
+                pb[q] = b + (int32_t)u * bu + (int32_t)v * bv + (int32_t)q * bq;
+            for (t = nt; t >= 4; t -= 4) {
                 for (k = 0; k < 4; ++k) {
                     for (c = 0; c < C; ++c)
-                        av_[c] = ap[(int32_t)c * ac + (int32_t)k * at];
+                        av_[c] = pa[c][(int32_t)k * at];
                     for (q = 0; q < Q; ++q)
-                        bv_[q] = bp[(int32_t)q * bq + (int32_t)k * bt];
+                        bv_[q] = pb[q][(int32_t)k * bt];
                     for (c = 0; c < C; ++c)
                         for (q = 0; q < Q; ++q)
                             s[c * Q + q] += av_[c] * bv_[q];
                 }
-            for (; t < nt; ++t, ap += at, bp += bt) {
                 for (c = 0; c < C; ++c)
-                    av_[c] = ap[(int32_t)c * ac];
+                    pa[c] += 4 * at;
                 for (q = 0; q < Q; ++q)
-                    bv_[q] = bp[(int32_t)q * bq];
+                    pb[q] += 4 * bt;
+            }
+            for (; t > 0; --t) {
+                for (c = 0; c < C; ++c)
+                    av_[c] = *pa[c];
+                for (q = 0; q < Q; ++q)
+                    bv_[q] = *pb[q];
                 for (c = 0; c < C; ++c)
                     for (q = 0; q < Q; ++q)
                         s[c * Q + q] += av_[c] * bv_[q];
+                for (c = 0; c < C; ++c)
+                    pa[c] += at;
+                for (q = 0; q < Q; ++q)
+                    pb[q] += bt;
             }
         }
     for (c = 0; c < C * Q; ++c)
@@ -139,6 +165,19 @@ static void interior(uint32_t stride, uint32_t pad, uint32_t k, uint32_t in, uin
         end = out;
     *lo = first;
     *hi = end > first ? end : first;
+}
+
+/* A 1x1 convolution with stride 1 and no padding maps each input plane to an output plane of
+ * the same layout, so it runs as if each plane were one row: the tiles then fill across what
+ * would be short rows (mcu-vww's 6x6 and 3x3 planes). Returns s, or *flat holding that view. */
+static const poet_conv2d_shape *as_one_row(const poet_conv2d_shape *s, poet_conv2d_shape *flat)
+{
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_h != 1 || s->stride_w != 1 || s->pad_h || s->pad_w)
+        return s;
+    *flat = *s;
+    flat->w_in = flat->w_out = s->h_in * s->w_in;
+    flat->h_in = flat->h_out = 1;
+    return flat;
 }
 
 /* C output channels x Q columns from column col on, of one output row, into y (+ bias): xr and wr
@@ -162,6 +201,20 @@ POET_INLINE void forward_tile(float *yo, const float *b, const float *xr, uint32
     for (c = 0; c < C; ++c)
         for (q = 0; q < Q; ++q)
             yo[c * out_plane + q] = b ? acc[c * Q + q] + b[c] : acc[c * Q + q];
+}
+
+/* A column next to the padding, with its own run of kernel columns: one out-of-line copy for
+ * every kernel size, since these columns are few and the specialised copies would only add code */
+POET_OUTLINE void forward_edge4(float *yo, const float *b, const float *xr, uint32_t col, const float *wr,
+                                const poet_conv2d_shape *s, uint32_t nv, uint32_t kw0, uint32_t nt)
+{
+    forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 0, 4, 1);
+}
+
+POET_OUTLINE void forward_edge1(float *yo, const float *b, const float *xr, uint32_t col, const float *wr,
+                                const poet_conv2d_shape *s, uint32_t nv, uint32_t kw0, uint32_t nt)
+{
+    forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 0, 1, 1);
 }
 
 /* Output channels [co, co + C) of sample n. KH, KW, SW: the kernel's size and column stride when
@@ -192,22 +245,32 @@ POET_INLINE void forward_channels(float *y, const float *x, const float *w, cons
         wr = wo + kh0 * k_w;
         for (ow = 0; ow < lo; ++ow) {
             tap_range(ow, sw, s->pad_w, k_w, s->w_in, &kw0, &kw1);
-            forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0, KH, KW, SW, 0, C, 1);
+            if (C == 4)
+                forward_edge4(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0);
+            else
+                forward_edge1(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0);
         }
         if (C == 1)
             for (; ow + 8 <= hi; ow += 8)
                 forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, 0, k_w, KH, KW, SW, KW, C, 8);
         for (; ow + 4 <= hi; ow += 4)
             forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, 0, k_w, KH, KW, SW, KW, C, 4);
-        for (; ow + 2 <= hi; ow += 2)
-            forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, 0, k_w, KH, KW, SW, KW, C, 2);
         for (; ow < hi; ++ow)
             forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, 0, k_w, KH, KW, SW, KW, C, 1);
         for (; ow < s->w_out; ++ow) {
             tap_range(ow, sw, s->pad_w, k_w, s->w_in, &kw0, &kw1);
-            forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0, KH, KW, SW, 0, C, 1);
+            if (C == 4)
+                forward_edge4(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0);
+            else
+                forward_edge1(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0);
         }
     }
+}
+
+POET_OUTLINE void forward_one_channel(float *y, const float *x, const float *w, const float *b,
+                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+{
+    forward_channels(y, x, w, b, s, n, co, 0, 0, 0, 1);
 }
 
 /* Output channels in tiles of 4 within each group, then one at a time */
@@ -220,13 +283,19 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
         for (g = 0; g < s->groups; ++g) {
             for (co = 0; co + 4 <= cout_g; co += 4)
                 forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
-            for (; co < cout_g; ++co)
-                forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 1);
+            for (; co < cout_g; ++co) {
+                if (KH == 3) /* depthwise layers, one channel a group: their own tiles */
+                    forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 1);
+                else /* the odd channel left over after tiles of 4 */
+                    forward_one_channel(y, x, w, b, s, n, g * cout_g + co);
+            }
         }
 }
 
 void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
+    poet_conv2d_shape flat;
+    s = as_one_row(s, &flat);
     if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 1)
         forward_all(y, x, w, b, s, 3, 3, 1);
     else if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 2)
@@ -262,8 +331,36 @@ POET_INLINE void backward_input_tile(float *dxr, uint32_t in_plane, uint32_t dq,
             dxr[c * in_plane + q * dq] += acc[c * Q + q];
 }
 
+/* A member whose taps reach past dy, with the run of taps inside: out of line, as forward_edge4 */
+POET_OUTLINE void backward_input_edge4(float *dxr, uint32_t in_plane, const float *ar, const float *wr,
+                                       const poet_conv2d_shape *s, uint32_t nv, uint32_t nt)
+{
+    backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 0, 0, 4, 1);
+}
+
+POET_OUTLINE void backward_input_edge1(float *dxr, uint32_t in_plane, const float *ar, const float *wr,
+                                       const poet_conv2d_shape *s, uint32_t nv, uint32_t nt)
+{
+    backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 0, 0, 1, 1);
+}
+
+/* Members m .. hi of a class, all of whose taps land inside dy, in tiles; returns hi */
+POET_INLINE uint32_t backward_input_run(float *dxr, uint32_t in_plane, uint32_t sw, const float *ar, const float *wr,
+                                        const poet_conv2d_shape *s, uint32_t nv, uint32_t nt, uint32_t m, uint32_t hi,
+                                        const uint32_t T, const uint32_t SW, const uint32_t C)
+{
+    if (C == 1)
+        for (; m + 8 <= hi; m += 8)
+            backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, nv, nt, T, SW, C, 8);
+    for (; m + 4 <= hi; m += 4)
+        backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, nv, nt, T, SW, C, 4);
+    for (; m < hi; ++m)
+        backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, nv, nt, T, SW, C, 1);
+    return m;
+}
+
 /* Input channels ci .. ci + C (one group) of sample n. SW: the column stride when the call fixes
- * it. T: the taps of a full class when fixed by the kernel width (k_w when SW is 1). */
+ * it, and with it the taps of a class (1 or 3 at stride 1, 1 or 2 at stride 2) are constants. */
 POET_INLINE void backward_input_channels(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s,
                                          uint32_t n, uint32_t ci, const uint32_t SW, const uint32_t C)
 {
@@ -303,27 +400,36 @@ POET_INLINE void backward_input_channels(float *dx, const float *dy, const float
                 /* taps t in [t0, t1) land inside dy: 0 <= ow0 + m - t < w_out */
                 uint32_t t0, t1;
                 if (m == lo && lo < hi) {
-                    if (C == 1)
-                        for (; m + 8 <= hi; m += 8)
-                            backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, v1 - v0, nt, SW == 1 ? 3 : 0,
-                                                SW, C, 8);
-                    for (; m + 4 <= hi; m += 4)
-                        backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, v1 - v0, nt, SW == 1 ? 3 : 0,
-                                            SW, C, 4);
-                    for (; m < hi; ++m)
-                        backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, v1 - v0, nt, SW == 1 ? 3 : 0,
-                                            SW, C, 1);
+                    /* the tap count a constant where the layers have it: 3 at stride 1 (3x3), 1 or
+                     * 2 at stride 2 (1x1 and 3x3) */
+                    if (SW == 1 && nt == 3)
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 3, SW, C);
+                    else if (SW == 1)
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 1, SW, C);
+                    else if (SW == 2 && nt == 1)
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 1, SW, C);
+                    else if (SW == 2)
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 2, SW, C);
+                    else
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 0, SW, C);
                     if (m >= members)
                         break;
                 }
                 t0 = ow0 + m >= s->w_out ? ow0 + m - s->w_out + 1 : 0;
                 t1 = ow0 + m + 1 < nt ? ow0 + m + 1 : nt;
-                if (t1 > t0)
-                    backward_input_tile(dxr + m * sw, in_plane, sw, ar + m - t0, wr + t0 * sw, s, v1 - v0, t1 - t0, 0,
-                                        SW, C, 1);
+                if (t1 > t0 && C == 4)
+                    backward_input_edge4(dxr + m * sw, in_plane, ar + m - t0, wr + t0 * sw, s, v1 - v0, t1 - t0);
+                else if (t1 > t0)
+                    backward_input_edge1(dxr + m * sw, in_plane, ar + m - t0, wr + t0 * sw, s, v1 - v0, t1 - t0);
             }
         }
     }
+}
+
+POET_OUTLINE void backward_input_one_channel(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s,
+                                             uint32_t n, uint32_t ci)
+{
+    backward_input_channels(dx, dy, w, s, n, ci, 0, 1);
 }
 
 POET_INLINE void backward_input_all(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s,
@@ -335,16 +441,22 @@ POET_INLINE void backward_input_all(float *dx, const float *dy, const float *w, 
         for (g = 0; g < s->groups; ++g) {
             for (ci = 0; ci + 4 <= cin_g; ci += 4)
                 backward_input_channels(dx, dy, w, s, n, g * cin_g + ci, SW, 4);
-            for (; ci < cin_g; ++ci)
-                backward_input_channels(dx, dy, w, s, n, g * cin_g + ci, SW, 1);
+            for (; ci < cin_g; ++ci) {
+                if (cin_g == 1) /* depthwise layers, one channel a group: their own tiles */
+                    backward_input_channels(dx, dy, w, s, n, g * cin_g + ci, SW, 1);
+                else /* the odd channel left over after tiles of 4 */
+                    backward_input_one_channel(dx, dy, w, s, n, g * cin_g + ci);
+            }
         }
 }
 
 void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
 {
-    if (s->k_w == 3 && s->stride_w == 1)
+    poet_conv2d_shape flat;
+    s = as_one_row(s, &flat);
+    if ((s->k_w == 3 || s->k_w == 1) && s->stride_w == 1)
         backward_input_all(dx, dy, w, s, 1);
-    else if (s->stride_w == 2)
+    else if (s->stride_w == 2 && s->k_w <= 4) /* every class has 1 or 2 taps */
         backward_input_all(dx, dy, w, s, 2);
     else
         backward_input_all(dx, dy, w, s, 0);
@@ -395,52 +507,130 @@ static float conv2d_bias_grad(const float *dy, const poet_conv2d_shape *s, uint3
 }
 
 /* gw (sgd 0: gw += g) or w (sgd 1: w -= lr * g) for C x Q channels at every tap */
+/* gw += g (sgd 0) or w -= lr * g (sgd 1), element (co, ci, kh, kw) */
+static void apply_grad(float *gw, const poet_conv2d_shape *s, uint32_t co, uint32_t ci, uint32_t kh, uint32_t kw,
+                       float g, float lr, int sgd)
+{
+    float *at = gw + ((co * (s->c_in / s->groups) + ci) * s->k_h + kh) * s->k_w + kw;
+    if (sgd)
+        *at -= lr * g;
+    else
+        *at += g;
+}
+
+/* C x Q channels at every tap */
 POET_INLINE void weight_grad_channels(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
-                                      uint32_t co, uint32_t ci, float lr, const int sgd, const uint32_t SW,
+                                      uint32_t co, uint32_t ci, float lr, int sgd, const uint32_t SW,
                                       const uint32_t C, const uint32_t Q)
 {
-    const uint32_t cin_g = s->c_in / s->groups, taps = s->k_h * s->k_w;
+    const uint32_t taps = s->k_h * s->k_w, row = (s->c_in / s->groups) * taps;
     float acc[16];
     uint32_t kh, kw, c, q;
     for (kh = 0; kh < s->k_h; ++kh)
         for (kw = 0; kw < s->k_w; ++kw) {
+            float *at = gw + co * row + ci * taps + kh * s->k_w + kw;
             weight_grad_tile(acc, dy, x, s, co, ci, kh, kw, SW, C, Q);
             for (c = 0; c < C; ++c)
                 for (q = 0; q < Q; ++q) {
-                    float *at = gw + ((co + c) * cin_g + ci + q) * taps + kh * s->k_w + kw;
                     if (sgd)
-                        *at -= lr * acc[c * Q + q];
+                        at[c * row + q * taps] -= lr * acc[c * Q + q];
                     else
-                        *at += acc[c * Q + q];
+                        at[c * row + q * taps] += acc[c * Q + q];
                 }
         }
 }
 
+/* The channels left over after tiles of 4 x 4: few, so one out-of-line copy for every stride */
+POET_OUTLINE void weight_grad_edge(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                   uint32_t co, uint32_t ci, float lr, int sgd, uint32_t c_count, uint32_t q_count)
+{
+    if (c_count == 4)
+        weight_grad_channels(gw, dy, x, s, co, ci, lr, sgd, 0, 4, 1);
+    else if (q_count == 4)
+        weight_grad_channels(gw, dy, x, s, co, ci, lr, sgd, 0, 1, 4);
+    else
+        weight_grad_channels(gw, dy, x, s, co, ci, lr, sgd, 0, 1, 1);
+}
+
+/* A depthwise channel (one input channel a group) with a 3-wide kernel: its three kernel columns
+ * in one tile, over the output columns all three reach, then each column's own remainder */
+POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                         uint32_t co, float lr, int sgd)
+{
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
+    uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
+    for (kw = 0; kw < 3; ++kw) {
+        out_range(kw, sw, s->pad_w, s->w_in, s->w_out, &r0[kw], &r1[kw]);
+        lo = r0[kw] > lo ? r0[kw] : lo;
+        hi = r1[kw] < hi ? r1[kw] : hi;
+    }
+    if (hi < lo)
+        hi = lo;
+    for (kh = 0; kh < s->k_h; ++kh) {
+        float acc[3] = {0.0f, 0.0f, 0.0f}, part[1];
+        const float *dyr, *xr;
+        out_range(kh, s->stride_h, s->pad_h, s->h_in, s->h_out, &oh0, &oh1);
+        if (oh1 > oh0) {
+            dyr = dy + co * out_plane + oh0 * s->w_out;
+            xr = x + co * in_plane + (oh0 * s->stride_h + kh - s->pad_h) * s->w_in;
+            if (hi > lo)
+                reduce_tile(acc, dyr + lo, 0, (int32_t)(s->c_out * out_plane), (int32_t)s->w_out, 1,
+                            xr + (lo * sw - s->pad_w), 1, (int32_t)(s->c_in * in_plane),
+                            (int32_t)(s->stride_h * s->w_in), (int32_t)sw, s->n, oh1 - oh0, hi - lo, 1, 3);
+            for (kw = 0; kw < 3; ++kw) {
+                /* the columns this kernel column reaches outside [lo, hi): [r0, lo) and [hi, r1) */
+                const uint32_t left_end = lo < r1[kw] ? lo : r1[kw], right = hi > r0[kw] ? hi : r0[kw];
+                if (left_end > r0[kw]) {
+                    reduce_tile(part, dyr + r0[kw], 0, (int32_t)(s->c_out * out_plane), (int32_t)s->w_out, 1,
+                                xr + (r0[kw] * sw + kw - s->pad_w), 0, (int32_t)(s->c_in * in_plane),
+                                (int32_t)(s->stride_h * s->w_in), (int32_t)sw, s->n, oh1 - oh0, left_end - r0[kw], 1,
+                                1);
+                    acc[kw] += part[0];
+                }
+                if (r1[kw] > right) {
+                    reduce_tile(part, dyr + right, 0, (int32_t)(s->c_out * out_plane), (int32_t)s->w_out, 1,
+                                xr + (right * sw + kw - s->pad_w), 0, (int32_t)(s->c_in * in_plane),
+                                (int32_t)(s->stride_h * s->w_in), (int32_t)sw, s->n, oh1 - oh0, r1[kw] - right, 1, 1);
+                    acc[kw] += part[0];
+                }
+            }
+        }
+        for (kw = 0; kw < 3; ++kw)
+            apply_grad(gw, s, co, 0, kh, kw, acc[kw], lr, sgd);
+    }
+}
+
 /* Tiles of 4 output by 4 input channels within each group, then the edges */
 POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
-                                 const int sgd, const uint32_t SW)
+                                 int sgd, const uint32_t SW)
 {
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
     uint32_t g, co, ci;
     for (g = 0; g < s->groups; ++g) {
         const uint32_t co0 = g * cout_g;
+        if (cin_g == 1 && cout_g == 1 && s->k_w == 3) {
+            weight_grad_depthwise3(gw, dy, x, s, co0, lr, sgd);
+            continue;
+        }
         for (co = 0; co + 4 <= cout_g; co += 4) {
             for (ci = 0; ci + 4 <= cin_g; ci += 4)
                 weight_grad_channels(gw, dy, x, s, co0 + co, ci, lr, sgd, SW, 4, 4);
             for (; ci < cin_g; ++ci)
-                weight_grad_channels(gw, dy, x, s, co0 + co, ci, lr, sgd, SW, 4, 1);
+                weight_grad_edge(gw, dy, x, s, co0 + co, ci, lr, sgd, 4, 1);
         }
         for (; co < cout_g; ++co) {
             for (ci = 0; ci + 4 <= cin_g; ci += 4)
-                weight_grad_channels(gw, dy, x, s, co0 + co, ci, lr, sgd, SW, 1, 4);
+                weight_grad_edge(gw, dy, x, s, co0 + co, ci, lr, sgd, 1, 4);
             for (; ci < cin_g; ++ci)
-                weight_grad_channels(gw, dy, x, s, co0 + co, ci, lr, sgd, SW, 1, 1);
+                weight_grad_edge(gw, dy, x, s, co0 + co, ci, lr, sgd, 1, 1);
         }
     }
 }
 
 static void weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
 {
+    poet_conv2d_shape flat;
+    s = as_one_row(s, &flat);
     if (s->stride_w == 1)
         weight_grad_all(gw, dy, x, s, lr, sgd, 1);
     else if (s->stride_w == 2)
