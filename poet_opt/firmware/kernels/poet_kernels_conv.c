@@ -208,13 +208,19 @@ POET_INLINE void forward_tile(float *yo, const float *b, const float *xr, uint32
 POET_OUTLINE void forward_edge4(float *yo, const float *b, const float *xr, uint32_t col, const float *wr,
                                 const poet_conv2d_shape *s, uint32_t nv, uint32_t kw0, uint32_t nt)
 {
-    forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 0, 4, 1);
+    if (nt == 2) /* a 3-wide kernel beside one column of padding */
+        forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 2, 4, 1);
+    else
+        forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 0, 4, 1);
 }
 
 POET_OUTLINE void forward_edge1(float *yo, const float *b, const float *xr, uint32_t col, const float *wr,
                                 const poet_conv2d_shape *s, uint32_t nv, uint32_t kw0, uint32_t nt)
 {
-    forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 0, 1, 1);
+    if (nt == 2)
+        forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 2, 1, 1);
+    else
+        forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 0, 1, 1);
 }
 
 /* Output channels [co, co + C) of sample n. KH, KW, SW: the kernel's size and column stride when
@@ -335,13 +341,19 @@ POET_INLINE void backward_input_tile(float *dxr, uint32_t in_plane, uint32_t dq,
 POET_OUTLINE void backward_input_edge4(float *dxr, uint32_t in_plane, const float *ar, const float *wr,
                                        const poet_conv2d_shape *s, uint32_t nv, uint32_t nt)
 {
-    backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 0, 0, 4, 1);
+    if (nt == 2 && s->stride_w == 1) /* a 3-wide kernel beside one column of padding */
+        backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 2, 1, 4, 1);
+    else
+        backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 0, 0, 4, 1);
 }
 
 POET_OUTLINE void backward_input_edge1(float *dxr, uint32_t in_plane, const float *ar, const float *wr,
                                        const poet_conv2d_shape *s, uint32_t nv, uint32_t nt)
 {
-    backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 0, 0, 1, 1);
+    if (nt == 2 && s->stride_w == 1)
+        backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 2, 1, 1, 1);
+    else
+        backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 0, 0, 1, 1);
 }
 
 /* Members m .. hi of a class, all of whose taps land inside dy, in tiles; returns hi */
