@@ -53,8 +53,9 @@ int poet_conv2d_shape_ok(const poet_conv2d_shape *s)
  * 32 single-precision registers of an FPv4/FPv5 FPU. Their sizes, and the kernel width and stride
  * of the common layers (3x3 and 1x1, stride 1 and 2), are constants at each call, so the compiler
  * unrolls the tap loop, turns the window's reads into immediate offsets and loads a column shared
- * by neighbouring outputs once. Sums keep the order of the plain loops they replace along each
- * reduction, and each destination is touched once per call. */
+ * by neighbouring outputs once. Each sum runs in a register and its destination is touched once
+ * per call; the terms are added in the tiles' order (window_tile: kernel rows, then channels),
+ * which differs from a plain loop's only in rounding. */
 #if defined(__GNUC__)
 #define POET_INLINE static inline __attribute__((always_inline))
 #define POET_OUTLINE static __attribute__((noinline))
@@ -64,24 +65,26 @@ int poet_conv2d_shape_ok(const poet_conv2d_shape *s)
 #endif
 
 /* acc[c * Q + q] = sum over u < nu, v < nv, t < T of a[u au + v av + t at + q aq] * w[c wc + u wu + v wv + t wt]:
- * C output channels by Q output columns, reducing over channels (u), kernel rows (v) and kernel
+ * C output channels by Q output columns, reducing over kernel rows (v), channels (u) and kernel
  * columns (t), in that order. Strides are signed: the data gradient walks dy backwards. */
 POET_INLINE void window_tile(float *acc, const float *a, int32_t au, int32_t av, const int32_t at, const int32_t aq,
                              const float *w, int32_t wc, int32_t wu, int32_t wv, const int32_t wt, uint32_t nu,
                              uint32_t nv, const uint32_t T, const uint32_t C, const uint32_t Q)
 {
     float s[16], xv[24];
-    /* one pointer into the data and one per channel's weights, stepped along: the taps' loads
-     * take immediate offsets and no address is recomputed per row */
-    const float *xp = a, *wp[4];
-    const int32_t x_next = au - (int32_t)nv * av, w_next = wu - (int32_t)nv * wv;
+    /* one pointer into the data and one per channel's weights, stepped along the channels with
+     * constant strides: the taps' loads take immediate offsets and no address is recomputed. The
+     * rows are the outer loop (at most the kernel's height), so each sum adds its terms row by
+     * row, channel by channel within a row. */
+    const float *xp, *wp[4];
     uint32_t u, v, t, c, q;
     for (c = 0; c < C * Q; ++c)
         s[c] = 0.0f;
-    for (c = 0; c < C; ++c)
-        wp[c] = w + (int32_t)c * wc;
-    for (u = 0; u < nu; ++u) {
-        for (v = 0; v < nv; ++v) {
+    for (v = 0; v < nv; ++v) {
+        xp = a + (int32_t)v * av;
+        for (c = 0; c < C; ++c)
+            wp[c] = w + (int32_t)c * wc + (int32_t)v * wv;
+        for (u = 0; u < nu; ++u) {
             for (t = 0; t < T; ++t) {
                 for (q = 0; q < Q; ++q)
                     xv[q] = xp[(int32_t)t * at + (int32_t)q * aq];
@@ -91,13 +94,10 @@ POET_INLINE void window_tile(float *acc, const float *a, int32_t au, int32_t av,
                         s[c * Q + q] += wt_c * xv[q];
                 }
             }
-            xp += av;
+            xp += au;
             for (c = 0; c < C; ++c)
-                wp[c] += wv;
+                wp[c] += wu;
         }
-        xp += x_next;
-        for (c = 0; c < C; ++c)
-            wp[c] += w_next;
     }
     for (c = 0; c < C * Q; ++c)
         acc[c] = s[c];
