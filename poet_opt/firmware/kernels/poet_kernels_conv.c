@@ -56,6 +56,15 @@ int poet_conv2d_shape_ok(const poet_conv2d_shape *s)
  * by neighbouring outputs once. Each sum runs in a register and its destination is touched once
  * per call; the terms are added in the tiles' order (window_tile: kernel rows, then channels),
  * which differs from a plain loop's only in rounding. */
+/* Flash. The copies compiled for fixed kernel sizes and strides make this file about 100 KB of
+ * Thumb-2 code, ten times a plain loop's. POET_KERNELS_SMALL keeps only the general copies (the
+ * same tiles with sizes and strides read at run time: slower for 3x3 and 1x1 layers, 40% of the
+ * code). It is the default on ARMv6-M (Cortex-M0/M0+, POET_KERNELS_FAST overrides it), whose
+ * parts have little flash and no FPU, so that soft-float calls, not addressing, dominate there. */
+#if !defined(POET_KERNELS_SMALL) && !defined(POET_KERNELS_FAST) && defined(__ARM_ARCH_6M__)
+#define POET_KERNELS_SMALL 1
+#endif
+
 #if defined(__GNUC__)
 #define POET_INLINE static inline __attribute__((always_inline))
 #define POET_OUTLINE static __attribute__((noinline))
@@ -287,6 +296,21 @@ POET_OUTLINE void forward_one_channel(float *y, const float *x, const float *w, 
     forward_channels(y, x, w, b, s, n, co, 0, 0, 0, 1);
 }
 
+/* A depthwise channel, out of line: a function of its own keeps its registers for its own loops
+ * (inlined into the dispatcher, its per-row set-up spilled to the stack, ~10x the tiles' work on
+ * mcu-vww's 6x6 planes) */
+POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
+                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+{
+    forward_channels(y, x, w, b, s, n, co, 3, 3, 1, 1);
+}
+
+POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, const float *b,
+                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+{
+    forward_channels(y, x, w, b, s, n, co, 3, 3, 2, 1);
+}
+
 /* Output channels in tiles of 4 within each group, then one at a time */
 POET_INLINE void forward_all(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
                              const uint32_t KH, const uint32_t KW, const uint32_t SW)
@@ -298,8 +322,10 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
             for (co = 0; co + 4 <= cout_g; co += 4)
                 forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
-                if (KH == 3) /* depthwise layers, one channel a group: their own tiles */
-                    forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 1);
+                if (KH == 3 && SW == 1) /* depthwise layers, one channel a group: their own tiles */
+                    forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co);
+                else if (KH == 3 && SW == 2)
+                    forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
                 else /* the odd channel left over after tiles of 4 */
                     forward_one_channel(y, x, w, b, s, n, g * cout_g + co);
             }
@@ -310,6 +336,7 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
+#ifndef POET_KERNELS_SMALL
     if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 1)
         forward_all(y, x, w, b, s, 3, 3, 1);
     else if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 2)
@@ -319,6 +346,7 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
     else if (s->k_h == 1 && s->k_w == 1 && s->stride_w == 2)
         forward_all(y, x, w, b, s, 1, 1, 2);
     else
+#endif
         forward_all(y, x, w, b, s, 0, 0, 0);
 }
 
@@ -474,11 +502,13 @@ void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, cons
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
+#ifndef POET_KERNELS_SMALL
     if ((s->k_w == 3 || s->k_w == 1) && s->stride_w == 1)
         backward_input_all(dx, dy, w, s, 1);
     else if (s->stride_w == 2 && s->k_w <= 4) /* every class has 1 or 2 taps */
         backward_input_all(dx, dy, w, s, 2);
     else
+#endif
         backward_input_all(dx, dy, w, s, 0);
 }
 
@@ -651,11 +681,13 @@ static void weight_grad(float *gw, const float *dy, const float *x, const poet_c
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
+#ifndef POET_KERNELS_SMALL
     if (s->stride_w == 1)
         weight_grad_all(gw, dy, x, s, lr, sgd, 1);
     else if (s->stride_w == 2)
         weight_grad_all(gw, dy, x, s, lr, sgd, 2);
     else
+#endif
         weight_grad_all(gw, dy, x, s, lr, sgd, 0);
 }
 
