@@ -239,6 +239,19 @@ def test_conv2d(k, case):
     run_conv(k, np.random.default_rng(len(case)), *CONV_CASES[case])
 
 
+@pytest.fixture(scope="session")
+def k_small(tmp_path_factory) -> Kernels:
+    """The build with only the general tiles, -DPOET_KERNELS_SMALL (the default on Cortex-M0/M0+)."""
+    out = tmp_path_factory.mktemp("kernels_small") / "libpoet_kernels_small.so"
+    return Kernels(toolchain.compile_host_library(out, extra_flags=("-DPOET_KERNELS_SMALL",)))
+
+
+@pytest.mark.parametrize("case", [c for c in CONV_CASES if c.startswith("tiled")])
+def test_conv2d_small_build(k_small, case):
+    """Every layer through the general tiles: the sizes and strides read at run time."""
+    run_conv(k_small, np.random.default_rng(len(case)), *CONV_CASES[case], label="conv2d (small build)")
+
+
 @st.composite
 def conv_geometry(draw):
     groups = draw(st.integers(1, 3))
