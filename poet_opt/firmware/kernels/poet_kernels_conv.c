@@ -296,35 +296,81 @@ POET_OUTLINE void forward_one_channel(float *y, const float *x, const float *w, 
     forward_channels(y, x, w, b, s, n, co, 0, 0, 0, 1);
 }
 
-/* A depthwise channel, out of line: a function of its own keeps its registers for its own loops
- * (inlined into the dispatcher, its per-row set-up spilled to the stack, ~10x the tiles' work on
- * mcu-vww's 6x6 planes) */
+/* A depthwise 3x3 channel, row by row: each input row adds its three taps to a whole output row
+ * (the row itself holds the sums), so the set-up is paid once per input row rather than once per
+ * tile, and the padding columns are two bounds-checked outputs. mcu-vww's depthwise planes are
+ * 3x3 to 24x24: there the tiles' per-row set-up cost more than the multiply-adds. */
+POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
+                                 const poet_conv2d_shape *s, const uint32_t SW)
+{
+    const uint32_t pw = s->pad_w, w_in = s->w_in, w_out = s->w_out;
+    uint32_t oh, ow, kh, kh0, kh1, lo, hi, kw;
+    interior(SW, pw, 3, w_in, w_out, &lo, &hi);
+    for (oh = 0; oh < s->h_out; ++oh) {
+        float *yr = yc + oh * w_out;
+        tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
+        for (ow = 0; ow < w_out; ++ow)
+            yr[ow] = 0.0f;
+        for (kh = kh0; kh < kh1; ++kh) {
+            const float *xr = xc + (oh * s->stride_h + kh - s->pad_h) * w_in, *wk = wc + kh * 3;
+            const float w0 = wk[0], w1 = wk[1], w2 = wk[2];
+            const float *xp = xr + (lo * SW - pw);
+            for (ow = 0; ow < lo; ++ow)
+                for (kw = 0; kw < 3; ++kw)
+                    if (ow * SW + kw - pw < w_in) /* unsigned: a column in the padding wraps above */
+                        yr[ow] += xr[ow * SW + kw - pw] * wk[kw];
+            for (ow = lo; ow + 2 <= hi; ow += 2, xp += 2 * SW) {
+                yr[ow] += xp[0] * w0 + xp[1] * w1 + xp[2] * w2;
+                yr[ow + 1] += xp[SW] * w0 + xp[SW + 1] * w1 + xp[SW + 2] * w2;
+            }
+            if (ow < hi) {
+                yr[ow] += xp[0] * w0 + xp[1] * w1 + xp[2] * w2;
+                ++ow;
+            }
+            for (ow = hi > lo ? hi : lo; ow < w_out; ++ow)
+                for (kw = 0; kw < 3; ++kw)
+                    if (ow * SW + kw - pw < w_in)
+                        yr[ow] += xr[ow * SW + kw - pw] * wk[kw];
+        }
+        if (b)
+            for (ow = 0; ow < w_out; ++ow)
+                yr[ow] += b[0];
+    }
+}
+
+/* A depthwise 3x3 channel (one input channel a group), out of line */
 POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
                                       const poet_conv2d_shape *s, uint32_t n, uint32_t co)
 {
-    forward_channels(y, x, w, b, s, n, co, 3, 3, 1, 1);
+    /* one input channel a group: channel co reads input channel co / (c_out / groups) */
+    depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
+                    x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
+                    1);
 }
 
 POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, const float *b,
                                       const poet_conv2d_shape *s, uint32_t n, uint32_t co)
 {
-    forward_channels(y, x, w, b, s, n, co, 3, 3, 2, 1);
+    /* one input channel a group: channel co reads input channel co / (c_out / groups) */
+    depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
+                    x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
+                    2);
 }
 
 /* Output channels in tiles of 4 within each group, then one at a time */
 POET_INLINE void forward_all(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
                              const uint32_t KH, const uint32_t KW, const uint32_t SW)
 {
-    const uint32_t cout_g = s->c_out / s->groups;
+    const uint32_t cout_g = s->c_out / s->groups, cin_g = s->c_in / s->groups;
     uint32_t n, g, co;
     for (n = 0; n < s->n; ++n)
         for (g = 0; g < s->groups; ++g) {
             for (co = 0; co + 4 <= cout_g; co += 4)
                 forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
-                if (KH == 3 && SW == 1) /* depthwise layers, one channel a group: their own tiles */
+                if (KH == 3 && SW == 1 && cin_g == 1) /* depthwise layers: one input channel */
                     forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co);
-                else if (KH == 3 && SW == 2)
+                else if (KH == 3 && SW == 2 && cin_g == 1)
                     forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
                 else /* the odd channel left over after tiles of 4 */
                     forward_one_channel(y, x, w, b, s, n, g * cout_g + co);
