@@ -228,6 +228,8 @@ CONV_CASES = {
     "tiled pointwise stride 2": (1, 8, 7, 13, 5, (1, 1), (2, 2), (0, 0), 1, False),
     "tiled depthwise": (1, 3, 5, 21, 3, (3, 3), (1, 1), (1, 1), 3, True),
     "tiled depthwise stride 2": (1, 2, 6, 37, 2, (3, 3), (2, 2), (1, 1), 2, False),
+    "tiled depthwise unpadded": (2, 3, 6, 9, 3, (3, 3), (1, 1), (0, 0), 3, True),
+    "tiled depthwise padded 2 and 1": (1, 2, 5, 7, 2, (3, 3), (1, 1), (2, 1), 2, False),
     "tiled grouped, 4 channels a group": (1, 8, 4, 10, 8, (3, 3), (1, 1), (1, 1), 2, True),
     "tiled 5x5 (general path)": (1, 4, 7, 15, 5, (5, 5), (1, 1), (2, 2), 1, True),
     "tiled 3x3 stride 3 (general path)": (1, 5, 8, 20, 4, (3, 3), (3, 3), (1, 1), 1, True),

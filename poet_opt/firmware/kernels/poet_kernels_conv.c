@@ -301,7 +301,7 @@ POET_OUTLINE void forward_one_channel(float *y, const float *x, const float *w, 
  * tile, and the padding columns are two bounds-checked outputs. mcu-vww's depthwise planes are
  * 3x3 to 24x24: there the tiles' per-row set-up cost more than the multiply-adds. */
 POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
-                                 const poet_conv2d_shape *s, const uint32_t SW)
+                                 const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
 {
     const uint32_t pw = s->pad_w, w_in = s->w_in, w_out = s->w_out;
     uint32_t oh, ow, kh, kh0, kh1, lo, hi, kw;
@@ -309,8 +309,9 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
     for (oh = 0; oh < s->h_out; ++oh) {
         float *yr = yc + oh * w_out;
         tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
-        for (ow = 0; ow < w_out; ++ow)
-            yr[ow] = 0.0f;
+        if (!accumulate) /* y = the sums; else y += them, row by row */
+            for (ow = 0; ow < w_out; ++ow)
+                yr[ow] = 0.0f;
         for (kh = kh0; kh < kh1; ++kh) {
             const float *xr = xc + (oh * s->stride_h + kh - s->pad_h) * w_in, *wk = wc + kh * 3;
             const float w0 = wk[0], w1 = wk[1], w2 = wk[2];
@@ -345,7 +346,7 @@ POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, 
     /* one input channel a group: channel co reads input channel co / (c_out / groups) */
     depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
                     x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
-                    1);
+                    1, 0);
 }
 
 POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, const float *b,
@@ -354,7 +355,7 @@ POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, 
     /* one input channel a group: channel co reads input channel co / (c_out / groups) */
     depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
                     x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
-                    2);
+                    2, 0);
 }
 
 /* Output channels in tiles of 4 within each group, then one at a time */
@@ -544,9 +545,34 @@ POET_INLINE void backward_input_all(float *dx, const float *dy, const float *w, 
         }
 }
 
+/* A depthwise 3x3 layer at stride 1 (one input and one output channel a group): dx is dy
+ * correlated with the kernel turned around, padded by 2 - pad, which is the forward's row pass */
+static int depthwise3_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    poet_conv2d_shape t;
+    float flipped[9];
+    uint32_t n, c, i;
+    if (s->groups != s->c_in || s->groups != s->c_out || s->k_h != 3 || s->k_w != 3 || s->stride_h != 1 ||
+        s->stride_w != 1 || s->pad_h > 2 || s->pad_w > 2)
+        return 0;
+    t = *s;
+    t.h_in = s->h_out, t.w_in = s->w_out, t.h_out = s->h_in, t.w_out = s->w_in;
+    t.pad_h = 2 - s->pad_h, t.pad_w = 2 - s->pad_w;
+    for (n = 0; n < s->n; ++n)
+        for (c = 0; c < s->c_in; ++c) {
+            for (i = 0; i < 9; ++i)
+                flipped[i] = w[c * 9 + 8 - i];
+            depthwise3_rows(dx + (n * s->c_in + c) * s->h_in * s->w_in, dy + (n * s->c_out + c) * s->h_out * s->w_out,
+                            flipped, NULL, &t, 1, 1);
+        }
+    return 1;
+}
+
 void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
 {
     poet_conv2d_shape flat;
+    if (depthwise3_backward_input(dx, dy, w, s))
+        return;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
     if ((s->k_w == 3 || s->k_w == 1) && s->stride_w == 1)
