@@ -3,10 +3,11 @@
 For mcu-vww and the example CNN (poet_opt.examples.torch_models:tiny_cnn) on the nRF52840 and the
 STM32F746, at two RAM budgets each, every plan is generated into firmware and run on the emulated
 Cortex-M; the instructions of one training step are the difference between a 2-step and a 1-step
-run (so reset and start-up cancel). Beside them: the energy and runtime the profile predicts for
-the plan, and how instructions and predicted runtime agree, as instructions per predicted second
-relative to the MILP plan of the same case (1.00 = the cost model ranks the plans as the
-emulator does).
+run (so reset and start-up cancel), with the emulator's cycle estimate of the same step. Beside
+them: the energy and runtime the profile predicts for the plan, and how instructions and
+predicted runtime agree, as instructions per predicted second relative to the MILP plan of the
+same case (1.00 = the cost model ranks the plans as the emulator does), and the cycle estimate
+in milliseconds at the profile's clock against the predicted runtime, absolute.
 
     python benchmarks/firmware_steps.py            # the table (about 3 minutes on 2 cores)
 """
@@ -51,16 +52,17 @@ def baseline_schedule(graph, profile, costs, budgets, decisions, name):
                     solver={"status": "baseline"})
 
 
-def step_instructions(network, plan, profile, x, y) -> int:
-    runs = [run_schedule(network, plan, profile, steps=n, lr=0.01, x=x, y=y).instructions for n in (1, 2)]
-    return runs[1] - runs[0]
+def step_instructions(network, plan, profile, x, y) -> tuple[int, int]:
+    """Instructions and estimated cycles of one step: a 2-step run less a 1-step run."""
+    runs = [run_schedule(network, plan, profile, steps=n, lr=0.01, x=x, y=y) for n in (1, 2)]
+    return runs[1].instructions - runs[0].instructions, runs[1].cycles - runs[0].cycles
 
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rng = np.random.default_rng(0)
     header = (f"{'model':9} {'device':9} {'budget':>7} {'plan':15} {'arena KiB':>9} {'pred mJ':>9} {'pred ms':>9} "
-              f"{'M instr':>9} {'instr/MILP':>10} {'pred/MILP':>9} {'agree':>6}  budget")
+              f"{'M instr':>9} {'instr/MILP':>10} {'pred/MILP':>9} {'agree':>6} {'est ms':>8} {'est/pred':>8}  budget")
     print(header)
     print("-" * len(header))
     started = time.perf_counter()
@@ -83,7 +85,7 @@ def main() -> None:
                 schedule = plan if isinstance(plan, Schedule) else plan.schedule
                 totals = schedule.totals
                 try:
-                    instructions = step_instructions(network, plan, profile, x, y)
+                    instructions, cycles = step_instructions(network, plan, profile, x, y)
                 except PoetError as exc:
                     print(f"{model:9} {device:9} {budget:>7} {name:15} does not run: {exc.message[:70]}")
                     continue
@@ -95,12 +97,14 @@ def main() -> None:
                 pred_ratio = totals["runtime_s"] / reference[1]
                 print(f"{model:9} {device:9} {budget:>7} {name:15} {arena_kib:9.1f} {totals['energy_j'] * 1e3:9.3f} "
                       f"{totals['runtime_s'] * 1e3:9.1f} {instructions / 1e6:9.2f} {instr_ratio:10.3f} "
-                      f"{pred_ratio:9.3f} {instr_ratio / pred_ratio:6.2f}  "
+                      f"{pred_ratio:9.3f} {instr_ratio / pred_ratio:6.2f} {cycles / profile.compute.clock_hz * 1e3:8.1f} "
+                      f"{cycles / profile.compute.clock_hz / totals['runtime_s']:8.2f}  "
                       f"{'within' if totals['peak_ram_bytes'] <= ram else 'OVER'}", flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s. 'arena KiB' of a baseline is its live peak (the arena is laid out "
           "at run time); a plan whose static data and stack exceed the device's RAM does not run; 'budget' says "
           "whether the plan's live peak meets the RAM budget of the row (a baseline over it runs only because "
-          "the device has RAM to spare beyond the budget).")
+          "the device has RAM to spare beyond the budget). 'est ms' is the emulator's cycle estimate of one step at "
+          "the profile's clock (poet_opt/firmware/cycles.py), 'est/pred' that over the profile's predicted runtime.")
 
 
 if __name__ == "__main__":

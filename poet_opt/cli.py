@@ -328,7 +328,9 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
         f"(arena {result.arena_bytes / 1024:.1f} KiB, stack {result.stack_bytes} B)",
         f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
         f"{summary['flash_erases_max_block']} erase(s) of one block",
-        f"  executed {summary['instructions']:,} instructions",
+        f"  executed {summary['instructions']:,} instructions, about {summary['cycles']:,} cycles" + (
+            f" ({summary['estimated_runtime_s_per_step'] * 1e3:.4g} ms a step; the plan predicts "
+            f"{summary['predicted_runtime_s_per_step'] * 1e3:.4g} ms)" if summary["estimated_runtime_s_per_step"] else ""),
         *([f"  weights  streamed from storage: {summary['flash_bytes_read'] / 1024:.1f} KiB read in all, "
            f"{summary['flash_bytes_written_per_step'] / 1024:.1f} KiB written per step (plan), storage lasts "
            + (f"{summary['flash_lifetime_steps']:,} steps" if summary.get("flash_lifetime_steps") else "forever")]

@@ -406,3 +406,63 @@ def test_unknown_core_is_a_poet_error():
         Target("cortex-m4f", 1000)
     with pytest.raises(PoetError, match="storage kind 'nvme'"):
         Target("cortex-m4f", 64 << 10, storage_kind="nvme")
+
+
+# ---- cycle estimate (poet_opt/firmware/cycles.py, board/host_icount.c) ----
+
+CYCLE_LOOP = r"""
+#include <stdint.h>
+volatile int32_t iterations;
+float operands[2] = {1.5f, 2.0f};
+int main(void)
+{
+    int32_t n = iterations;
+    /* one basic block per iteration, its classes known: FP load, FP load next to it, 4 FP
+       multiply-accumulates, a divide, an ALU op and the branch back (taken but for the last) */
+    __asm__ volatile("1:\n"
+                     "vldr s0, [%1]\n"
+                     "vldr s1, [%1, #4]\n"
+                     "vmla.f32 s2, s0, s1\n"
+                     "vmla.f32 s2, s0, s1\n"
+                     "vmla.f32 s2, s0, s1\n"
+                     "vmla.f32 s2, s0, s1\n"
+                     "sdiv r3, %0, %0\n"
+                     "subs %0, %0, #1\n"
+                     "bne 1b\n"
+                     : "+r"(n) : "r"(operands) : "s0", "s1", "s2", "r3", "cc", "memory");
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("core,wait_states,expected", [
+    # M4 (TRM tables 3-1, 7-1): VLDR 2, pipelined VLDR 1, VMLA 3 each, SDIV 7, SUBS 1, BNE 1, refill 2
+    ("cortex-m4f", 0, 2 + 1 + 4 * 3 + 7 + 1 + 1 + 2),
+    ("cortex-m4f", 3, 2 + 1 + 4 * 3 + 7 + 1 + 1 + 2 + 3),  # the fetch after the branch waits for flash
+    # M7 estimate: 1 per instruction, SDIV 7, refill 1
+    ("cortex-m7f", 0, 1 + 1 + 4 * 1 + 7 + 1 + 1 + 1),
+])
+def test_cycle_estimate_costs_each_class_and_each_taken_branch(tmp_path, core, wait_states, expected):
+    """One more iteration of a loop whose instructions are known costs exactly the table's sum for
+    them plus one taken branch, with the profile's flash wait states on the fetch after it."""
+    src = tmp_path / "cycles.c"
+    src.write_text(CYCLE_LOOP)
+    fw = build_firmware([src], Target(core, 64 * 1024, flash_wait_states=wait_states), tmp_path / "build")
+    emu = Emulator(fw)
+    runs = []
+    for n in (1, 2, 5):
+        emu.write_symbol("iterations", np.int32(n))
+        runs.append(emu.run())
+    emu.close()
+    assert runs[1].instructions - runs[0].instructions == 9
+    assert runs[1].cycles - runs[0].cycles == expected
+    assert runs[2].cycles - runs[1].cycles == 3 * expected
+
+
+def test_cycle_estimate_of_soft_float_code_is_plausible(firmware):
+    """Every core gets an estimate, at least a cycle per instruction on these tables, and a
+    Cortex-M0+ without an FPU spends far more cycles than the M4F on the same float code."""
+    results = {key: run_case(firmware(key), 0)[1] for key in ("m0plus", "m4f")}
+    for result in results.values():
+        assert result.cycles is not None and result.cycles >= result.instructions
+    assert results["m0plus"].cycles > 2 * results["m4f"].cycles

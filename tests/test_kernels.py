@@ -216,12 +216,42 @@ CONV_CASES = {
     "rectangular": (2, 2, 6, 9, 3, (3, 2), (1, 3), (1, 0), 1, True),
     "5x5 stride 3 pad 2": (1, 2, 11, 8, 3, (5, 5), (3, 3), (2, 2), 1, True),
     "padding wider than kernel": (1, 2, 4, 3, 2, (2, 2), (2, 1), (3, 2), 1, True),
+    # The kernels' register tiles: 4 channels (here 4 + 4 + 1) by 8, 4, 2 or 1 columns away from
+    # the padding, the columns next to it with their own taps; 3x3 and 1x1 at strides 1 and 2 are
+    # compiled apart from the general case, and the data gradient runs over classes of columns of
+    # the same phase modulo the stride.
+    "tiled 3x3 same": (1, 9, 6, 19, 9, (3, 3), (1, 1), (1, 1), 1, True),
+    "tiled 3x3 stride 2": (2, 5, 9, 22, 6, (3, 3), (2, 2), (1, 1), 1, False),
+    "tiled strip rows (no padding along H)": (1, 8, 5, 14, 4, (3, 3), (1, 1), (0, 1), 1, True),
+    "tiled 3x3 unpadded": (1, 4, 6, 13, 5, (3, 3), (1, 1), (0, 0), 1, False),
+    "tiled pointwise": (2, 9, 3, 11, 10, (1, 1), (1, 1), (0, 0), 1, True),
+    "tiled pointwise stride 2": (1, 8, 7, 13, 5, (1, 1), (2, 2), (0, 0), 1, False),
+    "tiled depthwise": (1, 3, 5, 21, 3, (3, 3), (1, 1), (1, 1), 3, True),
+    "tiled depthwise stride 2": (1, 2, 6, 37, 2, (3, 3), (2, 2), (1, 1), 2, False),
+    "tiled depthwise unpadded": (2, 3, 6, 9, 3, (3, 3), (1, 1), (0, 0), 3, True),
+    "tiled depthwise padded 2 and 1": (1, 2, 5, 7, 2, (3, 3), (1, 1), (2, 1), 2, False),
+    "tiled grouped, 4 channels a group": (1, 8, 4, 10, 8, (3, 3), (1, 1), (1, 1), 2, True),
+    "tiled 5x5 (general path)": (1, 4, 7, 15, 5, (5, 5), (1, 1), (2, 2), 1, True),
+    "tiled 3x3 stride 3 (general path)": (1, 5, 8, 20, 4, (3, 3), (3, 3), (1, 1), 1, True),
 }
 
 
 @pytest.mark.parametrize("case", CONV_CASES)
 def test_conv2d(k, case):
     run_conv(k, np.random.default_rng(len(case)), *CONV_CASES[case])
+
+
+@pytest.fixture(scope="session")
+def k_small(tmp_path_factory) -> Kernels:
+    """The build with only the general tiles, -DPOET_KERNELS_SMALL (the default on Cortex-M0/M0+)."""
+    out = tmp_path_factory.mktemp("kernels_small") / "libpoet_kernels_small.so"
+    return Kernels(toolchain.compile_host_library(out, extra_flags=("-DPOET_KERNELS_SMALL",)))
+
+
+@pytest.mark.parametrize("case", [c for c in CONV_CASES if c.startswith("tiled")])
+def test_conv2d_small_build(k_small, case):
+    """Every layer through the general tiles: the sizes and strides read at run time."""
+    run_conv(k_small, np.random.default_rng(len(case)), *CONV_CASES[case], label="conv2d (small build)")
 
 
 @st.composite
@@ -240,6 +270,28 @@ def conv_geometry(draw):
 @given(geometry=conv_geometry(), seed=st.integers(0, 2**31))
 def test_conv2d_random_geometry(k, geometry, seed):
     run_conv(k, np.random.default_rng(seed), **geometry)
+
+
+@pytest.mark.parametrize("case", [c for c in CONV_CASES if c.startswith("tiled")] + ["depthwise", "pointwise"])
+def test_fused_sgd_equals_the_gradient_then_sgd_bit_for_bit(k, case):
+    """The fused weight update forms the very sums the gradient kernel does, tile for tile, in
+    every path the tiles take (depthwise columns, 4 x 4 channel tiles, their remainders)."""
+    from kernel_host import CONV, FL, F
+
+    n, c_in, h, w, c_out, kernel, stride, pad, groups, bias = CONV_CASES[case]
+    s = conv_shape(n, c_in, h, w, c_out, kernel, stride, pad, groups)
+    rng = np.random.default_rng(7)
+    x, wt = rand(rng, n, c_in, h, w), rand(rng, c_out, c_in // groups, *kernel)
+    b, dy = rand(rng, c_out), rand(rng, n, c_out, s.h_out, s.w_out)
+    gw, gb = np.zeros_like(wt), np.zeros_like(b)
+    k.conv2d_backward_params(ptr(gw), ptr(gb), ptr(dy), ptr(x), C.byref(s))
+    want_w, want_b = wt.copy(), b.copy()
+    k.sgd_step(ptr(want_w), ptr(gw), want_w.size, 0.01)
+    k.sgd_step(ptr(want_b), ptr(gb), want_b.size, 0.01)
+    fused = k.lib.poet_conv2d_backward_params_sgd
+    fused.restype, fused.argtypes = None, [F, F, F, F, CONV, FL]
+    fused(ptr(wt), ptr(b), ptr(dy), ptr(x), C.byref(s), 0.01)
+    assert np.array_equal(wt, want_w) and np.array_equal(b, want_b)
 
 
 def test_shape_checks(k):
@@ -402,7 +454,10 @@ def test_layernorm(k, shape, affine):
 
 # ---- dense layers ----
 
-@pytest.mark.parametrize("x_shape,out,bias", [((5, 7), 3, True), ((2, 3, 8), 6, False), ((1, 33), 10, True)])
+# The kernels run in tiles of 4 rows by 4 outputs over a reduction unrolled by 4: (9, 13) -> 11 has
+# a remainder of every one (rows 4 + 4 + 1, outputs 4 + 4 + 3, inputs 12 + 1), (8, 16) -> 8 none.
+@pytest.mark.parametrize("x_shape,out,bias", [((5, 7), 3, True), ((2, 3, 8), 6, False), ((1, 33), 10, True),
+                                              ((9, 13), 11, True), ((8, 16), 8, False), ((3, 2, 6), 5, True)])
 def test_linear(k, x_shape, out, bias):
     rng = np.random.default_rng(12)
     d_in = x_shape[-1]

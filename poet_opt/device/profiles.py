@@ -86,6 +86,11 @@ class Compute(_Strict):
     flops_per_second: Rate  # sustained training throughput, not the peak datasheet figure
     active_power_w: Optional[Watts] = None  # board power while computing
     energy_per_flop_j: Optional[JoulesPerFlop] = None
+    # the core clock, which turns the emulator's cycle estimate into seconds (microcontrollers)
+    clock_hz: Optional[Rate] = None
+    # cycles a non-sequential instruction fetch from flash waits, after the part's prefetch buffer
+    # or cache: the emulator's cycle estimate adds them to every taken branch
+    flash_wait_states: Annotated[int, Field(ge=0, le=64)] = 0
 
     @model_validator(mode="after")
     def _one_energy_figure(self):

@@ -30,8 +30,9 @@ Use::
     result = emu.run(max_instructions=10**9)
     losses = emu.read_symbol("losses", np.float32)
 
-What it does not model, so a pass here is necessary but not sufficient on the part: cycles and
-wait states (instructions are counted, not timed); unaligned-access faults on ARMv6-M (unicorn
+What it does not model, so a pass here is necessary but not sufficient on the part: timing
+(``RunResult.cycles`` is an estimate from a cost per instruction class, cycles.py, not a timed
+pipeline); unaligned-access faults on ARMv6-M (unicorn
 lets an M0+ do an unaligned word access a real M0+ faults on; C code without casts between
 pointer types never does one); CPACR is recorded but unicorn runs FPU instructions even when it
 is off; interrupts and peripherals other than the storage controller.
@@ -49,6 +50,7 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.firmware import icount
+from poet_opt.firmware.cycles import cycle_table, taken_branch_cycles
 from poet_opt.firmware.build import (
     ElfImage,
     EmulatorError,
@@ -108,6 +110,7 @@ class RunResult:
     stack_bytes: int  # deepest stack, from the paint
     storage: StorageStats  # this run's storage traffic, wear and violations
     sections: Mapping[str, int]  # the ELF's allocated sections and their sizes
+    cycles: int | None = None  # estimated cycles (cycles.py: per-class costs, taken branches, wait states)
 
     @property
     def ram_used_bytes(self) -> int:
@@ -288,7 +291,9 @@ class Emulator:
     def _install_counter(self, uc) -> None:
         self._icount = icount.install(
             uc, self.flash, FLASH_BASE, sp_limit=self.image.static_end if self.watch_stack else None,
-            function_entries=[f.address for f in self.image.functions])
+            function_entries=[f.address for f in self.image.functions],
+            costs=cycle_table(self.target.core).vector(),
+            taken_cost=taken_branch_cycles(self.target.core, self.target.flash_wait_states))
 
     def _pc(self, uc) -> int:
         from unicorn.arm_const import UC_ARM_REG_PC
@@ -487,10 +492,11 @@ class Emulator:
             emu(self.image.main, 0xFFFF_FFFF)
         wall = time.perf_counter() - start
 
-        instructions = None
+        instructions = cycles = None
         if self._icount is not None:
             state = self._icount[0]
             instructions = int(state.instructions) if self.count_instructions else None
+            cycles = int(state.cycles) if self.count_instructions else None
             if state.sp_fault:
                 self._raise_stack_into_statics(int(state.min_sp), int(state.sp_fault_pc))
         if self._stop_reason is None:
@@ -507,7 +513,7 @@ class Emulator:
         return RunResult(exit_code=exit_code, instructions=instructions, wall_time_s=wall,
                          ram_bytes=self.ram_bytes, static_bytes=self.firmware.static_bytes,
                          stack_bytes=stack, storage=self.storage.stats().since(before),
-                         sections=dict(self.firmware.sections))
+                         sections=dict(self.firmware.sections), cycles=cycles)
 
     _ran = False
 

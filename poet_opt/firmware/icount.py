@@ -11,7 +11,7 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,10 @@ class _IcountState(ctypes.Structure):
         ("sp_fault_pc", ctypes.c_uint32),
         ("unused", ctypes.c_uint32),
         ("sp_sample_map", ctypes.c_void_p),
+        ("cycles", ctypes.c_uint64),
+        ("costs", ctypes.c_void_p),
+        ("taken_cost", ctypes.c_uint32),
+        ("next_address", ctypes.c_uint32),
     ]
 
 
@@ -86,12 +90,15 @@ def icount_library() -> ctypes.CDLL:
 
 
 def install(uc, code: np.ndarray, code_base: int, *, sp_limit: int | None = None,
-            function_entries: Iterable[int] = ()) -> tuple:
+            function_entries: Iterable[int] = (), costs: Sequence[int] | None = None,
+            taken_cost: int = 0) -> tuple:
     """Count the instructions ``uc`` executes from ``code`` (the host array mapped at ``code_base``)
     with a C block hook. With ``sp_limit``, also read the stack pointer at each of the
     ``function_entries`` and stop the run as soon as it is below ``sp_limit``. Returns what the
     hook uses, to keep alive as long as ``uc`` runs; its first item is the counter's state
-    (``instructions``, ``limit``, ``limit_hit``, ``min_sp``, ``sp_fault``, ``sp_fault_pc``)."""
+    (``instructions``, ``limit``, ``limit_hit``, ``min_sp``, ``sp_fault``, ``sp_fault_pc``). With
+    ``costs`` (cycles per instruction class, cycles.py) and ``taken_cost``, ``cycles`` estimates
+    the cycles too."""
     from unicorn import UC_HOOK_BLOCK, UcError
 
     lib = icount_library()
@@ -121,6 +128,11 @@ def install(uc, code: np.ndarray, code_base: int, *, sp_limit: int | None = None
                 entries[(address - code_base) // 2] = True
         sample_map = np.packbits(entries, bitorder="little")
         state.sp_sample_map = sample_map.ctypes.data
+    cost_table = None
+    if costs is not None:
+        cost_table = np.ascontiguousarray(costs, dtype=np.uint32)
+        state.costs = cost_table.ctypes.data
+        state.taken_cost = int(taken_cost)
     handle = ctypes.c_size_t()
     fn = ctypes.cast(lib.poet_icount_block_hook, ctypes.c_void_p)
     # Registered through the C API: the Python binding would wrap a Python callable.
@@ -129,7 +141,7 @@ def install(uc, code: np.ndarray, code_base: int, *, sp_limit: int | None = None
                                ctypes.c_uint64(1), ctypes.c_uint64(0))
     if status != 0:
         raise UcError(status)
-    return state, cache, handle, sample_map
+    return state, cache, handle, sample_map, cost_table
 
 
 def _uclib():

@@ -131,6 +131,7 @@ class Target:
     erase_block_bytes: int = 4096
     flash_bytes: int | None = None  # None: as much as the image needs (mapped in 1 MiB steps)
     name: str = ""
+    flash_wait_states: int = 0  # cycles a non-sequential instruction fetch waits (cycles.py)
 
     def __post_init__(self):
         object.__setattr__(self, "core", core_for_cpu(self.core))
@@ -199,4 +200,5 @@ def target_from_profile(profile: Any, *, flash_bytes: int | None = None) -> Targ
     return Target(core=profile.cpu, ram_bytes=int(profile.memory.ram_bytes),
                   storage_kind=str(storage.kind), storage_capacity_bytes=int(storage.capacity_bytes),
                   erase_block_bytes=int(storage.erase_block_bytes), flash_bytes=flash_bytes,
-                  name=str(getattr(profile, "name", "") or ""))
+                  name=str(getattr(profile, "name", "") or ""),
+                  flash_wait_states=int(getattr(getattr(profile, "compute", None), "flash_wait_states", 0) or 0))

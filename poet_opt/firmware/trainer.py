@@ -60,6 +60,8 @@ class EmulatedTraining:
     region_bytes_written: dict[str, int] = field(default_factory=dict)
     # erase events over the run: erases on raw flash, on a card each allocation unit a write touched
     flash_wear_events: int = 0
+    cycles: int = 0  # the emulator's cycle estimate for the run (poet_opt/firmware/cycles.py)
+    clock_hz: Optional[float] = None  # the profile's core clock, when it gives one
 
     @property
     def instructions_per_step(self) -> float:
@@ -70,6 +72,11 @@ class EmulatedTraining:
                "ram_device_bytes": self.ram_device_bytes, "ram_used_bytes": self.ram_used_bytes,
                "flash_bytes_written": self.flash_bytes_written,
                "flash_erases_max_block": self.flash_erases_max_block, "instructions": self.instructions}
+        # beside the plan's prediction: the estimated cycles, and with the profile's clock, seconds
+        steps, totals = max(1, len(self.losses)), self.schedule.totals
+        out.update(cycles=self.cycles, predicted_runtime_s_per_step=float(totals["runtime_s"]),
+                   predicted_energy_j_per_step=float(totals["energy_j"]),
+                   estimated_runtime_s_per_step=self.cycles / steps / self.clock_hz if self.clock_hz else None)
         if self.weights_placement == "streamed":  # (resident runs keep the summary they always had)
             out.update(weights="streamed", flash_bytes_read=self.flash_bytes_read,
                        flash_bytes_written_per_step=self.flash_bytes_written_per_step,
@@ -359,4 +366,5 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         scratch_bytes=scratch_bytes(generated.source),
         flash_bytes_read=int(storage.bytes_read), flash_bytes_written_per_step=int(flash.bytes_written_per_step),
         flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions,
-        flash_wear_events=int(storage.erases_total))
+        flash_wear_events=int(storage.erases_total), cycles=int(result.cycles or 0),
+        clock_hz=getattr(profile.compute, "clock_hz", None))

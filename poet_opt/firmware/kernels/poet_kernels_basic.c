@@ -117,79 +117,148 @@ void poet_gelu_backward(float *dx, const float *dy, const float *x, uint32_t n)
     }
 }
 
+/* Dense layers as register tiles. Each kernel is a set of dot products, and a tile of up to 4 x 4
+ * of them shares its loads: per step along the reduction it loads 4 values of each operand and
+ * issues 16 multiply-adds, where a lone dot product loads 2 values per multiply-add. Sixteen
+ * accumulators and eight operands fit the 32 single-precision registers of an FPv4/FPv5 FPU; on a
+ * core without one the tile is still correct, and only the soft-float calls cost. Each sum still
+ * runs in one register in the order of its reduction index from 0, so the results are the bits a
+ * plain loop gives, and its destination is touched once. The reduction is unrolled by 4 so that
+ * the loads take immediate offsets and one pointer step serves four of them. */
+#if defined(__GNUC__)
+#define POET_INLINE static inline __attribute__((always_inline))
+#else
+#define POET_INLINE static inline
+#endif
+
+/* acc[r * C + c] = sum over k < n of a[r * ar + k * ak] * b[c * bc + k * bk], for r < R, c < C
+ * (R, C at most 4 and constant at every call, so the tile lives in registers) */
+POET_INLINE void dot_tile(float *acc, const float *a, uint32_t ar, uint32_t ak, const float *b, uint32_t bc,
+                          uint32_t bk, uint32_t n, const uint32_t R, const uint32_t C)
+{
+    float s[16], av[4], bv[4];
+    uint32_t k, r, c, u;
+    for (r = 0; r < R * C; ++r)
+        s[r] = 0.0f;
+    for (k = 0; k + 4 <= n; k += 4) {
+        for (u = 0; u < 4; ++u) {
+            for (r = 0; r < R; ++r)
+                av[r] = a[r * ar + (k + u) * ak];
+            for (c = 0; c < C; ++c)
+                bv[c] = b[c * bc + (k + u) * bk];
+            for (r = 0; r < R; ++r)
+                for (c = 0; c < C; ++c)
+                    s[r * C + c] += av[r] * bv[c];
+        }
+    }
+    for (; k < n; ++k) {
+        for (r = 0; r < R; ++r)
+            av[r] = a[r * ar + k * ak];
+        for (c = 0; c < C; ++c)
+            bv[c] = b[c * bc + k * bk];
+        for (r = 0; r < R; ++r)
+            for (c = 0; c < C; ++c)
+                s[r * C + c] += av[r] * bv[c];
+    }
+    for (r = 0; r < R * C; ++r)
+        acc[r] = s[r];
+}
+
+/* What a tile of dot products does with its sums: store (+ bias), accumulate, or an SGD step */
+enum { TILE_STORE, TILE_ADD, TILE_SGD };
+
+/* The R x C tile of y[r][c] (row stride ldy) from the dot products a-row r by b-row c */
+POET_INLINE void tile_out(float *y, uint32_t ldy, const float *bias, const float *a, uint32_t ar, uint32_t ak,
+                          const float *b, uint32_t bc, uint32_t bk, uint32_t n, float lr, const int mode,
+                          const uint32_t R, const uint32_t C)
+{
+    float acc[16];
+    uint32_t r, c;
+    dot_tile(acc, a, ar, ak, b, bc, bk, n, R, C);
+    for (r = 0; r < R; ++r)
+        for (c = 0; c < C; ++c) {
+            float *at = y + r * ldy + c;
+            if (mode == TILE_STORE)
+                *at = bias ? acc[r * C + c] + bias[c] : acc[r * C + c];
+            else if (mode == TILE_ADD)
+                *at += acc[r * C + c];
+            else
+                *at -= lr * acc[r * C + c];
+        }
+}
+
+/* y[r][c] for r < rows, c < cols as tiles of 4 x 4, then the edges: a-row r starts at a + r * ar,
+ * b-row c at b + c * bc, the reduction steps are ak and bk, and the bias (mode TILE_STORE only)
+ * is indexed by c. The constant strides a caller passes as 1 become immediate offsets. */
+POET_INLINE void tiled(float *y, uint32_t ldy, const float *bias, const float *a, uint32_t ar, uint32_t ak,
+                       const float *b, uint32_t bc, uint32_t bk, uint32_t rows, uint32_t cols, uint32_t n,
+                       float lr, const int mode)
+{
+    uint32_t r = 0, c;
+    for (; r + 4 <= rows; r += 4) {
+        for (c = 0; c + 4 <= cols; c += 4)
+            tile_out(y + r * ldy + c, ldy, bias ? bias + c : bias, a + r * ar, ar, ak, b + c * bc, bc, bk, n, lr,
+                     mode, 4, 4);
+        for (; c < cols; ++c)
+            tile_out(y + r * ldy + c, ldy, bias ? bias + c : bias, a + r * ar, ar, ak, b + c * bc, bc, bk, n, lr,
+                     mode, 4, 1);
+    }
+    for (; r < rows; ++r) {
+        for (c = 0; c + 4 <= cols; c += 4)
+            tile_out(y + r * ldy + c, ldy, bias ? bias + c : bias, a + r * ar, ar, ak, b + c * bc, bc, bk, n, lr,
+                     mode, 1, 4);
+        for (; c < cols; ++c)
+            tile_out(y + r * ldy + c, ldy, bias ? bias + c : bias, a + r * ar, ar, ak, b + c * bc, bc, bk, n, lr,
+                     mode, 1, 1);
+    }
+}
+
+/* y[r][o] = x[r][.] . w[o][.] + b[o] */
 void poet_linear_forward(float *y, const float *x, const float *w, const float *b, uint32_t rows,
                          uint32_t in, uint32_t out)
 {
-    uint32_t r, o, i;
-    for (r = 0; r < rows; ++r) {
-        const float *xr = x + r * in;
-        for (o = 0; o < out; ++o) {
-            const float *wo = w + o * in;
-            float acc = 0.0f;
-            for (i = 0; i < in; ++i)
-                acc += xr[i] * wo[i];
-            y[r * out + o] = b ? acc + b[o] : acc;
-        }
-    }
+    tiled(y, out, b, x, in, 1, w, in, 1, rows, out, in, 0.0f, TILE_STORE);
 }
 
-/* Strided reads cost nothing extra on a cacheless microcontroller's SRAM, so each gradient element
- * is one register dot product and one read-modify-write of its destination. */
+/* dx[r][i] += dy[r][.] . w[.][i]: the weight column is strided, but on a cacheless
+ * microcontroller's SRAM a strided read costs what a contiguous one does */
 void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
                                 uint32_t out)
 {
-    uint32_t r, o, i;
-    for (r = 0; r < rows; ++r) {
-        const float *dyr = dy + r * out;
-        for (i = 0; i < in; ++i) {
-            float acc = 0.0f;
-            for (o = 0; o < out; ++o)
-                acc += dyr[o] * w[o * in + i];
-            dx[r * in + i] += acc;
-        }
-    }
+    tiled(dx, in, NULL, dy, out, 1, w, 1, in, rows, in, out, 0.0f, TILE_ADD);
 }
 
+/* Column sums of dy, for the bias gradient, one register each */
+static float column_sum(const float *dy, uint32_t rows, uint32_t out, uint32_t o)
+{
+    uint32_t r;
+    float acc = 0.0f;
+    for (r = 0; r < rows; ++r)
+        acc += dy[r * out + o];
+    return acc;
+}
+
+/* gw[o][i] += dy[.][o] . x[.][i], a sum over the rows */
 void poet_linear_backward_params(float *gw, float *gb, const float *dy, const float *x, uint32_t rows,
                                  uint32_t in, uint32_t out)
 {
-    uint32_t r, o, i;
-    for (o = 0; o < out; ++o) {
-        if (gw) {
-            for (i = 0; i < in; ++i) {
-                float acc = 0.0f;
-                for (r = 0; r < rows; ++r)
-                    acc += dy[r * out + o] * x[r * in + i];
-                gw[o * in + i] += acc;
-            }
-        }
-        if (gb) {
-            float acc = 0.0f;
-            for (r = 0; r < rows; ++r)
-                acc += dy[r * out + o];
-            gb[o] += acc;
-        }
-    }
+    uint32_t o;
+    if (gw)
+        tiled(gw, in, NULL, dy, 1, out, x, 1, in, out, in, rows, 0.0f, TILE_ADD);
+    if (gb)
+        for (o = 0; o < out; ++o)
+            gb[o] += column_sum(dy, rows, out, o);
 }
 
+/* The same tiles and sums as poet_linear_backward_params, applied as poet_sgd_step applies them */
 void poet_linear_backward_params_sgd(float *w, float *b, const float *dy, const float *x, uint32_t rows,
                                      uint32_t in, uint32_t out, float lr)
 {
-    uint32_t r, o, i;
-    for (o = 0; o < out; ++o) {
-        for (i = 0; i < in; ++i) {
-            float acc = 0.0f;
-            for (r = 0; r < rows; ++r)
-                acc += dy[r * out + o] * x[r * in + i];
-            w[o * in + i] -= lr * acc;
-        }
-        if (b) {
-            float acc = 0.0f;
-            for (r = 0; r < rows; ++r)
-                acc += dy[r * out + o];
-            b[o] -= lr * acc;
-        }
-    }
+    uint32_t o;
+    tiled(w, in, NULL, dy, 1, out, x, 1, in, out, in, rows, lr, TILE_SGD);
+    if (b)
+        for (o = 0; o < out; ++o)
+            b[o] -= lr * column_sum(dy, rows, out, o);
 }
 
 void poet_matmul_forward(float *c, const float *a, const float *b, uint32_t batch, uint32_t m, uint32_t k,

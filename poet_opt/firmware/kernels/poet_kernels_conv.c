@@ -45,104 +45,574 @@ int poet_conv2d_shape_ok(const poet_conv2d_shape *s)
            extent_ok(s->w_in, s->w_out, s->k_w, s->stride_w, s->pad_w);
 }
 
-void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
-{
-    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
-    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, taps = s->k_h * s->k_w;
-    uint32_t n, co, oh, ow, ci, kh, kw, kh0, kh1, kw0, kw1;
+/* ---- register tiles ----
+ *
+ * The convolutions below spend their time in two tiles. Both hold up to 16 sums in registers and
+ * load each operand once per step for several of them, where a lone dot product loads two values
+ * per multiply-add; with 16 accumulators, a few weights and a window of inputs they stay within the
+ * 32 single-precision registers of an FPv4/FPv5 FPU. Their sizes, and the kernel width and stride
+ * of the common layers (3x3 and 1x1, stride 1 and 2), are constants at each call, so the compiler
+ * unrolls the tap loop, turns the window's reads into immediate offsets and loads a column shared
+ * by neighbouring outputs once. Each sum runs in a register and its destination is touched once
+ * per call; the terms are added in the tiles' order (window_tile: kernel rows, then channels),
+ * which differs from a plain loop's only in rounding. */
+/* Flash. The copies compiled for fixed kernel sizes and strides make this file about 100 KB of
+ * Thumb-2 code, ten times a plain loop's. POET_KERNELS_SMALL keeps only the general copies (the
+ * same tiles with sizes and strides read at run time: slower for 3x3 and 1x1 layers, 40% of the
+ * code). It is the default on ARMv6-M (Cortex-M0/M0+, POET_KERNELS_FAST overrides it), whose
+ * parts have little flash and no FPU, so that soft-float calls, not addressing, dominate there. */
+#if !defined(POET_KERNELS_SMALL) && !defined(POET_KERNELS_FAST) && defined(__ARM_ARCH_6M__)
+#define POET_KERNELS_SMALL 1
+#endif
 
-    for (n = 0; n < s->n; ++n)
-        for (co = 0; co < s->c_out; ++co) {
-            const float *xg = x + (n * s->c_in + (co / cout_g) * cin_g) * in_plane;
-            const float *wo = w + co * cin_g * taps;
-            float *yo = y + (n * s->c_out + co) * out_plane;
-            for (oh = 0; oh < s->h_out; ++oh) {
-                tap_range(oh, s->stride_h, s->pad_h, s->k_h, s->h_in, &kh0, &kh1);
-                for (ow = 0; ow < s->w_out; ++ow) {
-                    const uint32_t col = ow * s->stride_w - s->pad_w;
-                    float acc = 0.0f;
-                    tap_range(ow, s->stride_w, s->pad_w, s->k_w, s->w_in, &kw0, &kw1);
-                    for (ci = 0; ci < cin_g; ++ci)
-                        for (kh = kh0; kh < kh1; ++kh) {
-                            const float *xr = xg + ci * in_plane + (oh * s->stride_h + kh - s->pad_h) * s->w_in;
-                            const float *wr = wo + (ci * s->k_h + kh) * s->k_w;
-                            for (kw = kw0; kw < kw1; ++kw)
-                                acc += xr[col + kw] * wr[kw];
-                        }
-                    yo[oh * s->w_out + ow] = b ? acc + b[co] : acc;
+#if defined(__GNUC__)
+#define POET_INLINE static inline __attribute__((always_inline))
+#define POET_OUTLINE static __attribute__((noinline))
+#else
+#define POET_INLINE static inline
+#define POET_OUTLINE static
+#endif
+
+/* acc[c * Q + q] = sum over u < nu, v < nv, t < T of a[u au + v av + t at + q aq] * w[c wc + u wu + v wv + t wt]:
+ * C output channels by Q output columns, reducing over kernel rows (v), channels (u) and kernel
+ * columns (t), in that order. Strides are signed: the data gradient walks dy backwards. */
+POET_INLINE void window_tile(float *acc, const float *a, int32_t au, int32_t av, const int32_t at, const int32_t aq,
+                             const float *w, int32_t wc, int32_t wu, int32_t wv, const int32_t wt, uint32_t nu,
+                             uint32_t nv, const uint32_t T, const uint32_t C, const uint32_t Q)
+{
+    float s[16], xv[24];
+    /* one pointer into the data and one per channel's weights, stepped along the channels with
+     * constant strides: the taps' loads take immediate offsets and no address is recomputed. The
+     * rows are the outer loop (at most the kernel's height), so each sum adds its terms row by
+     * row, channel by channel within a row. */
+    const float *xp, *wp[4];
+    uint32_t u, v, t, c, q;
+    for (c = 0; c < C * Q; ++c)
+        s[c] = 0.0f;
+    for (v = 0; v < nv; ++v) {
+        xp = a + (int32_t)v * av;
+        for (c = 0; c < C; ++c)
+            wp[c] = w + (int32_t)c * wc + (int32_t)v * wv;
+        for (u = 0; u < nu; ++u) {
+            for (t = 0; t < T; ++t) {
+                for (q = 0; q < Q; ++q)
+                    xv[q] = xp[(int32_t)t * at + (int32_t)q * aq];
+                for (c = 0; c < C; ++c) {
+                    const float wt_c = wp[c][(int32_t)t * wt];
+                    for (q = 0; q < Q; ++q)
+                        s[c * Q + q] += wt_c * xv[q];
                 }
             }
-        }
-}
-
-/* Gathered per input element rather than scattered per output, so each dx element is one register
- * sum and one read-modify-write. Along each axis the taps that reach input i are those congruent
- * to i + pad modulo the stride; stepping the tap by the stride steps the output back by one. */
-void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
-{
-    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
-    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, taps = s->k_h * s->k_w;
-    uint32_t n, ci, ih, iw, kh, kw, oh, ow, co;
-
-    for (n = 0; n < s->n; ++n)
-        for (ci = 0; ci < s->c_in; ++ci) {
-            const uint32_t g = ci / cin_g, ci_local = ci % cin_g;
-            const float *dyg = dy + (n * s->c_out + g * cout_g) * out_plane;
-            const float *wg = w + (g * cout_g * cin_g + ci_local) * taps;
-            float *dxc = dx + (n * s->c_in + ci) * in_plane;
-            for (ih = 0; ih < s->h_in; ++ih) {
-                const uint32_t kh_first = (ih + s->pad_h) % s->stride_h;
-                const uint32_t oh_first = (ih + s->pad_h) / s->stride_h;
-                for (iw = 0; iw < s->w_in; ++iw) {
-                    const uint32_t kw_first = (iw + s->pad_w) % s->stride_w;
-                    const uint32_t ow_first = (iw + s->pad_w) / s->stride_w;
-                    float acc = 0.0f;
-                    for (kh = kh_first, oh = oh_first; kh < s->k_h; kh += s->stride_h, --oh) {
-                        if (oh < s->h_out)
-                            for (kw = kw_first, ow = ow_first; kw < s->k_w; kw += s->stride_w, --ow) {
-                                if (ow < s->w_out)
-                                    for (co = 0; co < cout_g; ++co)
-                                        acc += dyg[co * out_plane + oh * s->w_out + ow] *
-                                               wg[co * cin_g * taps + kh * s->k_w + kw];
-                                if (ow == 0)
-                                    break;
-                            }
-                        if (oh == 0)
-                            break;
-                    }
-                    dxc[ih * s->w_in + iw] += acc;
-                }
-            }
-        }
-}
-
-/* The gradient of weight (co, ci, kh, kw): dy of channel co against the input taps it read, over
- * the batch. One function for the gradient and the fused SGD kernels, so the two stay
- * bit-identical. */
-static float conv2d_weight_grad(const float *dy, const float *x, const poet_conv2d_shape *s, uint32_t co,
-                                uint32_t ci, uint32_t kh, uint32_t kw)
-{
-    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
-    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out;
-    const uint32_t x_channel = (co / cout_g) * cin_g;
-    uint32_t n, oh, ow, oh0, oh1, ow0, ow1;
-    float acc = 0.0f;
-    out_range(kh, s->stride_h, s->pad_h, s->h_in, s->h_out, &oh0, &oh1);
-    out_range(kw, s->stride_w, s->pad_w, s->w_in, s->w_out, &ow0, &ow1);
-    for (n = 0; n < s->n; ++n) {
-        const float *dyo = dy + (n * s->c_out + co) * out_plane;
-        const float *xc = x + (n * s->c_in + x_channel + ci) * in_plane;
-        for (oh = oh0; oh < oh1; ++oh) {
-            const float *dyr = dyo + oh * s->w_out;
-            const float *xr = xc + (oh * s->stride_h + kh - s->pad_h) * s->w_in;
-            for (ow = ow0; ow < ow1; ++ow)
-                acc += dyr[ow] * xr[ow * s->stride_w + kw - s->pad_w];
+            xp += au;
+            for (c = 0; c < C; ++c)
+                wp[c] += wu;
         }
     }
-    return acc;
+    for (c = 0; c < C * Q; ++c)
+        acc[c] = s[c];
 }
 
-/* The gradient of bias co: the sum of dy over channel co's planes. */
+/* acc[c * Q + q] = sum over u < nu, v < nv, t < nt of a[c ac + u au + v av + t at] * b[q bq + u bu + v bv + t bt]:
+ * a long reduction (batch, rows, columns) for C x Q weight gradients at once, columns unrolled by 4 */
+POET_INLINE void reduce_tile(float *acc, const float *a, int32_t ac, int32_t au, int32_t av, const int32_t at,
+                             const float *b, int32_t bq, int32_t bu, int32_t bv, const int32_t bt, uint32_t nu,
+                             uint32_t nv, uint32_t nt, const uint32_t C, const uint32_t Q)
+{
+    float s[16], av_[4], bv_[4];
+    uint32_t u, v, t, c, q, k;
+    for (c = 0; c < C * Q; ++c)
+        s[c] = 0.0f;
+    for (u = 0; u < nu; ++u)
+        for (v = 0; v < nv; ++v) {
+            /* one pointer per row, stepped along it: the loads take immediate offsets */
+            const float *pa[4], *pb[4];
+            for (c = 0; c < C; ++c)
+                pa[c] = a + (int32_t)u * au + (int32_t)v * av + (int32_t)c * ac;
+            for (q = 0; q < Q; ++q)
+                pb[q] = b + (int32_t)u * bu + (int32_t)v * bv + (int32_t)q * bq;
+            for (t = nt; t >= 4; t -= 4) {
+                for (k = 0; k < 4; ++k) {
+                    for (c = 0; c < C; ++c)
+                        av_[c] = pa[c][(int32_t)k * at];
+                    for (q = 0; q < Q; ++q)
+                        bv_[q] = pb[q][(int32_t)k * bt];
+                    for (c = 0; c < C; ++c)
+                        for (q = 0; q < Q; ++q)
+                            s[c * Q + q] += av_[c] * bv_[q];
+                }
+                for (c = 0; c < C; ++c)
+                    pa[c] += 4 * at;
+                for (q = 0; q < Q; ++q)
+                    pb[q] += 4 * bt;
+            }
+            for (; t > 0; --t) {
+                for (c = 0; c < C; ++c)
+                    av_[c] = *pa[c];
+                for (q = 0; q < Q; ++q)
+                    bv_[q] = *pb[q];
+                for (c = 0; c < C; ++c)
+                    for (q = 0; q < Q; ++q)
+                        s[c * Q + q] += av_[c] * bv_[q];
+                for (c = 0; c < C; ++c)
+                    pa[c] += at;
+                for (q = 0; q < Q; ++q)
+                    pb[q] += bt;
+            }
+        }
+    for (c = 0; c < C * Q; ++c)
+        acc[c] = s[c];
+}
+
+/* Output columns [*lo, *hi) whose whole k-wide window lies inside [0, in) */
+static void interior(uint32_t stride, uint32_t pad, uint32_t k, uint32_t in, uint32_t out, uint32_t *lo,
+                     uint32_t *hi)
+{
+    uint32_t first = (pad + stride - 1) / stride, end = in + pad >= k ? (in + pad - k) / stride + 1 : 0;
+    if (first > out)
+        first = out;
+    if (end > out)
+        end = out;
+    *lo = first;
+    *hi = end > first ? end : first;
+}
+
+/* A 1x1 convolution with stride 1 and no padding maps each input plane to an output plane of
+ * the same layout, so it runs as if each plane were one row: the tiles then fill across what
+ * would be short rows (mcu-vww's 6x6 and 3x3 planes). Returns s, or *flat holding that view. */
+static const poet_conv2d_shape *as_one_row(const poet_conv2d_shape *s, poet_conv2d_shape *flat)
+{
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_h != 1 || s->stride_w != 1 || s->pad_h || s->pad_w)
+        return s;
+    *flat = *s;
+    flat->w_in = flat->w_out = s->h_in * s->w_in;
+    flat->h_in = flat->h_out = 1;
+    return flat;
+}
+
+/* C output channels x Q columns from column col on, of one output row, into y (+ bias): xr and wr
+ * point at the first kernel row that lands inside the input, nv rows do; kw0 .. kw0 + nt are the
+ * kernel columns that do (all of them, T, away from the padding) */
+POET_INLINE void forward_tile(float *yo, const float *b, const float *xr, uint32_t col, const float *wr,
+                              const poet_conv2d_shape *s,
+                              uint32_t nv, uint32_t kw0, uint32_t nt, const uint32_t KH, const uint32_t KW,
+                              const uint32_t SW, const uint32_t T, const uint32_t C, const uint32_t Q)
+{
+    const uint32_t cin_g = s->c_in / s->groups, out_plane = s->h_out * s->w_out;
+    const uint32_t k_w = KW ? KW : s->k_w, taps = (KH ? KH : s->k_h) * k_w;
+    const int32_t in_plane = (int32_t)(s->h_in * s->w_in), aq = (int32_t)(SW ? SW : s->stride_w);
+    float acc[16];
+    uint32_t c, q;
+    if (KH == 1 && T == 1 && nv == 1) /* a 1x1 kernel on an input row: no row or column loop */
+        window_tile(acc, xr + col, in_plane, 0, 1, aq, wr, (int32_t)(cin_g * taps), (int32_t)taps, 0, 1, cin_g, 1, 1, C, Q);
+    else
+        window_tile(acc, xr + (col + kw0), in_plane, (int32_t)s->w_in, 1, aq, wr + kw0, (int32_t)(cin_g * taps), (int32_t)taps,
+                    (int32_t)k_w, 1, cin_g, nv, T ? T : nt, C, Q);
+    for (c = 0; c < C; ++c)
+        for (q = 0; q < Q; ++q)
+            yo[c * out_plane + q] = b ? acc[c * Q + q] + b[c] : acc[c * Q + q];
+}
+
+/* A column next to the padding, with its own run of kernel columns: one out-of-line copy for
+ * every kernel size, since these columns are few and the specialised copies would only add code */
+POET_OUTLINE void forward_edge4(float *yo, const float *b, const float *xr, uint32_t col, const float *wr,
+                                const poet_conv2d_shape *s, uint32_t nv, uint32_t kw0, uint32_t nt)
+{
+    if (nt == 2) /* a 3-wide kernel beside one column of padding */
+        forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 2, 4, 1);
+    else
+        forward_tile(yo, b, xr, col, wr, s, nv, kw0, nt, 0, 0, 0, 0, 4, 1);
+}
+
+/* The same for one channel, as a plain loop: a depthwise layer has no channels to share a tile's
+ * set-up over, and its planes are small enough for these columns to be a third of the work */
+static void forward_edge1(float *yo, const float *b, const float *xr, uint32_t col, const float *wr,
+                          const poet_conv2d_shape *s, uint32_t nv, uint32_t kw0, uint32_t nt)
+{
+    const uint32_t cin_g = s->c_in / s->groups, in_plane = s->h_in * s->w_in, taps = s->k_h * s->k_w;
+    uint32_t u, v, t;
+    float acc = 0.0f;
+    for (u = 0; u < cin_g; ++u)
+        for (v = 0; v < nv; ++v) {
+            const float *xp = xr + u * in_plane + v * s->w_in + (col + kw0), *wp = wr + u * taps + v * s->k_w + kw0;
+            for (t = 0; t < nt; ++t)
+                acc += xp[t] * wp[t];
+        }
+    *yo = b ? acc + b[0] : acc;
+}
+
+/* Output channels [co, co + C) of sample n. KH, KW, SW: the kernel's size and column stride when
+ * the call fixes them, 0 when they are read from the shape. Columns next to the padding take
+ * the kernel columns that land inside the input, a runtime count; the others take all of them. */
+POET_INLINE void forward_channels(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
+                                  uint32_t n, uint32_t co, const uint32_t KH, const uint32_t KW, const uint32_t SW,
+                                  const uint32_t C)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, sw = SW ? SW : s->stride_w;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, k_w = KW ? KW : s->k_w;
+    const uint32_t taps = (KH ? KH : s->k_h) * k_w;
+    const float *xg = x + (n * s->c_in + (co / cout_g) * cin_g) * in_plane;
+    const float *wo = w + co * cin_g * taps;
+    const float *bo = b ? b + co : b;
+    float *yo = y + (n * s->c_out + co) * out_plane;
+    uint32_t oh, ow, kh0, kh1, kw0, kw1, lo, hi;
+    interior(sw, s->pad_w, k_w, s->w_in, s->w_out, &lo, &hi);
+    for (oh = 0; oh < s->h_out; ++oh) {
+        float *yr = yo + oh * s->w_out;
+        const float *xr, *wr;
+        uint32_t nv;
+        tap_range(oh, s->stride_h, s->pad_h, s->k_h, s->h_in, &kh0, &kh1);
+        nv = kh1 - kh0;
+        /* column ow's window starts at column ow * sw - pad of row xr; the unsigned index wraps
+         * around in the padding, and is only used once the first tap inside is added */
+        xr = xg + (oh * s->stride_h + kh0 - s->pad_h) * s->w_in;
+        wr = wo + kh0 * k_w;
+        for (ow = 0; ow < lo; ++ow) {
+            tap_range(ow, sw, s->pad_w, k_w, s->w_in, &kw0, &kw1);
+            if (C == 4)
+                forward_edge4(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0);
+            else
+                forward_edge1(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0);
+        }
+        if (C == 1)
+            for (; ow + 8 <= hi; ow += 8)
+                forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, 0, k_w, KH, KW, SW, KW, C, 8);
+        for (; ow + 4 <= hi; ow += 4)
+            forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, 0, k_w, KH, KW, SW, KW, C, 4);
+        for (; ow < hi; ++ow)
+            forward_tile(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, 0, k_w, KH, KW, SW, KW, C, 1);
+        for (; ow < s->w_out; ++ow) {
+            tap_range(ow, sw, s->pad_w, k_w, s->w_in, &kw0, &kw1);
+            if (C == 4)
+                forward_edge4(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0);
+            else
+                forward_edge1(yr + ow, bo, xr, ow * sw - s->pad_w, wr, s, nv, kw0, kw1 - kw0);
+        }
+    }
+}
+
+POET_OUTLINE void forward_one_channel(float *y, const float *x, const float *w, const float *b,
+                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+{
+    forward_channels(y, x, w, b, s, n, co, 0, 0, 0, 1);
+}
+
+/* A depthwise 3x3 channel, row by row: each input row adds its three taps to a whole output row
+ * (the row itself holds the sums), so the set-up is paid once per input row rather than once per
+ * tile, and the padding columns are two bounds-checked outputs. mcu-vww's depthwise planes are
+ * 3x3 to 24x24: there the tiles' per-row set-up cost more than the multiply-adds. */
+POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
+                                 const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
+{
+    const uint32_t pw = s->pad_w, w_in = s->w_in, w_out = s->w_out;
+    uint32_t oh, ow, kh, kh0, kh1, lo, hi, kw;
+    interior(SW, pw, 3, w_in, w_out, &lo, &hi);
+    for (oh = 0; oh < s->h_out; ++oh) {
+        float *yr = yc + oh * w_out;
+        tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
+        if (!accumulate) /* y = the sums; else y += them, row by row */
+            for (ow = 0; ow < w_out; ++ow)
+                yr[ow] = 0.0f;
+        for (kh = kh0; kh < kh1; ++kh) {
+            const float *xr = xc + (oh * s->stride_h + kh - s->pad_h) * w_in, *wk = wc + kh * 3;
+            const float w0 = wk[0], w1 = wk[1], w2 = wk[2];
+            const float *xp = xr + (lo * SW - pw);
+            for (ow = 0; ow < lo; ++ow)
+                for (kw = 0; kw < 3; ++kw)
+                    if (ow * SW + kw - pw < w_in) /* unsigned: a column in the padding wraps above */
+                        yr[ow] += xr[ow * SW + kw - pw] * wk[kw];
+            for (ow = lo; ow + 2 <= hi; ow += 2, xp += 2 * SW) {
+                yr[ow] += xp[0] * w0 + xp[1] * w1 + xp[2] * w2;
+                yr[ow + 1] += xp[SW] * w0 + xp[SW + 1] * w1 + xp[SW + 2] * w2;
+            }
+            if (ow < hi) {
+                yr[ow] += xp[0] * w0 + xp[1] * w1 + xp[2] * w2;
+                ++ow;
+            }
+            for (ow = hi > lo ? hi : lo; ow < w_out; ++ow)
+                for (kw = 0; kw < 3; ++kw)
+                    if (ow * SW + kw - pw < w_in)
+                        yr[ow] += xr[ow * SW + kw - pw] * wk[kw];
+        }
+        if (b)
+            for (ow = 0; ow < w_out; ++ow)
+                yr[ow] += b[0];
+    }
+}
+
+/* A depthwise 3x3 channel (one input channel a group), out of line */
+POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
+                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+{
+    /* one input channel a group: channel co reads input channel co / (c_out / groups) */
+    depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
+                    x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
+                    1, 0);
+}
+
+POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, const float *b,
+                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+{
+    /* one input channel a group: channel co reads input channel co / (c_out / groups) */
+    depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
+                    x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
+                    2, 0);
+}
+
+/* Output channels in tiles of 4 within each group, then one at a time */
+POET_INLINE void forward_all(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
+                             const uint32_t KH, const uint32_t KW, const uint32_t SW)
+{
+    const uint32_t cout_g = s->c_out / s->groups, cin_g = s->c_in / s->groups;
+    uint32_t n, g, co;
+    for (n = 0; n < s->n; ++n)
+        for (g = 0; g < s->groups; ++g) {
+            for (co = 0; co + 4 <= cout_g; co += 4)
+                forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
+            for (; co < cout_g; ++co) {
+                if (KH == 3 && SW == 1 && cin_g == 1) /* depthwise layers: one input channel */
+                    forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co);
+                else if (KH == 3 && SW == 2 && cin_g == 1)
+                    forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
+                else /* the odd channel left over after tiles of 4 */
+                    forward_one_channel(y, x, w, b, s, n, g * cout_g + co);
+            }
+        }
+}
+
+void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+    poet_conv2d_shape flat;
+    s = as_one_row(s, &flat);
+#ifndef POET_KERNELS_SMALL
+    if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 1)
+        forward_all(y, x, w, b, s, 3, 3, 1);
+    else if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 2)
+        forward_all(y, x, w, b, s, 3, 3, 2);
+    else if (s->k_h == 1 && s->k_w == 1 && s->stride_w == 1)
+        forward_all(y, x, w, b, s, 1, 1, 1);
+    else if (s->k_h == 1 && s->k_w == 1 && s->stride_w == 2)
+        forward_all(y, x, w, b, s, 1, 1, 2);
+    else
+#endif
+        forward_all(y, x, w, b, s, 0, 0, 0);
+}
+
+/* The data gradient, gathered: dx (ih, iw) += dy (oh, ow) w (kh, kw) over ih + pad = oh * stride + kh.
+ * Along a row, the columns iw with the same (iw + pad) mod stride form a class: each member reads
+ * the kernel columns kw = p, p + stride, ... (p its phase), at ow = (iw + pad - kw) / stride, and the
+ * next member of its class reads the next column of dy with the same kernel columns. So a class
+ * is a correlation of dy with every stride-th kernel column, turned around, and runs in the same
+ * tiles as the forward: C input channels by Q members of a class, the sum over output channels,
+ * then kernel rows, then kernel columns, each destination touched once. Members whose taps reach
+ * past dy take the contiguous run of taps that stays inside. */
+POET_INLINE void backward_input_tile(float *dxr, uint32_t in_plane, uint32_t dq, const float *ar, const float *wr,
+                                     const poet_conv2d_shape *s, uint32_t nv, uint32_t nt, const uint32_t T,
+                                     const uint32_t SW, const uint32_t C, const uint32_t Q)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, taps = s->k_h * s->k_w;
+    float acc[16];
+    uint32_t c, q;
+    window_tile(acc, ar, (int32_t)(s->h_out * s->w_out), -(int32_t)s->w_out, -1, 1, wr, (int32_t)taps,
+                (int32_t)(cin_g * taps), (int32_t)(s->stride_h * s->k_w), (int32_t)(SW ? SW : s->stride_w), cout_g, nv,
+                T ? T : nt, C, Q);
+    for (c = 0; c < C; ++c)
+        for (q = 0; q < Q; ++q)
+            dxr[c * in_plane + q * dq] += acc[c * Q + q];
+}
+
+/* A member whose taps reach past dy, with the run of taps inside: out of line, as forward_edge4 */
+POET_OUTLINE void backward_input_edge4(float *dxr, uint32_t in_plane, const float *ar, const float *wr,
+                                       const poet_conv2d_shape *s, uint32_t nv, uint32_t nt)
+{
+    if (nt == 2 && s->stride_w == 1) /* a 3-wide kernel beside one column of padding */
+        backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 2, 1, 4, 1);
+    else
+        backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 0, 0, 4, 1);
+}
+
+POET_OUTLINE void backward_input_edge1(float *dxr, uint32_t in_plane, const float *ar, const float *wr,
+                                       const poet_conv2d_shape *s, uint32_t nv, uint32_t nt)
+{
+    if (nt == 2 && s->stride_w == 1)
+        backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 2, 1, 1, 1);
+    else
+        backward_input_tile(dxr, in_plane, 1, ar, wr, s, nv, nt, 0, 0, 1, 1);
+}
+
+/* Members m .. hi of a class, all of whose taps land inside dy, in tiles; returns hi */
+POET_INLINE uint32_t backward_input_run(float *dxr, uint32_t in_plane, uint32_t sw, const float *ar, const float *wr,
+                                        const poet_conv2d_shape *s, uint32_t nv, uint32_t nt, uint32_t m, uint32_t hi,
+                                        const uint32_t T, const uint32_t SW, const uint32_t C)
+{
+    if (C == 1)
+        for (; m + 8 <= hi; m += 8)
+            backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, nv, nt, T, SW, C, 8);
+    for (; m + 4 <= hi; m += 4)
+        backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, nv, nt, T, SW, C, 4);
+    for (; m < hi; ++m)
+        backward_input_tile(dxr + m * sw, in_plane, sw, ar + m, wr, s, nv, nt, T, SW, C, 1);
+    return m;
+}
+
+/* Input channels ci .. ci + C (one group) of sample n. SW: the column stride when the call fixes
+ * it, and with it the taps of a class (1 or 3 at stride 1, 1 or 2 at stride 2) are constants. */
+POET_INLINE void backward_input_channels(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s,
+                                         uint32_t n, uint32_t ci, const uint32_t SW, const uint32_t C)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, g = ci / cin_g;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, taps = s->k_h * s->k_w;
+    const uint32_t sh = s->stride_h, sw = SW ? SW : s->stride_w;
+    const float *dyg = dy + (n * s->c_out + g * cout_g) * out_plane;
+    const float *wg = w + (g * cout_g * cin_g + ci % cin_g) * taps;
+    float *dxc = dx + (n * s->c_in + ci) * in_plane;
+    uint32_t ih, first;
+    for (ih = 0; ih < s->h_in; ++ih) {
+        /* kernel rows kh = kh0 + v sh, v in [v0, v1), reach output row oh0 - v inside dy */
+        const uint32_t kh0 = (ih + s->pad_h) % sh, oh0 = (ih + s->pad_h) / sh;
+        const uint32_t v0 = oh0 >= s->h_out ? oh0 - s->h_out + 1 : 0;
+        uint32_t v1 = kh0 < s->k_h ? (s->k_h - kh0 + sh - 1) / sh : 0;
+        if (v1 > oh0 + 1)
+            v1 = oh0 + 1;
+        if (v1 <= v0)
+            continue;
+        for (first = 0; first < sw && first < s->w_in; ++first) {
+            /* the class of columns first, first + sw, ...: phase p, taps t < nt at kw = p + t sw */
+            const uint32_t p = (first + s->pad_w) % sw, ow0 = (first + s->pad_w) / sw;
+            const uint32_t nt = p < s->k_w ? (s->k_w - p + sw - 1) / sw : 0;
+            const uint32_t members = (s->w_in - first + sw - 1) / sw;
+            /* members m with every tap inside dy: ow0 + m - (nt - 1) >= 0 and ow0 + m < w_out */
+            uint32_t lo = nt - 1 > ow0 ? nt - 1 - ow0 : 0, hi = s->w_out > ow0 ? s->w_out - ow0 : 0, m;
+            const float *ar = dyg + (oh0 - v0) * s->w_out + ow0;
+            const float *wr = wg + (kh0 + v0 * sh) * s->k_w + p;
+            float *dxr = dxc + ih * s->w_in + first;
+            if (nt == 0)
+                continue;
+            if (hi > members)
+                hi = members;
+            if (lo > hi)
+                lo = hi;
+            for (m = 0; m < members; ++m) {
+                /* taps t in [t0, t1) land inside dy: 0 <= ow0 + m - t < w_out */
+                uint32_t t0, t1;
+                if (m == lo && lo < hi) {
+                    /* the tap count a constant where the layers have it: 3 at stride 1 (3x3), 1 or
+                     * 2 at stride 2 (1x1 and 3x3) */
+                    if (SW == 1 && nt == 3)
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 3, SW, C);
+                    else if (SW == 1)
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 1, SW, C);
+                    else if (SW == 2 && nt == 1)
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 1, SW, C);
+                    else if (SW == 2)
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 2, SW, C);
+                    else
+                        m = backward_input_run(dxr, in_plane, sw, ar, wr, s, v1 - v0, nt, m, hi, 0, SW, C);
+                    if (m >= members)
+                        break;
+                }
+                t0 = ow0 + m >= s->w_out ? ow0 + m - s->w_out + 1 : 0;
+                t1 = ow0 + m + 1 < nt ? ow0 + m + 1 : nt;
+                if (t1 > t0 && C == 4)
+                    backward_input_edge4(dxr + m * sw, in_plane, ar + m - t0, wr + t0 * sw, s, v1 - v0, t1 - t0);
+                else if (t1 > t0)
+                    backward_input_edge1(dxr + m * sw, in_plane, ar + m - t0, wr + t0 * sw, s, v1 - v0, t1 - t0);
+            }
+        }
+    }
+}
+
+POET_OUTLINE void backward_input_one_channel(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s,
+                                             uint32_t n, uint32_t ci)
+{
+    backward_input_channels(dx, dy, w, s, n, ci, 0, 1);
+}
+
+POET_INLINE void backward_input_all(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s,
+                                    const uint32_t SW)
+{
+    const uint32_t cin_g = s->c_in / s->groups;
+    uint32_t n, g, ci;
+    for (n = 0; n < s->n; ++n)
+        for (g = 0; g < s->groups; ++g) {
+            for (ci = 0; ci + 4 <= cin_g; ci += 4)
+                backward_input_channels(dx, dy, w, s, n, g * cin_g + ci, SW, 4);
+            for (; ci < cin_g; ++ci) {
+                if (cin_g == 1) /* depthwise layers, one channel a group: their own tiles */
+                    backward_input_channels(dx, dy, w, s, n, g * cin_g + ci, SW, 1);
+                else /* the odd channel left over after tiles of 4 */
+                    backward_input_one_channel(dx, dy, w, s, n, g * cin_g + ci);
+            }
+        }
+}
+
+/* A depthwise 3x3 layer at stride 1 (one input and one output channel a group): dx is dy
+ * correlated with the kernel turned around, padded by 2 - pad, which is the forward's row pass */
+static int depthwise3_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    poet_conv2d_shape t;
+    float flipped[9];
+    uint32_t n, c, i;
+    if (s->groups != s->c_in || s->groups != s->c_out || s->k_h != 3 || s->k_w != 3 || s->stride_h != 1 ||
+        s->stride_w != 1 || s->pad_h > 2 || s->pad_w > 2)
+        return 0;
+    t = *s;
+    t.h_in = s->h_out, t.w_in = s->w_out, t.h_out = s->h_in, t.w_out = s->w_in;
+    t.pad_h = 2 - s->pad_h, t.pad_w = 2 - s->pad_w;
+    for (n = 0; n < s->n; ++n)
+        for (c = 0; c < s->c_in; ++c) {
+            for (i = 0; i < 9; ++i)
+                flipped[i] = w[c * 9 + 8 - i];
+            depthwise3_rows(dx + (n * s->c_in + c) * s->h_in * s->w_in, dy + (n * s->c_out + c) * s->h_out * s->w_out,
+                            flipped, NULL, &t, 1, 1);
+        }
+    return 1;
+}
+
+void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    poet_conv2d_shape flat;
+    if (depthwise3_backward_input(dx, dy, w, s))
+        return;
+    s = as_one_row(s, &flat);
+#ifndef POET_KERNELS_SMALL
+    if ((s->k_w == 3 || s->k_w == 1) && s->stride_w == 1)
+        backward_input_all(dx, dy, w, s, 1);
+    else if (s->stride_w == 2 && s->k_w <= 4) /* every class has 1 or 2 taps */
+        backward_input_all(dx, dy, w, s, 2);
+    else
+#endif
+        backward_input_all(dx, dy, w, s, 0);
+}
+
+/* Weight gradients of output channels co .. co + C by input channels ci .. ci + Q (within co's
+ * group) at tap (kh, kw): dy of each co against the input rows and columns the tap read, summed
+ * over the batch, the rows and the columns in that order. One function for the gradient and the
+ * fused SGD kernels, so the two stay bit-identical. */
+POET_INLINE void weight_grad_tile(float *acc, const float *dy, const float *x, const poet_conv2d_shape *s, uint32_t co,
+                                  uint32_t ci, uint32_t kh, uint32_t kw, const uint32_t SW, const uint32_t C,
+                                  const uint32_t Q)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = SW ? SW : s->stride_w;
+    uint32_t oh0, oh1, ow0, ow1;
+    out_range(kh, s->stride_h, s->pad_h, s->h_in, s->h_out, &oh0, &oh1);
+    out_range(kw, sw, s->pad_w, s->w_in, s->w_out, &ow0, &ow1);
+    if (oh1 == oh0 || ow1 == ow0) {
+        uint32_t i;
+        for (i = 0; i < C * Q; ++i)
+            acc[i] = 0.0f;
+        return;
+    }
+    reduce_tile(acc, dy + co * out_plane + oh0 * s->w_out + ow0, (int32_t)out_plane, (int32_t)(s->c_out * out_plane),
+                (int32_t)s->w_out, 1,
+                x + ((co / cout_g) * cin_g + ci) * in_plane + (oh0 * s->stride_h + kh - s->pad_h) * s->w_in +
+                    ow0 * sw + kw - s->pad_w,
+                (int32_t)in_plane, (int32_t)(s->c_in * in_plane), (int32_t)(s->stride_h * s->w_in), (int32_t)sw, s->n,
+                oh1 - oh0, ow1 - ow0, C, Q);
+}
+
+/* The bias gradient of channel co: the sum of dy over co's planes, a partial per plane to keep
+ * the rounding of long sums down */
 static float conv2d_bias_grad(const float *dy, const poet_conv2d_shape *s, uint32_t co)
 {
     const uint32_t out_plane = s->h_out * s->w_out;
@@ -150,7 +620,7 @@ static float conv2d_bias_grad(const float *dy, const poet_conv2d_shape *s, uint3
     float acc = 0.0f;
     for (n = 0; n < s->n; ++n) {
         const float *dyo = dy + (n * s->c_out + co) * out_plane;
-        float plane = 0.0f; /* a partial per plane keeps the rounding of long sums down */
+        float plane = 0.0f;
         for (i = 0; i < out_plane; ++i)
             plane += dyo[i];
         acc += plane;
@@ -158,37 +628,160 @@ static float conv2d_bias_grad(const float *dy, const poet_conv2d_shape *s, uint3
     return acc;
 }
 
+/* gw (sgd 0: gw += g) or w (sgd 1: w -= lr * g) for C x Q channels at every tap */
+/* gw += g (sgd 0) or w -= lr * g (sgd 1), element (co, ci, kh, kw) */
+static void apply_grad(float *gw, const poet_conv2d_shape *s, uint32_t co, uint32_t ci, uint32_t kh, uint32_t kw,
+                       float g, float lr, int sgd)
+{
+    float *at = gw + ((co * (s->c_in / s->groups) + ci) * s->k_h + kh) * s->k_w + kw;
+    if (sgd)
+        *at -= lr * g;
+    else
+        *at += g;
+}
+
+/* C x Q channels at every tap */
+POET_INLINE void weight_grad_channels(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                      uint32_t co, uint32_t ci, float lr, int sgd, const uint32_t SW,
+                                      const uint32_t C, const uint32_t Q)
+{
+    const uint32_t taps = s->k_h * s->k_w, row = (s->c_in / s->groups) * taps;
+    float acc[16];
+    uint32_t kh, kw, c, q;
+    for (kh = 0; kh < s->k_h; ++kh)
+        for (kw = 0; kw < s->k_w; ++kw) {
+            float *at = gw + co * row + ci * taps + kh * s->k_w + kw;
+            weight_grad_tile(acc, dy, x, s, co, ci, kh, kw, SW, C, Q);
+            for (c = 0; c < C; ++c)
+                for (q = 0; q < Q; ++q) {
+                    if (sgd)
+                        at[c * row + q * taps] -= lr * acc[c * Q + q];
+                    else
+                        at[c * row + q * taps] += acc[c * Q + q];
+                }
+        }
+}
+
+/* The channels left over after tiles of 4 x 4: few, so one out-of-line copy for every stride */
+POET_OUTLINE void weight_grad_edge(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                   uint32_t co, uint32_t ci, float lr, int sgd, uint32_t c_count, uint32_t q_count)
+{
+    if (c_count == 4)
+        weight_grad_channels(gw, dy, x, s, co, ci, lr, sgd, 0, 4, 1);
+    else if (q_count == 4)
+        weight_grad_channels(gw, dy, x, s, co, ci, lr, sgd, 0, 1, 4);
+    else
+        weight_grad_channels(gw, dy, x, s, co, ci, lr, sgd, 0, 1, 1);
+}
+
+/* A depthwise channel (one input channel a group) with a 3-wide kernel: its three kernel columns
+ * in one tile, over the output columns all three reach, then each column's own remainder */
+POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                         uint32_t co, float lr, int sgd)
+{
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
+    uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
+    for (kw = 0; kw < 3; ++kw) {
+        out_range(kw, sw, s->pad_w, s->w_in, s->w_out, &r0[kw], &r1[kw]);
+        lo = r0[kw] > lo ? r0[kw] : lo;
+        hi = r1[kw] < hi ? r1[kw] : hi;
+    }
+    if (hi < lo)
+        hi = lo;
+    for (kh = 0; kh < s->k_h; ++kh) {
+        float acc[3] = {0.0f, 0.0f, 0.0f}, part[1];
+        const float *dyr, *xr;
+        out_range(kh, s->stride_h, s->pad_h, s->h_in, s->h_out, &oh0, &oh1);
+        if (oh1 > oh0) {
+            dyr = dy + co * out_plane + oh0 * s->w_out;
+            xr = x + co * in_plane + (oh0 * s->stride_h + kh - s->pad_h) * s->w_in;
+            if (hi > lo)
+                reduce_tile(acc, dyr + lo, 0, (int32_t)(s->c_out * out_plane), (int32_t)s->w_out, 1,
+                            xr + (lo * sw - s->pad_w), 1, (int32_t)(s->c_in * in_plane),
+                            (int32_t)(s->stride_h * s->w_in), (int32_t)sw, s->n, oh1 - oh0, hi - lo, 1, 3);
+            for (kw = 0; kw < 3; ++kw) {
+                /* the columns this kernel column reaches outside [lo, hi): [r0, lo) and [hi, r1) */
+                const uint32_t left_end = lo < r1[kw] ? lo : r1[kw], right = hi > r0[kw] ? hi : r0[kw];
+                if (left_end > r0[kw]) {
+                    reduce_tile(part, dyr + r0[kw], 0, (int32_t)(s->c_out * out_plane), (int32_t)s->w_out, 1,
+                                xr + (r0[kw] * sw + kw - s->pad_w), 0, (int32_t)(s->c_in * in_plane),
+                                (int32_t)(s->stride_h * s->w_in), (int32_t)sw, s->n, oh1 - oh0, left_end - r0[kw], 1,
+                                1);
+                    acc[kw] += part[0];
+                }
+                if (r1[kw] > right) {
+                    reduce_tile(part, dyr + right, 0, (int32_t)(s->c_out * out_plane), (int32_t)s->w_out, 1,
+                                xr + (right * sw + kw - s->pad_w), 0, (int32_t)(s->c_in * in_plane),
+                                (int32_t)(s->stride_h * s->w_in), (int32_t)sw, s->n, oh1 - oh0, r1[kw] - right, 1, 1);
+                    acc[kw] += part[0];
+                }
+            }
+        }
+        for (kw = 0; kw < 3; ++kw)
+            apply_grad(gw, s, co, 0, kh, kw, acc[kw], lr, sgd);
+    }
+}
+
+/* Tiles of 4 output by 4 input channels within each group, then the edges */
+POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
+                                 int sgd, const uint32_t SW)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
+    uint32_t g, co, ci;
+    for (g = 0; g < s->groups; ++g) {
+        const uint32_t co0 = g * cout_g;
+        if (cin_g == 1 && cout_g == 1 && s->k_w == 3) {
+            weight_grad_depthwise3(gw, dy, x, s, co0, lr, sgd);
+            continue;
+        }
+        for (co = 0; co + 4 <= cout_g; co += 4) {
+            for (ci = 0; ci + 4 <= cin_g; ci += 4)
+                weight_grad_channels(gw, dy, x, s, co0 + co, ci, lr, sgd, SW, 4, 4);
+            for (; ci < cin_g; ++ci)
+                weight_grad_edge(gw, dy, x, s, co0 + co, ci, lr, sgd, 4, 1);
+        }
+        for (; co < cout_g; ++co) {
+            for (ci = 0; ci + 4 <= cin_g; ci += 4)
+                weight_grad_edge(gw, dy, x, s, co0 + co, ci, lr, sgd, 1, 4);
+            for (; ci < cin_g; ++ci)
+                weight_grad_edge(gw, dy, x, s, co0 + co, ci, lr, sgd, 1, 1);
+        }
+    }
+}
+
+static void weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+{
+    poet_conv2d_shape flat;
+    s = as_one_row(s, &flat);
+#ifndef POET_KERNELS_SMALL
+    if (s->stride_w == 1)
+        weight_grad_all(gw, dy, x, s, lr, sgd, 1);
+    else if (s->stride_w == 2)
+        weight_grad_all(gw, dy, x, s, lr, sgd, 2);
+    else
+#endif
+        weight_grad_all(gw, dy, x, s, lr, sgd, 0);
+}
+
 void poet_conv2d_backward_params(float *gw, float *gb, const float *dy, const float *x,
                                  const poet_conv2d_shape *s)
 {
-    const uint32_t cin_g = s->c_in / s->groups, taps = s->k_h * s->k_w;
-    uint32_t co, ci, kh, kw;
-
-    for (co = 0; co < s->c_out; ++co) {
-        if (gw)
-            for (ci = 0; ci < cin_g; ++ci)
-                for (kh = 0; kh < s->k_h; ++kh)
-                    for (kw = 0; kw < s->k_w; ++kw)
-                        gw[(co * cin_g + ci) * taps + kh * s->k_w + kw] += conv2d_weight_grad(dy, x, s, co, ci, kh, kw);
-        if (gb)
+    uint32_t co;
+    if (gw)
+        weight_grad(gw, dy, x, s, 0.0f, 0);
+    if (gb)
+        for (co = 0; co < s->c_out; ++co)
             gb[co] += conv2d_bias_grad(dy, s, co);
-    }
 }
 
 void poet_conv2d_backward_params_sgd(float *w, float *b, const float *dy, const float *x,
                                      const poet_conv2d_shape *s, float lr)
 {
-    const uint32_t cin_g = s->c_in / s->groups, taps = s->k_h * s->k_w;
-    uint32_t co, ci, kh, kw;
-
-    for (co = 0; co < s->c_out; ++co) {
-        for (ci = 0; ci < cin_g; ++ci)
-            for (kh = 0; kh < s->k_h; ++kh)
-                for (kw = 0; kw < s->k_w; ++kw)
-                    w[(co * cin_g + ci) * taps + kh * s->k_w + kw] -= lr * conv2d_weight_grad(dy, x, s, co, ci, kh, kw);
-        if (b)
+    uint32_t co;
+    weight_grad(w, dy, x, s, lr, 1);
+    if (b)
+        for (co = 0; co < s->c_out; ++co)
             b[co] -= lr * conv2d_bias_grad(dy, s, co);
-    }
 }
 
 int poet_pool2d_shape_ok(const poet_pool2d_shape *s)
