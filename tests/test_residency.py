@@ -21,7 +21,7 @@ from poet_opt.model.graph import Node, TrainingGraph
 from poet_opt.schedule.decisions import Budgets
 from poet_opt.solver.backends import solve_milp
 from poet_opt.solver.formulation import Formulation
-from poet_opt.solver.residency import ResidencyModel, read_gaps, residency_bound
+from poet_opt.solver.residency import ResidencyModel, lagrangian_bound, read_gaps, residency_bound
 
 REL = 1e-7  # HiGHS's tolerances on an objective scaled to order one
 SIZES = (64, 256, 1024, 4096)
@@ -86,7 +86,10 @@ def test_the_residency_bound_never_exceeds_the_exhaustive_optimum(case):
         assert result.status != "infeasible", "a plan exists, so the relaxation has a point"
         assert result.objective <= optimum * (1 + REL) + 1e-15, (result.objective, optimum)
     if optimum is not None:
-        found = residency_bound(graph, costs, budgets, mode, time_limit=20)
+        # the Lagrangian's steps aim at a plan's energy: above the optimum, as a real start is
+        found = residency_bound(graph, costs, budgets, mode, time_limit=20, upper=1.5 * optimum)
+        assert found is None or found.bound <= optimum * (1 + REL) + 1e-15
+        found = lagrangian_bound(graph, costs, budgets, mode, upper=optimum, time_limit=10)
         assert found is None or found.bound <= optimum * (1 + REL) + 1e-15
 
 
@@ -115,6 +118,8 @@ def test_a_streamed_mlp_gets_a_bound_above_the_floor_that_its_plan_respects():
     exact = solve(graph, device, ram=ram, gap=0, order="given", time_limit=60)
     assert exact.solver["status"] in ("optimal_for_order", "optimal")
     assert found is not None and costs.plain_energy_j < found.bound <= exact.solver["objective"] * (1 + REL)
+    quick = lagrangian_bound(graph, costs, budgets, "joint", upper=exact.solver["objective"], time_limit=10)
+    assert quick is not None and costs.plain_energy_j < quick.bound <= found.bound * (1 + REL)
 
 
 @pytest.mark.parametrize("mode", ["joint", "remat", "paging"])

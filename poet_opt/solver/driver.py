@@ -23,6 +23,7 @@ from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import gap_milp_plan
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, refuse_on_storage
+from poet_opt.solver.lns import MAX_NODES as LNS_MAX_NODES
 from poet_opt.solver.lns import improve
 from poet_opt.solver.residency import residency_bound
 from poet_opt.units import format_bytes, format_seconds
@@ -409,14 +410,16 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         limit = WINDOW_BOUND_TIME_S
         if time_limit is not None:
             left = time_limit - (time.perf_counter() - began) - reserve
-            # with the full MILP skipped, the bound and the window search share what remains
-            limit = 0.45 * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
+            # with the full MILP skipped, the bound and the window search share what remains (past
+            # the search's MAX_NODES it does not run: the bound may have it all)
+            share = 0.45 if len(graph) <= LNS_MAX_NODES else 0.9
+            limit = share * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
         residency, started = None, time.perf_counter()
         if limit > 0.1 and graph.streams_weights:
             # streamed weights: what every stage pays for reads and returns (solver/residency.py), first
             phase("residency bound")
             residency = residency_bound(graph, costs, budgets, mode, time_limit=RESIDENCY_SHARE * limit,
-                                        threads=threads, stop_at=best_start * (1 - gap))
+                                        threads=threads, stop_at=best_start * (1 - gap), upper=best_start)
             limit -= time.perf_counter() - started
         if limit > 0.1 and (residency is None or residency.bound < best_start * (1 - gap)):
             phase("window bound")
