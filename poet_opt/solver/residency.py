@@ -48,6 +48,7 @@ from poet_opt.schedule.decisions import Budgets, storage_limits
 from poet_opt.solver.backends import solve_milp
 from poet_opt.solver.bounds import BoundResult
 from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
+from poet_opt.solver.heuristics import read_gaps
 
 # HiGHS's objective at an "optimal" LP is within its tolerances of the dual value that bounds: shaved
 # by this much (relative), as in bounds.py, so the bound never claims a zero gap on its own.
@@ -55,24 +56,39 @@ SAFETY = 1e-6
 
 
 @dataclass
-class Gaps:
-    """Every gap with a stage inside it: tensor, first and last read stage (a < b - 1)."""
+class Relaxed:
+    """What both forms of the relaxation read: every gap with a stage inside it (tensor, first and
+    last read stage, a < b - 1; the spill heuristic's gaps, heuristics.read_gaps: a tensor of no
+    bytes is free to keep and has none), whether a return there may be a recomputation (a weight
+    read) or a page-in, and each tensor's bytes and each stage's room beside its node's working
+    set, in units of the RAM budget."""
 
     tensor: np.ndarray
     a: np.ndarray
     b: np.ndarray
+    can_r: np.ndarray
+    can_p: np.ndarray
+    pageable: np.ndarray
+    nb: np.ndarray
+    room: np.ndarray
 
-
-def read_gaps(graph: TrainingGraph) -> Gaps:
-    """The gaps between consecutive read stages of every tensor (its own stage and its readers')."""
-    users = graph.users()
-    tensor, first, last = [], [], []
-    for i, readers in enumerate(users):
-        stages = sorted({i, *readers})
-        for a, b in zip(stages, stages[1:]):
-            if b > a + 1:
-                tensor.append(i), first.append(a), last.append(b)
-    return Gaps(np.array(tensor, dtype=np.int64), np.array(first, dtype=np.int64), np.array(last, dtype=np.int64))
+    @classmethod
+    def of(cls, graph: TrainingGraph, budgets: Budgets, mode: str) -> "Relaxed":
+        T = len(graph)
+        allow_remat, allow_paging = mode in ("joint", "remat"), mode in ("joint", "paging")
+        need, comp = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
+        size = np.array([n.bytes for n in graph.nodes], dtype=float)
+        unit = float(budgets.ram_bytes) if math.isfinite(budgets.ram_bytes) else float(max(size.sum(), 1.0))
+        nb = size / unit
+        i, a, b = read_gaps(graph, graph.users())
+        is_param = np.array([n.op == "param" for n in graph.nodes], dtype=bool)
+        # a recomputation (a weight read) in the gap needs a stage a+1..b at which i may be computed;
+        # a page-in, a tensor that may be paged out at all (never weights: they are on storage)
+        pageable = (need > np.arange(T)) & ~is_param if allow_paging else np.zeros(T, dtype=bool)
+        work = nb.copy()
+        for node in graph.nodes:
+            work[node.id] += sum(nb[d] for d in set(node.deps))
+        return cls(i, a, b, comp[i] > a, pageable[i] & (need[i] > a), pageable, nb, 1.0 - work)
 
 
 class ResidencyModel:
@@ -81,20 +97,10 @@ class ResidencyModel:
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str):
         T = len(graph)
-        allow_remat, allow_paging = mode in ("joint", "remat"), mode in ("joint", "paging")
-        need, comp = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
-        size = np.array([n.bytes for n in graph.nodes], dtype=float)
-        unit = float(budgets.ram_bytes) if math.isfinite(budgets.ram_bytes) else float(max(size.sum(), 1.0))
-        nb = size / unit
-        gaps = read_gaps(graph)
+        gaps = Relaxed.of(graph, budgets, mode)
         i, a, b = gaps.tensor, gaps.a, gaps.b
         G = len(i)
-        is_param = np.array([n.op == "param" for n in graph.nodes], dtype=bool)
-        # a recomputation (a weight read) in the gap needs a stage a+1..b at which i may be computed;
-        # a page-in, a tensor that may be paged out at all (never weights: they are on storage)
-        can_r = comp[i] > a if G else np.zeros(0, dtype=bool)
-        pageable = (need > np.arange(T)) & ~is_param if allow_paging else np.zeros(T, dtype=bool)
-        can_p = pageable[i] & (need[i] > a) if G else np.zeros(0, dtype=bool)
+        can_r, can_p, pageable, nb = gaps.can_r, gaps.can_p, gaps.pageable, gaps.nb
         self.gaps, self.T = gaps, T
         self.R = np.arange(G)
         self.P = G + np.arange(G)
@@ -111,11 +117,8 @@ class ResidencyModel:
         ub[self.P[~can_p]] = 0.0
         ub[self.O[~pageable]] = 0.0
         # the level of stage s: the bytes kept across s, at most the budget beside s's working set
-        work = nb.copy()
-        for node in graph.nodes:
-            work[node.id] += sum(nb[d] for d in set(node.deps))
         lb[self.L] = -np.inf
-        ub[self.L] = 1.0 - work
+        ub[self.L] = gaps.room
         integrality = np.ones(n, dtype=np.int8)
         integrality[self.L] = 0
 
@@ -210,7 +213,7 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         return stop_at is not None and best is not None and best.bound >= stop_at
 
     best = None
-    columns = 2 * len(read_gaps(graph).tensor) + 2 * len(graph)
+    columns = 2 * len(read_gaps(graph, graph.users())[0]) + 2 * len(graph)
     if upper is not None and upper > floor:
         share = LAGRANGIAN_SHARE if columns <= LP_MAX_COLUMNS else 1.0
         best = lagrangian_bound(graph, costs, budgets, mode, upper=upper, time_limit=share * time_limit,
@@ -257,27 +260,15 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     started = time.perf_counter()
     if mode == "none":
         return None
-    allow_remat, allow_paging = mode in ("joint", "remat"), mode in ("joint", "paging")
-    need, comp = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
     T = len(graph)
-    size = np.array([n.bytes for n in graph.nodes], dtype=float)
-    unit = float(budgets.ram_bytes) if math.isfinite(budgets.ram_bytes) else float(max(size.sum(), 1.0))
-    nb = size / unit
-    gaps = read_gaps(graph)
-    i, a, b = gaps.tensor, gaps.a, gaps.b
+    gaps = Relaxed.of(graph, budgets, mode)
+    i, a, b, nb, room = gaps.tensor, gaps.a, gaps.b, gaps.nb, gaps.room
     if not len(i):
         return None
-    is_param = np.array([n.op == "param" for n in graph.nodes], dtype=bool)
-    pageable = (need > np.arange(T)) & ~is_param if allow_paging else np.zeros(T, dtype=bool)
     per_tensor = np.bincount(i, minlength=T)
-    ret = np.full(len(i), np.inf)
-    ret = np.where(comp[i] > a, costs.compute_j[i], ret)
-    ret = np.minimum(ret, np.where(pageable[i] & (need[i] > a),
-                                   costs.page_in_j[i] + costs.page_out_j[i] / np.maximum(per_tensor[i], 1), np.inf))
-    work = nb.copy()
-    for node in graph.nodes:
-        work[node.id] += sum(nb[d] for d in set(node.deps))
-    room = 1.0 - work
+    ret = np.where(gaps.can_r, costs.compute_j[i], np.inf)
+    ret = np.minimum(ret, np.where(gaps.can_p, costs.page_in_j[i] + costs.page_out_j[i] / np.maximum(per_tensor[i], 1),
+                                   np.inf))
     w = nb[i]
     floor = costs.plain_energy_j
     target = max(upper - floor, 1e-12)
