@@ -301,7 +301,7 @@ def gap_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, *, allow_
     live = np.cumsum(live)[:T]
     if live.max(initial=0) <= budgets.ram_bytes:
         return plain_decisions(graph)
-    owner, gap_a, gap_b = _gaps(graph, users)
+    owner, gap_a, gap_b = read_gaps(graph, users)
     n_gaps = len(owner)
     how = np.zeros(n_gaps, dtype=np.int8)  # 0 kept, 1 paged in after the gap, 2 recomputed after it
     paged_out = np.zeros(T, dtype=bool)
@@ -394,7 +394,7 @@ def _without(first: int, last: int, gaps) -> tuple[tuple[int, int], ...]:
 SPILL_DEADLINE_CHECK_EVERY = 512
 
 
-def _gaps(graph: TrainingGraph, users):
+def read_gaps(graph: TrainingGraph, users):
     """Every gap (a, b), two consecutive stages that touch (make or read) tensor i with stages in
     between, of every tensor with bytes: three arrays (tensor, a, b)."""
     import numpy as np
@@ -428,7 +428,7 @@ def spill_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
     size = np.array([n.bytes for n in nodes], dtype=np.int64)
     users, last = graph.users(), graph.last_use()
     cap = graph.last_compute_stage() if graph.streams_weights else None
-    owner, gap_a, gap_b = _gaps(graph, users)
+    owner, gap_a, gap_b = read_gaps(graph, users)
     # weights come back by a read from storage, and only before their update
     readable = np.array([nodes[i].op != "param" or (not nodes[i].deps and (cap is None or b <= cap[i]))
                          for i, b in zip(owner.tolist(), gap_b.tolist())], dtype=bool)

@@ -1,0 +1,306 @@
+"""The residency relaxation: a lower bound over the whole graph, of size linear in its edges.
+
+The window relaxation (bounds.py) is exact about a few dozen stages and blind to the rest. On a
+streamed, sliced and stripped graph (ResNet-18 on the nRF52840: 8,223 nodes, 904 weight slices) the
+energy above plain training is spread over every stage: each weight slice read again for its
+backward readers, each activation strip paged or recomputed for its gradient. This relaxation
+counts, for every tensor and every stretch of stages between two consecutive reads of it, whether
+the plan kept it in RAM all the way across or brought it back, and lets the RAM budget decide:
+
+- A tensor ``i`` is read in its own stage and in the stage of each of its readers (a node's first
+  computation is in its own stage in every plan). Between two consecutive such read stages
+  ``a < b`` (a *gap*, with at least one stage strictly inside), a plan either materializes ``i``
+  again somewhere in stages ``a+1..b`` (a recomputation, for a weight slice a read from storage, or
+  a page-in), or does not. If it does not, ``i`` is in RAM at the start of every stage ``a+1..b``
+  (row 2 of the full model, walked back from stage ``b``, where ``b`` reads it), so it is kept into
+  ``s+1`` for every stage ``s`` strictly inside the gap, beside node ``s``'s inputs and output
+  (row 9: ``i`` is neither, since ``s`` does not read it).
+- So per stage ``s``: the bytes of the tensors whose gaps span ``s`` and that were not brought back
+  in them fit in the budget minus node ``s``'s working set. Per gap, a return costs at least one
+  recomputation (for weights: one read) or one page-in, and a tensor paged in anywhere was paged
+  out once. Gaps of one tensor are disjoint ranges of stages, so the returns counted are distinct
+  actions of the plan; each costs what it costs there. Runtime and storage budgets hold over them.
+
+Every plan of the full model maps onto a point of this model (a gap's return variable set for the
+first materialization in it) whose objective, plain training's energy plus the counted actions, is
+at most the plan's energy: the model's LP optimum, and any dual bound HiGHS proves on its MILP,
+bound every plan in this execution order under the stage model. It says nothing about what a
+recomputation needs (its inputs in RAM then): the window relaxation covers that near the peak, and
+the driver takes the higher of the two. Columns: three per gap (a recomputation, a page-in and the
+memory level's chain terms), one page-out per tensor, one level per stage; the memory rows are a
+chain (each gap enters one stage's level and leaves another's), so the matrix has O(|E| + T)
+entries however long the gaps are.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import scipy.sparse as sp
+
+from poet_opt.device.costs import NodeCosts
+from poet_opt.model.graph import TrainingGraph
+from poet_opt.schedule.decisions import Budgets, storage_limits
+from poet_opt.solver.backends import solve_milp
+from poet_opt.solver.bounds import BoundResult
+from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
+from poet_opt.solver.heuristics import read_gaps
+
+# HiGHS's objective at an "optimal" LP is within its tolerances of the dual value that bounds: shaved
+# by this much (relative), as in bounds.py, so the bound never claims a zero gap on its own.
+SAFETY = 1e-6
+
+
+@dataclass
+class Relaxed:
+    """What both forms of the relaxation read: every gap with a stage inside it (tensor, first and
+    last read stage, a < b - 1; the spill heuristic's gaps, heuristics.read_gaps: a tensor of no
+    bytes is free to keep and has none), whether a return there may be a recomputation (a weight
+    read) or a page-in, and each tensor's bytes and each stage's room beside its node's working
+    set, in units of the RAM budget."""
+
+    tensor: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    can_r: np.ndarray
+    can_p: np.ndarray
+    pageable: np.ndarray
+    nb: np.ndarray
+    room: np.ndarray
+
+    @classmethod
+    def of(cls, graph: TrainingGraph, budgets: Budgets, mode: str) -> "Relaxed":
+        T = len(graph)
+        allow_remat, allow_paging = mode in ("joint", "remat"), mode in ("joint", "paging")
+        need, comp = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
+        size = np.array([n.bytes for n in graph.nodes], dtype=float)
+        unit = float(budgets.ram_bytes) if math.isfinite(budgets.ram_bytes) else float(max(size.sum(), 1.0))
+        nb = size / unit
+        i, a, b = read_gaps(graph, graph.users())
+        is_param = np.array([n.op == "param" for n in graph.nodes], dtype=bool)
+        # a recomputation (a weight read) in the gap needs a stage a+1..b at which i may be computed;
+        # a page-in, a tensor that may be paged out at all (never weights: they are on storage)
+        pageable = (need > np.arange(T)) & ~is_param if allow_paging else np.zeros(T, dtype=bool)
+        work = nb.copy()
+        for node in graph.nodes:
+            work[node.id] += sum(nb[d] for d in set(node.deps))
+        return cls(i, a, b, comp[i] > a, pageable[i] & (need[i] > a), pageable, nb, 1.0 - work)
+
+
+class ResidencyModel:
+    """The relaxation of the module docstring, as a Milp: columns R (a recomputation or weight read
+    in the gap), P (a page-in in the gap), O (a tensor's page-out), L (a stage's kept bytes)."""
+
+    def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str):
+        T = len(graph)
+        gaps = Relaxed.of(graph, budgets, mode)
+        i, a, b = gaps.tensor, gaps.a, gaps.b
+        G = len(i)
+        can_r, can_p, pageable, nb = gaps.can_r, gaps.can_p, gaps.pageable, gaps.nb
+        self.gaps, self.T = gaps, T
+        self.R = np.arange(G)
+        self.P = G + np.arange(G)
+        self.O = 2 * G + np.arange(T)
+        self.L = 2 * G + T + np.arange(T)
+        n = 2 * G + 2 * T
+
+        c = np.zeros(n)
+        c[self.R] = costs.compute_j[i]
+        c[self.P] = costs.page_in_j[i]
+        c[self.O] = costs.page_out_j
+        lb, ub = np.zeros(n), np.ones(n)
+        ub[self.R[~can_r]] = 0.0
+        ub[self.P[~can_p]] = 0.0
+        ub[self.O[~pageable]] = 0.0
+        # the level of stage s: the bytes kept across s, at most the budget beside s's working set
+        lb[self.L] = -np.inf
+        ub[self.L] = gaps.room
+        integrality = np.ones(n, dtype=np.int8)
+        integrality[self.L] = 0
+
+        rows, cols, vals = [], [], []
+        lo, hi = [], []
+        nrow = 0
+        # R + P <= 1 per gap
+        g = np.arange(G)
+        rows += [g, g]
+        cols += [self.R, self.P]
+        vals += [np.ones(G), np.ones(G)]
+        lo.append(np.full(G, -np.inf)), hi.append(np.ones(G))
+        nrow += G
+        # P <= O per gap: a page-in needs the page-out
+        rows += [nrow + g, nrow + g]
+        cols += [self.P, self.O[i]]
+        vals += [np.ones(G), -np.ones(G)]
+        lo.append(np.full(G, -np.inf)), hi.append(np.zeros(G))
+        nrow += G
+        # The level chain: L[s] - L[s-1] = (bytes of gaps entering s) - (bytes of gaps leaving after
+        # s-1), each gap counted as nb * (1 - R - P). Gap (a, b) spans the stages a+1..b-1.
+        s = np.arange(T)
+        rows += [nrow + s, nrow + s[1:]]
+        cols += [self.L, self.L[:-1]]
+        vals += [np.ones(T), -np.ones(T - 1)]
+        enter, leave = a + 1, b  # enters level a+1, leaves at level b (not spanned any more)
+        w = nb[i]
+        for idx, sign in ((enter, 1.0), (leave, -1.0)):
+            inside = idx < T
+            for col in (self.R, self.P):
+                rows.append(nrow + idx[inside]), cols.append(col[inside]), vals.append(sign * w[inside])
+        rhs = np.zeros(T)
+        np.add.at(rhs, enter[enter < T], w[enter < T])
+        np.add.at(rhs, leave[leave < T], -w[leave < T])
+        lo.append(rhs), hi.append(rhs)
+        nrow += T
+        # runtime, in units of plain training's runtime
+        if math.isfinite(budgets.runtime_s):
+            plain_s = float(costs.compute_s.sum())
+            scale = plain_s if plain_s > 0 else 1.0
+            rows += [np.full(G, nrow), np.full(G, nrow), np.full(T, nrow)]
+            cols += [self.R, self.P, self.O]
+            vals += [costs.compute_s[i] / scale, costs.page_in_s[i] / scale, costs.page_out_s / scale]
+            lo.append([-np.inf]), hi.append([(budgets.runtime_s - plain_s) / scale])
+            nrow += 1
+        for per_tensor, limit in storage_limits(costs, budgets):
+            if limit > 0:
+                rows.append(np.full(T, nrow)), cols.append(self.O), vals.append(per_tensor / limit)
+                lo.append([-np.inf]), hi.append([1.0])
+                nrow += 1
+            else:
+                ub[self.O] = 0.0
+        A = sp.csr_matrix((np.concatenate(vals).astype(float),
+                           (np.concatenate(rows).astype(np.int64), np.concatenate(cols).astype(np.int64))),
+                          shape=(nrow, n))
+        self.milp = Milp(c=c, offset=float(costs.compute_j.sum()), A=A,
+                         row_lb=np.concatenate([np.asarray(x, dtype=float) for x in lo]),
+                         row_ub=np.concatenate([np.asarray(x, dtype=float) for x in hi]),
+                         lb=lb, ub=ub, integrality=integrality)
+
+    def relaxed(self) -> Milp:
+        m = self.milp
+        return Milp(c=m.c, offset=m.offset, A=m.A, row_lb=m.row_lb, row_ub=m.row_ub, lb=m.lb, ub=m.ub,
+                    integrality=np.zeros(m.num_vars, dtype=np.int8))
+
+
+# The Lagrangian's share of residency_bound's time: it answers in seconds at any size, the LP after
+# it is higher where it finishes (ResNet-18: 20.10 J against 19.75 J; bert-base's LP does not finish
+# in 500 s, its Lagrangian gives 277.5 J in 60 s).
+LAGRANGIAN_SHARE = 0.3
+# Past this many columns the LP is not tried and the Lagrangian has all the time (ResNet-18's model:
+# 45,000 columns, LP in 8.5 s; bert-base's: 321,000, no LP optimum in 500 s).
+LP_MAX_COLUMNS = 150_000
+
+
+def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *, time_limit: float,
+                    threads: Optional[int] = None, stop_at: Optional[float] = None, upper: Optional[float] = None,
+                    lp_only: bool = False) -> Optional[BoundResult]:
+    """The best of: the Lagrangian bound (``upper``, a plan's energy, steers its steps), the LP
+    bound, and, with time left and short of ``stop_at``, HiGHS's dual bound on the MILP. None when
+    none rises above plain training's energy (or the model says no plan exists, which the caller,
+    holding a plan, takes for the tolerances speaking)."""
+    started = time.perf_counter()
+    if mode == "none":
+        return None
+    floor = costs.plain_energy_j
+
+    def left() -> float:
+        return time_limit - (time.perf_counter() - started)
+
+    def done() -> bool:
+        return stop_at is not None and best is not None and best.bound >= stop_at
+
+    best = None
+    columns = 2 * len(read_gaps(graph, graph.users())[0]) + 2 * len(graph)
+    if upper is not None and upper > floor:
+        share = LAGRANGIAN_SHARE if columns <= LP_MAX_COLUMNS else 1.0
+        best = lagrangian_bound(graph, costs, budgets, mode, upper=upper, time_limit=share * time_limit,
+                                iterations=3000 if share < 1 else 100_000)
+    if left() <= 0.05 or done() or columns > LP_MAX_COLUMNS:
+        return _timed(best, started)
+    model = ResidencyModel(graph, costs, budgets, mode)
+    if left() <= 0.05:
+        return _timed(best, started)
+    result = solve_milp(model.relaxed(), time_limit=left(), gap=0.0, threads=threads)
+    if result.status in ("optimal", "gap_limit") and result.objective is not None:
+        value = result.objective - SAFETY * abs(result.objective)
+        if value > floor and (best is None or value > best.bound):
+            best = BoundResult(bound=value, method="residency LP", status=result.status)
+    elif result.status == "infeasible":
+        return None
+    if not lp_only and left() > 0.2 and not done():
+        result = solve_milp(model.milp, time_limit=left(), gap=1e-4, threads=threads)
+        if result.bound is not None and math.isfinite(result.bound) and result.status != "infeasible":
+            value = result.bound - SAFETY * abs(result.bound)
+            if value > floor and (best is None or value > best.bound):
+                best = BoundResult(bound=value, method="residency MILP", status=result.status)
+    return _timed(best, started)
+
+
+def _timed(best: Optional[BoundResult], started: float) -> Optional[BoundResult]:
+    if best is not None:
+        best.solve_s = time.perf_counter() - started
+    return best
+
+
+def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *, upper: float,
+                     time_limit: float, iterations: int = 3000) -> Optional[BoundResult]:
+    """The same relaxation with its RAM rows moved into the objective, one multiplier ``lam[s] >= 0``
+    per stage (runtime and storage rows dropped, which only lowers the minimum): for any such
+    multipliers the minimum over plans of (returns' energy + sum_s lam[s] (kept bytes at s - room at
+    s)) is at most the least energy of any plan, and each gap decides alone there, keeping its
+    tensor (``w * sum of lam over its span``) or bringing it back at its cheapest, whichever is
+    less. A page-out is charged to each paged gap as an equal share of it over the tensor's gaps,
+    which a plan pays at least (it pays it whole for one paged gap). Subgradient steps towards
+    ``upper`` (joules: a plan's energy) raise it; every iterate is a bound, the best one is kept.
+    Linear in the gaps per step, so it answers in seconds where the LP takes minutes (bert-base's
+    57,843 nodes)."""
+    started = time.perf_counter()
+    if mode == "none":
+        return None
+    T = len(graph)
+    gaps = Relaxed.of(graph, budgets, mode)
+    i, a, b, nb, room = gaps.tensor, gaps.a, gaps.b, gaps.nb, gaps.room
+    if not len(i):
+        return None
+    per_tensor = np.bincount(i, minlength=T)
+    ret = np.where(gaps.can_r, costs.compute_j[i], np.inf)
+    ret = np.minimum(ret, np.where(gaps.can_p, costs.page_in_j[i] + costs.page_out_j[i] / np.maximum(per_tensor[i], 1),
+                                   np.inf))
+    w = nb[i]
+    floor = costs.plain_energy_j
+    target = max(upper - floor, 1e-12)
+    lam = np.zeros(T)
+    best, theta, stall = -np.inf, 1.0, 0
+    for _ in range(iterations):
+        prefix = np.concatenate([[0.0], np.cumsum(lam)])
+        span = prefix[b] - prefix[a + 1]  # lam over stages a+1..b-1
+        keep_cost = w * span
+        keep = keep_cost < ret
+        value = float(np.where(keep, keep_cost, ret).sum() - lam @ room)
+        if value > best + 1e-12 * target:
+            best, stall = value, 0
+        else:
+            stall += 1
+            if stall >= 50:
+                theta, stall = theta / 2, 0
+        # the subgradient: bytes kept across each stage minus its room
+        diff = np.zeros(T + 1)
+        np.add.at(diff, a[keep] + 1, w[keep])
+        np.add.at(diff, b[keep], -w[keep])
+        grad = np.cumsum(diff)[:T] - room
+        grad[(lam <= 0) & (grad < 0)] = 0.0
+        norm = float(grad @ grad)
+        if norm <= 0 or theta < 1e-6 or time.perf_counter() - started > time_limit:
+            break
+        lam = np.maximum(0.0, lam + theta * max(target - value, 1e-3 * target) / norm * grad)
+    if not math.isfinite(best):
+        return None
+    bound = floor + best
+    bound -= SAFETY * abs(bound)
+    if bound <= floor:
+        return None
+    return BoundResult(bound=bound, method="residency Lagrangian", solve_s=time.perf_counter() - started,
+                       status="subgradient")
