@@ -134,13 +134,16 @@ def check_same_graph(network: Network, doc: dict) -> None:
     every node's name, kind, bytes and inputs; else one line naming ``--schedule`` and what differs."""
     nodes = doc["graph"]["nodes"]
     graph = network.graph
+    # a streamed plan's nodes are its slices and strips too: the options that cut them change them
+    streamed = graph.streams_weights or any(n.get("op") == "param" for n in nodes)
+    hint = " (or solved with other --weights, --weight-tile or --strips)" if streamed else ""
     # the forward nodes first: a frozen layer has no gradient node, so the trainable set changes the
     # backward nodes and would otherwise read as another model
     theirs = {n["name"]: n for n in nodes if n["kind"] == "forward"}
     mine = {n.name: n for n in graph.nodes if n.kind == "forward"}
     if set(theirs) != set(mine):
         missing = sorted(set(mine) - set(theirs))[:3] or sorted(set(theirs) - set(mine))[:3]
-        raise PoetError(f"the plan is for another model: its {len(theirs)} forward nodes are not this model's "
+        raise PoetError(f"the plan is for another model{hint}: its {len(theirs)} forward nodes are not this model's "
                         f"{len(mine)} (e.g. {', '.join(missing)})", field=SCHEDULE_FIELD)
     planned = doc["graph"].get("input_shape")
     shape = [int(d) for d in network.input_shape]
@@ -162,7 +165,7 @@ def check_same_graph(network: Network, doc: dict) -> None:
     names = [n["name"] for n in nodes]
     if set(names) != set(every) or len(names) != len(every):
         missing = sorted(set(every) - set(names))[:3] or sorted(set(names) - set(every))[:3]
-        raise PoetError(f"the plan is for another model: its {len(names)} nodes are not this model's "
+        raise PoetError(f"the plan is for another model{hint}: its {len(names)} nodes are not this model's "
                         f"{len(every)} (e.g. {', '.join(missing)})", field=SCHEDULE_FIELD)
     for n in nodes:
         m = every[n["name"]]

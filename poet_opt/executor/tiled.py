@@ -34,6 +34,15 @@ from poet_opt.model.network import Network
 STRIP_OPS = {"input", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "relu", "add", "concat", "linear"}
 
 
+def check_runnable(network: Network) -> None:
+    """Refuse, before any solve, a streamed network with a layer the strip replay has no kernel for."""
+    for name, info in network.graph.meta["strips"]["layers"].items():
+        if info["op"] not in STRIP_OPS:
+            raise PoetError(f"layer {name!r} ({info['op']}) has no strip kernel in the PyTorch executor, which runs "
+                            "streamed weights through them; with --weights resident it runs whole layers, if they "
+                            "fit (poet-opt emulate trains the streamed plan in firmware)", field="--weights")
+
+
 class TiledExecutor:
     """One training step per call, as ``schedule`` says: ``loss = step(x, y)``, with plain SGD at
     ``lr``. ``storage``: the directory the weights and paged tensors live in (default: the system's
@@ -50,12 +59,7 @@ class TiledExecutor:
             raise PoetError("internal: the tiled executor needs a network lowered with strips (strips=1 for none)")
         self.doc = schedule.to_dict() if hasattr(schedule, "to_dict") else schedule
         check_schedule(network, self.doc)
-        unsupported = [(name, info["op"]) for name, info in graph.meta["strips"]["layers"].items()
-                       if info["op"] not in STRIP_OPS]
-        if unsupported:
-            name, op = unsupported[0]
-            raise PoetError(f"layer {name!r} ({op}) has no strip kernel in the PyTorch executor; plan it with "
-                            "--weights resident", field="--weights")
+        check_runnable(network)
         self.network, self.lr, self.device = network, lr, torch.device("cpu")
         self.by_name = {n.name: n for n in graph.nodes}
         names = [n["name"] for n in self.doc["graph"]["nodes"]]

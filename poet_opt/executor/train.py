@@ -120,6 +120,9 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         resident.graph.meta["streamed_working_set"] = {"bytes": working, "node": node.name}
         resident.graph.meta["strips_tried"] = strips != "off" and convolutions
         return resident
+    from poet_opt.executor.tiled import check_runnable
+
+    check_runnable(streamed)  # before a solve: a layer the strip replay cannot run
     return streamed
 
 
