@@ -106,7 +106,18 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         return lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=counts,
                              strip_budget=budget, tile_bytes=tile)
 
-    streamed = lowered(1)
+    try:
+        streamed = lowered(1)
+    except PoetError as exc:  # the strip builder's layer table speaks of the firmware generator
+        from poet_opt.units import format_bytes
+
+        g = resident.graph
+        need = g.param_bytes + g.param_grad_bytes + stack_reserve_bytes + g.min_working_set_bytes()
+        where = f" of the device's {format_bytes(device_ram_bytes)}" if device_ram_bytes is not None else ""
+        raise PoetError(f"{exc.message.split(';')[0]}: the PyTorch executor streams weights only through the strip "
+                        f"builder's layers (convolution, pooling, batch norm, ReLU, add, concat, linear); with "
+                        f"--weights resident the weights, their gradients, the stack reserve and the smallest working "
+                        f"set need {format_bytes(need)}{where}", field="--weights") from None
     too_big = device_ram_bytes is not None and \
         streamed.graph.largest_working_set()[0] + stack_reserve_bytes > device_ram_bytes
     convolutions = any(n.op == "conv2d" for n in streamed.graph.nodes)
