@@ -162,3 +162,36 @@ def test_run_refuses_what_its_strip_replay_cannot_run_in_one_line(tmp_path):
     with pytest.raises(PoetError) as err:
         lower_for_run(SPEC, SHAPE, ram_bytes=RAM, strips=0, **NRF)
     assert err.value.field == "--strips"
+
+
+def test_the_commands_of_docs_executor_md_on_strips_run(tmp_path, monkeypatch):
+    """The sh block of docs/executor.md's "Streamed weights, strips and slices", line by line in a
+    scratch directory, and what the text around it says of the result."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "executor.md").read_text()
+    section = doc[doc.index("## Streamed weights, strips and slices"):]
+    commands = [line for line in re.search(r"```sh\n(.*?)```", section, re.S).group(1).splitlines() if line.strip()]
+    assert [c.split()[0] for c in commands] == ["python", "poet-opt", "poet-opt"]
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        argv = shlex.split(command)
+        if argv[0] == "python":
+            done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            continue
+        result = cli(*argv[1:])
+        assert result.exit_code == 0, (command, result.stderr)
+    summary = json.loads(result.stdout)
+    assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] == 162_736
+    assert "(162,736 B here)" in section
+    assert summary["storage_bytes_read"] == summary["planned_storage_bytes_read"] > 0
+    assert summary["storage_bytes_written"] == summary["planned_storage_bytes_written"] > 0
+    plan = json.loads((tmp_path / "strip_plan.json").read_text())
+    names = {n["name"] for n in plan["graph"]["nodes"]}
+    assert "stem@s15" in names and "stem@s16" not in names and "pool@s3" in names and "pool@s4" not in names
+    losses, _ = _torch_sgd(strip_cnn(), tmp_path / "strip_batch.npz", 2)
+    assert summary["loss"] == pytest.approx(losses, rel=1e-5)
+    assert not any((tmp_path / "card").iterdir())
