@@ -112,9 +112,10 @@ def check_schedule(network: Network, doc: dict) -> None:
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
-    if network.graph.meta.get("strips") is None:  # strip plans run in executor/tiled.py, on a strip network
-        refuse_strips(nodes, "the PyTorch executor", SCHEDULE_FIELD)
     refuse_rows(nodes, "the PyTorch executor", SCHEDULE_FIELD)
+    striped = network is not None and network.graph.meta.get("strips") is not None
+    if not striped:  # strip plans run in executor/tiled.py, on a network lowered with strips
+        refuse_strips(nodes, "the PyTorch executor", SCHEDULE_FIELD)
     streamed = any(n.get("op") == "param" for n in nodes)
     if streamed and not network.graph.streams_weights:
         raise PoetError("the plan streams its weights from storage (--weights streamed); this network keeps them "
