@@ -99,6 +99,7 @@ def test_run_trains_a_strip_and_slice_plan_as_pytorch_with_the_plan_s_peak(batch
               "--storage", tmp_path / "card", "--json")
     assert ran.exit_code == 0, ran.stderr
     summary = json.loads(ran.stdout)
+    assert summary["weights"] == "streamed"
     assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] == doc["totals"]["peak_ram_bytes"]
     assert summary["storage_bytes_written"] == summary["planned_storage_bytes_written"] > 0
     assert summary["storage_bytes_read"] == summary["planned_storage_bytes_read"] > 0

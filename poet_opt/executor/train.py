@@ -57,6 +57,7 @@ class RunResult:
                 "executed": {"computes": last.computes, "page_outs": last.page_outs, "page_ins": last.page_ins,
                              "steps": len(last.executed)},
                 "schedule": self.schedule_file,
+                "weights": "streamed" if self.network.graph.streams_weights else "resident",
                 "torch_device": self.device}
 
 
@@ -92,7 +93,7 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
     resident = prepare(module, input_shape, trainable=trainable, name=name)
     if weights == "resident" or weights == "auto" and not needs_streaming(resident.graph, device_ram_bytes,
                                                                           stack_reserve_bytes, ram_bytes):
-        if strips not in ("auto", "off"):
+        if strips not in ("auto", "off") and weights == "resident":  # as solve: auto ignores them when resident
             raise PoetError("activation strips need streamed weights (--weights streamed)", field="--strips")
         return resident
     tile = tile_bytes if tile_bytes is not None else default_tile_bytes([ram_bytes])
@@ -222,8 +223,8 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
     if tiled:
         from poet_opt.executor.tiled import TiledExecutor
 
-        if torch_device not in (None, "cpu"):
-            raise PoetError("a plan with streamed weights runs on the CPU (--torch-device cpu)", field="--torch-device")
+        if torch_device not in (None, "cpu"):  # the strip replay makes its scratch tensors on the CPU
+            raise PoetError(f"a plan with streamed weights runs on the CPU, not torch_device={torch_device!r}")
         executor = TiledExecutor(network, doc, lr=lr, storage=storage)
     else:
         executor = ScheduleExecutor(network, doc, lr=lr, storage=storage, device=torch_device)
