@@ -196,3 +196,23 @@ def test_the_commands_of_docs_executor_md_on_strips_run(tmp_path, monkeypatch):
     losses, _ = _torch_sgd(strip_cnn(), tmp_path / "strip_batch.npz", 2)
     assert summary["loss"] == pytest.approx(losses, rel=1e-5)
     assert not any((tmp_path / "card").iterdir())
+
+
+def test_run_solves_a_streamed_plan_itself_with_solve_s_defaults(batch):
+    """Without --schedule: the same lowering, solved here, run to the plan's peak."""
+    ran = cli("run", "--torch", SPEC, "--input-shape", SHAPE, "--device", "nrf52840", "--ram", "160KiB",
+              "--time-limit", "5", "--steps", "1", "--lr", LR, "--data", batch, "--json")
+    assert ran.exit_code == 0, ran.stderr
+    summary = json.loads(ran.stdout)
+    assert summary["weights"] == "streamed" and summary["schedule"] is None
+    assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] <= 160 * 1024
+
+
+def test_a_transformer_that_must_stream_is_refused_naming_weights_and_the_operator(tmp_path):
+    """Row tiling of a torch transformer is not lowered yet, and the strip builder has no fused
+    attention: one line naming --weights, the operator and what resident weights would need."""
+    data = tmp_path / "tokens.npz"
+    np.savez(data, x=np.zeros((1, 128, 768), np.float32), y=np.zeros(1, np.int64))
+    result = cli("run", "--torch", "poet_opt.examples.torch_models:transformer_block", "--input-shape", "1,128,768",
+                 "--device", "nrf52840", "--ram", "200KiB", "--steps", "1", "--lr", "0.1", "--data", data)
+    assert_one_line_error(result, "--weights", "scaled_dot_product_attention", "of the device's 256 KiB")
