@@ -19,7 +19,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("unicorn")
 pytest.importorskip("ziglang")
 
-from test_cli import assert_one_line_error, cli  # noqa: E402
 from test_firmware_training import torch_sgd  # noqa: E402
 
 from poet_opt.examples.torch_models import strip_cnn  # noqa: E402
@@ -99,10 +98,7 @@ def test_emulate_refuses_such_a_cnn_without_strips_or_with_resident_weights(tmp_
     assert resident.value.field == "--weights"
     with pytest.raises(PoetError, match="auto, off or a positive whole number"):
         emulate_training(**common, weights="streamed", strips=0)
-    # the PyTorch executor runs no strips: it says so in one line
-    result = cli("run", "--torch", spec, "--input-shape", "1,1,96,96", "--device", "nrf52840", "--ram", "160KiB",
-                 "--steps", "1", "--lr", "0.1", "--data", data)
-    assert_one_line_error(result, "--ram", "split into strips", "the PyTorch executor")
+    # `poet-opt run` trains this plan in PyTorch: tests/test_run_tiles.py
 
 
 def test_batch_norm_over_uneven_strips_equals_torch_on_the_whole_tensor(tmp_path):

@@ -307,9 +307,10 @@ def test_header_exports_a_strip_plan(vww_strip_plan):
 
 
 def test_executors_refuse_a_strip_plan_in_one_line(vww_strip_plan, tmp_path):
-    """The PyTorch executor does not run strips, and the firmware generator runs them only for a
-    network lowered with its strips: they say so, naming a strip node, rather than mis-run the plan
-    (tests/test_firmware_strips.py trains a strip plan in firmware)."""
+    """The PyTorch executor and the firmware generator run strips only for a network lowered with
+    its strips: they say so, naming a strip node, rather than mis-run the plan
+    (tests/test_firmware_strips.py trains a strip plan in firmware, tests/test_run_tiles.py in
+    PyTorch); `run` names a layer its strip replay has no kernel for."""
     from test_cli import assert_one_line_error, cli
 
     from poet_opt.errors import PoetError
@@ -329,7 +330,7 @@ def test_executors_refuse_a_strip_plan_in_one_line(vww_strip_plan, tmp_path):
     np.savez(data, x=np.zeros((1, 3, 192, 192), np.float32), y=np.zeros(1, np.int64))
     result = cli("run", "--torch", "poet_opt.examples.torch_models:tiny_cnn", "--input-shape", "1,3,192,192",
                  "--device", "nrf52840", "--ram", "200KiB", "--steps", "1", "--lr", "0.1", "--data", data)
-    assert_one_line_error(result, "--ram", "split into strips", "the PyTorch executor")
+    assert_one_line_error(result, "--weights", "(relu6) has no strip kernel in the PyTorch executor")
 
 
 def test_resnet18_plans_on_the_nrf52840_in_strips():

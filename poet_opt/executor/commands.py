@@ -40,6 +40,13 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
                   help="layers to fine-tune: all, last:N (the last N layers with weights) or NAME,NAME,...")
     @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
                   help="measured per-layer time/energy (what `poet-opt measure` writes), as for `poet-opt solve`")
+    @click.option("--weights", type=click.Choice(["auto", "resident", "streamed"]), default="auto", show_default=True,
+                  help="as for `poet-opt solve`: streamed weights live on --storage and pass through RAM as the plan "
+                       "says; auto: streamed when resident weights do not fit the device (with --schedule: the plan's)")
+    @click.option("--weight-tile", default=None, help="as for `poet-opt solve`: streamed weights, slice a layer whose "
+                  "weights exceed this; default: a quarter of --ram")
+    @click.option("--strips", default="auto", show_default=True, help="as for `poet-opt solve`: streamed weights, "
+                  "split activations along H into strips; auto: only when a node would not fit the device otherwise")
     @click.option("--steps", type=int, required=True, help="training steps to run")
     @click.option("--lr", type=float, required=True, help="SGD learning rate")
     @click.option("--data", required=True, type=click.Path(dir_okay=False),
@@ -53,7 +60,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
     @click.pass_context
     @_one_line_errors
     def run(ctx, torch_spec, input_shape, schedule_file, device, ram, runtime, mode, time_limit, trainable, costs_file,
-            steps, lr, data, storage, weights_out, as_json):
+            weights, weight_tile, strips, steps, lr, data, storage, weights_out, as_json):
         """Train N steps of a torch module in PyTorch with a schedule: --schedule's, or one solved here."""
         import numpy as np
 
@@ -72,7 +79,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
         result = run_training(torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram, steps=steps,
                               lr=lr, data=data, storage=storage, schedule=schedule_file, costs=costs_file,
                               runtime=runtime, mode=mode if given_mode or schedule_file is None else None,
-                              time_limit=time_limit, trainable=trainable, progress=say)
+                              time_limit=time_limit, trainable=trainable, progress=say, weights=weights,
+                              weight_tile=weight_tile, strips=strips)
         if weights_out is not None:
             write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
         summary = result.summary()

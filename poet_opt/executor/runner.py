@@ -112,22 +112,39 @@ def check_schedule(network: Network, doc: dict) -> None:
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
-    refuse_strips(nodes, "the PyTorch executor", SCHEDULE_FIELD)
     refuse_rows(nodes, "the PyTorch executor", SCHEDULE_FIELD)
-    if any(n.get("op") == "param" for n in nodes):
-        raise PoetError("the plan streams its weights from storage (--weights streamed); the PyTorch executor "
-                        "keeps them in RAM: solve it with --weights resident", field=SCHEDULE_FIELD)
-    if any(str(n.get("op", "")).endswith("_update") for n in nodes):
+    striped = network is not None and network.graph.meta.get("strips") is not None
+    if not striped:  # strip plans run in executor/tiled.py, on a network lowered with strips
+        refuse_strips(nodes, "the PyTorch executor", SCHEDULE_FIELD)
+    streamed = any(n.get("op") == "param" for n in nodes)
+    if streamed and not network.graph.streams_weights:
+        raise PoetError("the plan streams its weights from storage (--weights streamed); this network keeps them "
+                        "in RAM: give `run` the plan's --weights streamed", field=SCHEDULE_FIELD)
+    updates = {str(n.get("op", "")) for n in nodes if str(n.get("op", "")).endswith("_update")}
+    if streamed and updates - {"sgd_update"}:  # streamed plans fuse the update into the backward nodes
+        raise PoetError(f"the plan updates streamed weights with {sorted(updates - {'sgd_update'})[0]}; the PyTorch "
+                        "executor runs plain SGD on them: solve it with --optimizer none", field=SCHEDULE_FIELD)
+    if not streamed and updates:
         raise PoetError("the plan has the weight update as graph nodes (--optimizer); the PyTorch executor updates "
                         "the weights after the step itself: solve it with --optimizer none", field=SCHEDULE_FIELD)
+    check_same_graph(network, doc)
+
+
+def check_same_graph(network: Network, doc: dict) -> None:
+    """The plan's nodes are ``network``'s: the same forward layers, input shape, trainable set, then
+    every node's name, kind, bytes and inputs; else one line naming ``--schedule`` and what differs."""
+    nodes = doc["graph"]["nodes"]
     graph = network.graph
+    # a streamed plan's nodes are its slices and strips too: the options that cut them change them
+    streamed = graph.streams_weights or any(n.get("op") == "param" for n in nodes)
+    hint = " (or solved with other --weights, --weight-tile or --strips)" if streamed else ""
     # the forward nodes first: a frozen layer has no gradient node, so the trainable set changes the
     # backward nodes and would otherwise read as another model
     theirs = {n["name"]: n for n in nodes if n["kind"] == "forward"}
     mine = {n.name: n for n in graph.nodes if n.kind == "forward"}
     if set(theirs) != set(mine):
         missing = sorted(set(mine) - set(theirs))[:3] or sorted(set(theirs) - set(mine))[:3]
-        raise PoetError(f"the plan is for another model: its {len(theirs)} forward nodes are not this model's "
+        raise PoetError(f"the plan is for another model{hint}: its {len(theirs)} forward nodes are not this model's "
                         f"{len(mine)} (e.g. {', '.join(missing)})", field=SCHEDULE_FIELD)
     planned = doc["graph"].get("input_shape")
     shape = [int(d) for d in network.input_shape]
@@ -149,7 +166,7 @@ def check_schedule(network: Network, doc: dict) -> None:
     names = [n["name"] for n in nodes]
     if set(names) != set(every) or len(names) != len(every):
         missing = sorted(set(every) - set(names))[:3] or sorted(set(names) - set(every))[:3]
-        raise PoetError(f"the plan is for another model: its {len(names)} nodes are not this model's "
+        raise PoetError(f"the plan is for another model{hint}: its {len(names)} nodes are not this model's "
                         f"{len(every)} (e.g. {', '.join(missing)})", field=SCHEDULE_FIELD)
     for n in nodes:
         m = every[n["name"]]
@@ -187,6 +204,8 @@ class ScheduleExecutor:
             raise PoetError("give a learning rate or an optimizer, not both or neither", field="--lr")
         if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
+        if network.graph.streams_weights:
+            raise PoetError("internal: a network with streamed weights runs in executor/tiled.py's TiledExecutor")
         self.doc = _document(schedule)
         check_schedule(network, self.doc)
         self.network, self.lr, self.optimizer = network, lr, optimizer

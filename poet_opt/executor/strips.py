@@ -32,6 +32,13 @@ def replay(graph, params: dict, x, y, lr: float) -> dict:
     return _Replay(graph, params, x, y, lr).run()
 
 
+def replayer(graph, params: dict, x, y, lr: float):
+    """The object ``replay`` runs, for an executor that walks a plan itself (executor/tiled.py):
+    ``compute(node, records[node.name], env)`` runs one node on the tensors in ``env``, reading the
+    weights of a layer from ``params`` (layer -> {role: tensor}) and updating them in place there."""
+    return _Replay(graph, params, x, y, lr)
+
+
 class _Replay:
     def __init__(self, graph, params, x, y, lr):
         import torch

@@ -57,6 +57,7 @@ class RunResult:
                 "executed": {"computes": last.computes, "page_outs": last.page_outs, "page_ins": last.page_ins,
                              "steps": len(last.executed)},
                 "schedule": self.schedule_file,
+                "weights": "streamed" if self.network.graph.streams_weights else "resident",
                 "torch_device": self.device}
 
 
@@ -72,9 +73,84 @@ def prepare(torch_model, input_shape, *, trainable="all", name=None) -> Network:
         raise PoetError(message, source=exc.source, field=exc.field) from None
 
 
+def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", tile_bytes=None, strips="auto",
+                  device_ram_bytes=None, stack_reserve_bytes: int = 0, ram_bytes=None) -> Network:
+    """The network `run` trains, lowered as `poet-opt solve --torch` lowers the module for the same
+    options (model/load.py), so that the plan solve writes is one of this network's: ``weights``
+    "auto" streams them when resident weights, their gradients and the working memory would not fit
+    ``device_ram_bytes`` (``needs_streaming``); streamed layers over ``tile_bytes`` are sliced (None:
+    a quarter of ``ram_bytes``, solve's default); ``strips`` "auto" splits the activations along H
+    only when some node would not fit the device otherwise, "off" never, N: N strips per tensor.
+    A streamed network is always lowered through the strip builder (one strip per tensor where none
+    are asked: the same nodes), whose replay runs it (executor/tiled.py)."""
+    from poet_opt.model.load import default_tile_bytes, needs_streaming
+    from poet_opt.model.torch_import import resolve_module
+
+    if weights not in ("auto", "resident", "streamed"):
+        raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
+    strips = _strips_value(strips)
+    module, name = resolve_module(torch_model)  # once: a factory would give other initial weights each call
+    resident = prepare(module, input_shape, trainable=trainable, name=name)
+    if weights == "resident" or weights == "auto" and not needs_streaming(resident.graph, device_ram_bytes,
+                                                                          stack_reserve_bytes, ram_bytes):
+        if strips not in ("auto", "off") and weights == "resident":  # as solve: auto ignores them when resident
+            raise PoetError("activation strips need streamed weights (--weights streamed)", field="--strips")
+        return resident
+    tile = tile_bytes if tile_bytes is not None else default_tile_bytes([ram_bytes])
+    budget = ram_bytes
+    if device_ram_bytes is not None:  # every node must fit the budget and the device beside its stack
+        room = device_ram_bytes - stack_reserve_bytes
+        budget = room if budget is None else min(budget, room)
+    shape = parse_full_shape(input_shape)
+
+    def lowered(counts):
+        return lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=counts,
+                             strip_budget=budget, tile_bytes=tile)
+
+    try:
+        streamed = lowered(1)
+    except PoetError as exc:  # the strip builder's layer table speaks of the firmware generator
+        from poet_opt.units import format_bytes
+
+        g = resident.graph
+        need = g.param_bytes + g.param_grad_bytes + stack_reserve_bytes + g.min_working_set_bytes()
+        where = f" of the device's {format_bytes(device_ram_bytes)}" if device_ram_bytes is not None else ""
+        raise PoetError(f"{exc.message.split(';')[0]}: the PyTorch executor streams weights only through the strip "
+                        f"builder's layers (convolution, pooling, batch norm, ReLU, add, concat, linear); with "
+                        f"--weights resident the weights, their gradients, the stack reserve and the smallest working "
+                        f"set need {format_bytes(need)}{where}", field="--weights") from None
+    too_big = device_ram_bytes is not None and \
+        streamed.graph.largest_working_set()[0] + stack_reserve_bytes > device_ram_bytes
+    convolutions = any(n.op == "conv2d" for n in streamed.graph.nodes)
+    if strips not in ("off", 1) and convolutions and (strips != "auto" or too_big):
+        striped = lowered(strips)
+        if strips != "auto" or striped.graph.largest_working_set()[0] <= budget:
+            streamed = striped  # as solve: auto strips that do not bring every node within the budget are dropped
+    working, node = streamed.graph.largest_working_set()
+    if weights == "auto" and device_ram_bytes is not None and working + stack_reserve_bytes > device_ram_bytes:
+        # as solve: streaming does not fit either, and the resident plan's refusal says what it would need
+        resident.graph.meta["streamed_working_set"] = {"bytes": working, "node": node.name}
+        resident.graph.meta["strips_tried"] = strips != "off" and convolutions
+        return resident
+    from poet_opt.executor.tiled import check_runnable
+
+    check_runnable(streamed)  # before a solve: a layer the strip replay cannot run
+    return streamed
+
+
+def _strips_value(strips):
+    text = str(strips).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    if text.isdigit() and int(text) >= 1 and not isinstance(strips, bool):
+        return int(text)
+    raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
+
+
 def run_training(*, torch_model, input_shape, steps: int, lr: float, data, device=None, ram=None,
                  schedule=None, costs=None, runtime=None, mode: str | None = None, time_limit: float | None = None,
-                 trainable="all", storage=None, torch_device=None, progress=None) -> RunResult:
+                 trainable="all", storage=None, torch_device=None, progress=None, weights="auto",
+                 weight_tile=None, strips="auto") -> RunResult:
     """Train ``steps`` SGD steps of ``torch_model`` (a module, factory or ``FILE.py:FACTORY``) on the
     batch in ``data``, following ``schedule`` step for step: a schedule file (what `poet-opt solve
     --out` wrote), its dict or a Schedule. Without one, solve the least-energy schedule on ``device``
@@ -120,32 +196,61 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
 
         table = load_costs(costs)
     say("tracing the model")
-    network = prepare(torch_model, input_shape, trainable=trainable)
+    if doc is not None:  # the plan's device and budget decide the defaults, as they did for its solve
+        if weights == "auto":  # and the plan says where its weights are
+            weights = doc.get("memory", {}).get("weights", "auto")
+        memory = doc["device"]
+        device_ram, stack, ram_bytes = memory["ram_bytes"], memory["stack_reserve_bytes"], doc["budgets"]["ram_bytes"]
+    else:
+        from poet_opt.units import parse_size
+
+        device_ram, stack = profile.memory.ram_bytes, profile.memory.stack_reserve_bytes
+        ram_bytes = parse_size(ram, field="--ram")
+    tile = None
+    if weight_tile is not None:
+        from poet_opt.units import parse_size
+
+        tile = parse_size(weight_tile, field="--weight-tile")
+        if tile < 1:
+            raise PoetError("must be at least 1 B", field="--weight-tile")
+    network = lower_for_run(torch_model, input_shape, trainable=trainable, weights=weights, tile_bytes=tile,
+                            strips=strips, device_ram_bytes=device_ram, stack_reserve_bytes=stack, ram_bytes=ram_bytes)
+    tiled = network.graph.streams_weights
     if doc is None:
         doc = _solve(network, profile, ram=ram, costs=table, runtime=runtime, mode=mode or "joint",
                      time_limit=time_limit, say=say)
     stats = []
-    with ScheduleExecutor(network, doc, lr=lr, storage=storage, device=torch_device) as step:
+    if tiled:
+        from poet_opt.executor.tiled import TiledExecutor
+
+        if torch_device not in (None, "cpu"):  # the strip replay makes its scratch tensors on the CPU
+            raise PoetError(f"a plan with streamed weights runs on the CPU, not torch_device={torch_device!r}")
+        executor = TiledExecutor(network, doc, lr=lr, storage=storage)
+    else:
+        executor = ScheduleExecutor(network, doc, lr=lr, storage=storage, device=torch_device)
+    with executor as step:
         step._check_batch(x, y)  # labels out of range fail before the first step
         for k in range(steps):
             step(x, y)
             stats.append(step.last)
             say(f"step {k + 1}/{steps}: loss {step.last.loss:.6g}, {step.last.wall_s:.3f} s")
         written, read = step.planned_traffic()
-        params = step.kernels.params
-        weights = {name: p.detach().to("cpu").float().numpy().copy() for name, p in params.items()
-                   if _trainable(network, name)}
+        if tiled:  # the weights live on storage: read back what the last update wrote
+            weights_out = step.weights()
+        else:
+            params = step.kernels.params
+            weights_out = {name: p.detach().to("cpu").float().numpy().copy() for name, p in params.items()
+                           if _trainable(network, name)}
         used = str(step.device)
-    return RunResult(network, doc, stats, weights, written, read, used, source)
+    return RunResult(network, doc, stats, weights_out, written, read, used, source)
 
 
 def _solve(network: Network, profile, *, ram, costs, runtime, mode, time_limit, say) -> dict:
     """The plan `poet-opt solve --torch ... --costs` finds for the same module, budgets and costs."""
-    from poet_opt.model.strips import refuse_needing_strips
+    from poet_opt.schedule.fit import check_weights_fit
     from poet_opt.solver.driver import solve
 
-    refuse_needing_strips(network.graph, profile.memory.ram_bytes, profile.memory.stack_reserve_bytes,
-                          "the PyTorch executor", profile.name)
+    check_weights_fit(network.graph, profile)  # solve's refusal, naming what would make the model fit
     graph = network.graph
     if costs is not None:
         from poet_opt.model.measured_costs import apply_costs
