@@ -147,12 +147,6 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
                                strips=strips, **device)
 
 
-def _strips_option(value):
-    """--strips as the functions take it: auto, off, or a whole number."""
-    text = str(value).strip().lower()
-    return int(text) if text.isdigit() else text
-
-
 def WEIGHTS_OPTION(command):
     command = click.option(
         "--strips", default="auto", show_default=True, help="streamed zoo models: split activations along H into "
@@ -312,7 +306,7 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
     result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                               steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
                               time_limit=time_limit, progress=say, weights=weights, tile_bytes=weight_tile,
-                              strips=_strips_option(strips))
+                              strips=strips)
     if weights_out is not None:
         write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
     summary = result.summary()

@@ -18,6 +18,7 @@ from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, ScheduleExecutor, StepStats, Storage
 from poet_opt.model.batch import load_batch
+from poet_opt.model.load import strips_value
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
 from poet_opt.schedule.fit import check_ram_within_device
@@ -88,7 +89,7 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
 
     if weights not in ("auto", "resident", "streamed"):
         raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
-    strips = _strips_value(strips)
+    strips = strips_value(strips)
     module, name = resolve_module(torch_model)  # once: a factory would give other initial weights each call
     resident = prepare(module, input_shape, trainable=trainable, name=name)
     if weights == "resident" or weights == "auto" and not needs_streaming(resident.graph, device_ram_bytes,
@@ -136,15 +137,6 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
 
     check_runnable(streamed)  # before a solve: a layer the strip replay cannot run
     return streamed
-
-
-def _strips_value(strips):
-    text = str(strips).strip().lower()
-    if text in ("auto", "off"):
-        return text
-    if text.isdigit() and int(text) >= 1 and not isinstance(strips, bool):
-        return int(text)
-    raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
 
 
 def run_training(*, torch_model, input_shape, steps: int, lr: float, data, device=None, ram=None,

@@ -22,7 +22,7 @@ from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
 from poet_opt.firmware.targets import target_from_profile
 from poet_opt.model.batch import load_batch
-from poet_opt.model.load import default_tile_bytes, needs_streaming
+from poet_opt.model.load import default_tile_bytes, needs_streaming, strips_value
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
 from poet_opt.units import parse_size
@@ -116,6 +116,7 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         if progress is not None:
             progress(text)
 
+    strips = strips_value(strips)
     if (model is None) == (torch_model is None):
         raise PoetError("give a zoo model or a torch model, not both or neither", field="--model")
     if not isinstance(steps, int) or steps < 1:

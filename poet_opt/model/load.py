@@ -45,7 +45,7 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         from poet_opt.model.measured_costs import MeasuredCosts, load_costs
 
         table = costs = costs if isinstance(costs, MeasuredCosts) else load_costs(costs)
-    strips = _strips_value(strips)
+    strips = strips_value(strips)
     if strips not in ("auto", "off") and (weights == "resident" or model is None and torch is None):
         raise PoetError("activation strips need a zoo model (--model) or a torch module (--torch) with streamed "
                         "weights (--weights streamed)", field="--strips")
@@ -153,7 +153,8 @@ def default_tile_bytes(ram_budgets) -> int | None:
     return max(1, min(budgets) // 4) if budgets else None
 
 
-def _strips_value(strips):
+def strips_value(strips):
+    """--strips as every command takes it: "auto", "off" or a whole number of strips (text or int)."""
     text = str(strips).strip().lower()
     if text in ("auto", "off"):
         return text
