@@ -66,6 +66,7 @@ def run_training(*, torch_model, input_shape, device, ram, steps: int, lr: float
                  progress=None) -> RunResult:
     """Solve the least-energy schedule of ``torch_model`` (a module, factory or ``FILE.py:FACTORY``)
     on ``device`` within ``ram``, then train ``steps`` SGD steps on the batch in ``data`` with it."""
+    from poet_opt.solver.backends import ctrl_c_ends_everything
     from poet_opt.solver.driver import solve
 
     say = progress or (lambda text: None)
@@ -88,7 +89,8 @@ def run_training(*, torch_model, input_shape, device, ram, steps: int, lr: float
     refuse_needing_strips(network.graph, profile.memory.ram_bytes, profile.memory.stack_reserve_bytes,
                           "the PyTorch executor", profile.name)
     say("solving")
-    schedule = solve(network.graph, profile, ram=ram, mode=mode, time_limit=time_limit)
+    with ctrl_c_ends_everything():
+        schedule = solve(network.graph, profile, ram=ram, mode=mode, time_limit=time_limit)
     stats = []
     with ScheduleExecutor(network, schedule, lr=lr, storage=storage, device=torch_device) as step:
         step._check_batch(x, y)  # labels out of range fail before the first step

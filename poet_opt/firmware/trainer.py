@@ -24,6 +24,7 @@ from poet_opt.firmware.targets import target_from_profile
 from poet_opt.model.batch import load_batch
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
+from poet_opt.solver.backends import ctrl_c_ends_everything
 from poet_opt.units import parse_size
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
@@ -149,7 +150,8 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     if (y < 0).any() or (y >= classes).any():
         raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")
     say("solving")
-    plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode)
+    with ctrl_c_ends_everything():
+        plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode)
     if out_dir is not None:
         check_not_inputs([("-o", Path(out_dir))], [("--data", Path(data))])
     return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress)
