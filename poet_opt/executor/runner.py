@@ -48,12 +48,20 @@ class Storage:
 
     def __init__(self, root=None):
         root = Path(root) if root is not None else Path(tempfile.gettempdir())
+        # the folders made here, deepest first: removed again by close, so that a run (or a
+        # failed one) leaves the file system as it found it
+        self._made = []
+        for folder in [root, *root.parents]:
+            if folder.exists() or folder.is_symlink():
+                break
+            self._made.append(folder)
         try:
             if root.exists() and not root.is_dir():
                 raise PoetError("is a file, not a directory", source=str(root), field=STORAGE_FIELD)
             root.mkdir(parents=True, exist_ok=True)
             self.dir = Path(tempfile.mkdtemp(prefix="poet-run-", dir=root))
         except OSError as exc:
+            self._remove_made()
             raise PoetError(f"cannot write in the storage directory: {exc.strerror}", source=str(root),
                             field=STORAGE_FIELD) from None
         self.root = root
@@ -90,6 +98,15 @@ class Storage:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for folder in self._made:
+            try:
+                folder.rmdir()  # only while empty: whatever else came to be there stays
+            except OSError:
+                break
+        self._made = []
 
 
 def _document(schedule) -> dict:
