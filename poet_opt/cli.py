@@ -3,7 +3,8 @@
 Bad input of any kind ends as one line on stderr and exit code 2 (validation failures: 1);
 nothing is written unless the schedule validated. Exit codes: 0 success, 1 a schedule that breaks
 a rule (`validate`), 2 bad input or no schedule within the budgets, 3 an internal error (a bug:
-one line too; set POET_OPT_DEBUG=1 for the traceback), 130 interrupted.
+one line too; set POET_OPT_DEBUG=1 for the traceback), 4 training diverged (`run`, `emulate`: the
+result is printed, NaN as null), 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations
@@ -295,7 +296,10 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
 @_one_line_errors
 def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, trainable, weights_out, time_limit,
             as_json, out_dir, weights, weight_tile, quiet):
-    """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M."""
+    """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M.
+
+    Exits 4 when training diverges: the result is printed (a loss that is not finite as null in
+    --json, which adds "diverged": true) and --weights-out is not written."""
     import numpy as np
 
     from poet_opt.files import write_atomic
@@ -311,31 +315,13 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
     result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                               steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
                               time_limit=time_limit, progress=say, weights=weights, tile_bytes=weight_tile)
-    if weights_out is not None:
+    if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
         write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
-    summary = result.summary()
-    if as_json:
-        click.echo(json.dumps(summary, indent=1))
-        return
-    losses = ", ".join(f"{v:.6g}" for v in summary["loss"])
-    status = result.schedule.solver["status"]
-    click.echo("\n".join([
-        f"{result.network.name} on the emulated {device}: {summary['steps']} SGD step(s), schedule {status}",
-        f"  loss     {losses}",
-        f"  RAM      {summary['ram_used_bytes'] / 1024:.1f} KiB used of {summary['ram_device_bytes'] / 1024:.0f} KiB "
-        f"(arena {result.arena_bytes / 1024:.1f} KiB, stack {result.stack_bytes} B)",
-        f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
-        f"{summary['flash_erases_max_block']} erase(s) of one block",
-        f"  executed {summary['instructions']:,} instructions",
-        *([f"  weights  streamed from storage: {summary['flash_bytes_read'] / 1024:.1f} KiB read in all, "
-           f"{summary['flash_bytes_written_per_step'] / 1024:.1f} KiB written per step (plan), storage lasts "
-           + (f"{summary['flash_lifetime_steps']:,} steps" if summary.get("flash_lifetime_steps") else "forever")]
-          if summary.get("weights") == "streamed" else []),
-        *(["  tiles    " + ", ".join(f"{layer} in {k}" for layer, k in summary["tiles"].items())]
-          if summary.get("tiles") else []),
-        *([f"  wrote    {weights_out}"] if weights_out else []),
-        *([f"  kept     {out_dir}/ (sources, poet_train.elf)"] if out_dir else []),
-    ]))
+    written = weights_out if not result.diverged else None
+    click.echo(json.dumps(result.summary(), indent=1, allow_nan=False) if as_json
+               else result.text(device, written, out_dir))
+    if result.diverged:
+        raise result.diverged
 
 
 def _check_prefix(prefix: str) -> None:

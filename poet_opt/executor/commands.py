@@ -35,7 +35,10 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
     @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
     @_one_line_errors
     def run(torch_spec, input_shape, device, ram, steps, lr, data, storage, weights_out, as_json):
-        """Solve the schedule for a torch module and train N steps with it in PyTorch."""
+        """Solve the schedule for a torch module and train N steps with it in PyTorch.
+
+        Exits 4 when training diverges: the result is printed (a loss that is not finite as null in
+        --json, which adds "diverged": true) and --weights-out is not written."""
         import numpy as np
 
         from poet_opt.executor.train import run_training
@@ -48,26 +51,31 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
         say = None if as_json or not sys.stderr.isatty() else (lambda text: click.echo(f"poet-opt: {text}", err=True))
         result = run_training(torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram, steps=steps,
                               lr=lr, data=data, storage=storage, progress=say)
-        if weights_out is not None:
+        diverged = result.diverged
+        if weights_out is not None and not diverged:  # NaN weights are no one's trained model
             write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
         summary = result.summary()
         if as_json:
-            click.echo(json.dumps(summary, indent=1))
+            click.echo(json.dumps(summary, indent=1, allow_nan=False))
+            if diverged:
+                raise diverged
             return
         steps_s = summary["step_s"]
         click.echo("\n".join([
             f"{result.network.name} with the {device} schedule ({result.schedule.solver['status']}, "
             f"{summary['recomputes']} recompute(s), {summary['page_outs']} page-out(s) per step) on {summary['torch_device']}: "
             f"{summary['steps']} SGD step(s)",
-            f"  loss     {', '.join(f'{v:.6g}' for v in summary['loss'])}",
+            f"  loss     {', '.join(f'{v:.6g}' for v in result.losses)}",
             f"  peak     {summary['peak_live_bytes'] / 1024:,.1f} KiB of live tensors (plan "
             f"{summary['planned_peak_bytes'] / 1024:,.1f} KiB)",
             f"  storage  {summary['storage_bytes_written'] / 1024:,.1f} KiB written, "
             f"{summary['storage_bytes_read'] / 1024:,.1f} KiB read",
             f"  time     {sum(steps_s) / len(steps_s):.4f} s per step (first {steps_s[0]:.4f} s; the plan predicts "
             f"{summary['planned_step_s']:.4f} s on {device})",
-            *([f"  wrote    {weights_out}"] if weights_out else []),
+            *([f"  wrote    {weights_out}"] if weights_out and not diverged else []),
         ]))
+        if diverged:
+            raise diverged
 
 
     @main.command()

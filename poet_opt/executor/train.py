@@ -14,7 +14,7 @@ import numpy as np
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import ScheduleExecutor, StepStats, Storage
-from poet_opt.model.batch import load_batch
+from poet_opt.model.batch import divergence, finite_or_none, load_batch
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
 
@@ -34,8 +34,14 @@ class RunResult:
     def losses(self) -> list[float]:
         return [s.loss for s in self.stats]
 
+    @property
+    def diverged(self):
+        """TrainingDiverged saying why, when a loss or a trained weight is not finite; else None."""
+        return divergence(self.losses, self.weights)
+
     def summary(self) -> dict:
-        return {"steps": len(self.stats), "loss": [float(s.loss) for s in self.stats],
+        """The figures as JSON: a loss that is not finite is null, and ``diverged`` true is added."""
+        out = {"steps": len(self.stats), "loss": [finite_or_none(s.loss) for s in self.stats],
                 "peak_live_bytes": max(s.peak_live_bytes for s in self.stats),
                 "planned_peak_bytes": int(self.schedule.totals["peak_ram_bytes"]),
                 "storage_bytes_written": sum(s.storage_bytes_written for s in self.stats),
@@ -47,6 +53,9 @@ class RunResult:
                 "recomputes": int(self.schedule.totals["recomputes"]),
                 "page_outs": int(self.schedule.totals["page_outs"]),
                 "torch_device": self.device}
+        if self.diverged:
+            out["diverged"] = True
+        return out
 
 
 def prepare(torch_model, input_shape, *, trainable="all", name=None) -> Network:
@@ -74,6 +83,9 @@ def run_training(*, torch_model, input_shape, device, ram, steps: int, lr: float
         raise PoetError(f"expected a positive whole number of steps, got {steps!r}", field="--steps")
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
         raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
+    if not lr <= float(np.finfo(np.float32).max):  # a float, not a float32: 1e39 would overflow in the cast
+        raise PoetError(f"{lr:g} is beyond float32, the weights' number type (at most "
+                        f"{float(np.finfo(np.float32).max):.4g})", field="--lr")
     profile = load_profile(device)
     if input_shape is None:
         raise PoetError("--torch needs --input-shape (the whole input, batch first)", field="--input-shape")
