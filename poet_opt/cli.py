@@ -1,10 +1,9 @@
 """The `poet-opt` command: a thin layer over plain functions that a notebook can call directly.
 
-Bad input of any kind ends as one line on stderr and exit code 2 (validation failures: 1);
-nothing is written unless the schedule validated. Exit codes: 0 success, 1 a schedule that breaks
-a rule (`validate`), 2 bad input or no schedule within the budgets, 3 an internal error (a bug:
-one line too; set POET_OPT_DEBUG=1 for the traceback), 4 training diverged (`run`, `emulate`: the
-result is printed, NaN as null), 130 interrupted, 143 terminated.
+Bad input of any kind ends as one line on stderr and exit code 2; nothing is written unless the
+schedule validated. Exit codes: 0 success, 1 a schedule that breaks a rule (`validate`), 2 bad input
+or no schedule within the budgets, 3 an internal error (a bug: one line too; POET_OPT_DEBUG=1 shows
+the traceback), 4 training diverged (`run`, `emulate`), 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations
@@ -19,10 +18,15 @@ import threading
 import traceback
 from pathlib import Path
 
-import click
+from poet_opt.signals import install_early, leave_at_once, signal_behind
 
-from poet_opt import __version__
-from poet_opt.errors import PoetError
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "poet-opt":  # the command, not an import
+    install_early()
+
+import click  # noqa: E402
+
+from poet_opt import __version__  # noqa: E402
+from poet_opt.errors import PoetError  # noqa: E402
 from poet_opt.schedule.fit import (check_fits_device, check_ram_within_device, check_weights_fit, check_weights_stored,
                                    device_fit)
 
@@ -49,12 +53,19 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _fail_if_signalled(exc: BaseException) -> None:
+    if (stop := signal_behind(exc)) is not None:  # a signal inside an extension's import, wrapped
+        _fail(f"{'terminated' if isinstance(stop, _Terminated) else 'interrupted'}; nothing was written",
+              EXIT_TERMINATED if isinstance(stop, _Terminated) else EXIT_INTERRUPTED)
+
+
 def _one_line_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except PoetError as exc:
+            _fail_if_signalled(exc)
             _fail(f"error: {exc.one_line()}", exc.exit_code)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
@@ -66,6 +77,7 @@ def _one_line_errors(fn):
             where = f"{exc.filename}: " if exc.filename else ""
             _fail(f"error: {where}{exc.strerror or exc}", 2)
         except Exception as exc:
+            _fail_if_signalled(exc)
             if os.environ.get("POET_OPT_DEBUG"):
                 traceback.print_exc()
             frame = traceback.extract_tb(exc.__traceback__)[-1]
@@ -93,6 +105,9 @@ class _Group(click.Group):
     def _main(self, args, prog_name, complete_var, **extra):
         handled = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _raise_terminated) if handled else None
+        early = handled and signal.getsignal(signal.SIGINT) is leave_at_once
+        if early:  # Ctrl-C is a KeyboardInterrupt while the command runs: its cleanup runs
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         _TERMINATED.clear()
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -111,6 +126,8 @@ class _Group(click.Group):
         finally:
             if handled:  # None: a handler installed outside Python, which cannot be put back
                 signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            if early:
+                signal.signal(signal.SIGINT, leave_at_once)
         sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
 
