@@ -144,7 +144,7 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
     """--model NAME, --graph FILE, --torch FILE.py:FACTORY or --onnx FILE, exactly one
     (poet_opt.model.load.load_training_graph); ``profile`` decides --weights auto; streamed layers
     with more weights than ``weight_tile`` (default: a quarter of the smallest ``ram``) are sliced."""
-    from poet_opt.model.load import load_training_graph
+    from poet_opt.model.load import default_tile_bytes, load_training_graph
     from poet_opt.units import parse_size
 
     # weights that do not fit the storage are refused before the activations are tiled (seconds)
@@ -157,12 +157,18 @@ def load_graph(model: str | None, graph_file: str | None, *, batch_size: int, by
         if tile < 1:
             raise PoetError("must be at least 1 B", field="--weight-tile")
     else:
-        tile = None if budgets is None else max(1, min(budgets) // 4)
+        tile = default_tile_bytes(budgets)
     largest = None if budgets is None else max(budgets)
     return load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                bytes_per_element=bytes_per_element, input_shape=input_shape, trainable=trainable,
                                costs=costs, optimizer=optimizer, weights=weights, tile_bytes=tile, ram_bytes=largest,
                                strips=strips, **device)
+
+
+def _strips_option(value):
+    """--strips as the functions take it: auto, off, or a whole number."""
+    text = str(value).strip().lower()
+    return int(text) if text.isdigit() else text
 
 
 def WEIGHTS_OPTION(command):
@@ -287,7 +293,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
 
 
 @main.command()
-@click.option("--model", help="zoo model name with a firmware build (mcu-vww, mlp)")
+@click.option("--model", help="zoo model name with a firmware build (mcu-vww, mlp, resnet18-cifar, mobilenetv2)")
 @click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
 @click.option("--input-shape", default=None, help="--torch: the whole input, batch first, e.g. 2,3,32,32")
 @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
@@ -299,24 +305,18 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
 @click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
 @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
               help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
-@click.option("--time-limit", type=float, default=60.0, show_default=True, help="seconds for the solver")
+@click.option("--time-limit", type=float, default=None, help="seconds for the solver; the best schedule so far is kept")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 @click.option("-o", "--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="keep the generated sources and the linked image (DIR/*.elf) here")
-@click.option("--weights", type=click.Choice(["auto", "resident", "streamed"]), default="auto", show_default=True,
-              help="streamed: weights live on the emulated storage and pass through RAM (docs/streaming.md); "
-                   "auto: streamed when resident weights do not fit the device")
-@click.option("--weight-tile", default=None,
-              help="streamed weights: split a convolution or linear layer whose weights exceed this (e.g. 48KiB) "
-                   "into slices of its output features; default no tiles")
+@WEIGHTS_OPTION
 @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
 @_one_line_errors
 def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, trainable, weights_out, time_limit,
-            as_json, out_dir, weights, weight_tile, quiet):
+            as_json, out_dir, weights, weight_tile, strips, quiet):
     """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M.
 
-    Exits 4 when training diverges: the result is printed (a loss that is not finite as null in
-    --json, which adds "diverged": true) and --weights-out is not written."""
+    Exits 4 when training diverges: the result printed (NaN as null), no --weights-out written."""
     import numpy as np
 
     from poet_opt.files import write_atomic
@@ -331,12 +331,12 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
     say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
     result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                               steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
-                              time_limit=time_limit, progress=say, weights=weights, tile_bytes=weight_tile)
+                              time_limit=time_limit, progress=say, weights=weights, tile_bytes=weight_tile,
+                              strips=_strips_option(strips))
     if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
         write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
-    written = weights_out if not result.diverged else None
     click.echo(json.dumps(result.summary(), indent=1, allow_nan=False) if as_json
-               else result.text(device, written, out_dir))
+               else result.text(device, None if result.diverged else weights_out, out_dir))
     if result.diverged:
         raise result.diverged
 

@@ -608,3 +608,36 @@ def test_graph_of_zero_cost_nodes_solves(tmp_path):
     path = _graph(tmp_path, nodes, [{"source": 0, "target": 1}])
     result = cli("solve", "--graph", path, "--device", "rpi4", "--ram", "1MB", "-q", *FAST)
     assert result.exit_code == 0, result.stderr
+
+
+def test_run_shares_solves_options_with_solves_defaults():
+    """Without --schedule, `poet-opt run` solves the plan itself: each option it shares with `solve`
+    has solve's default (and choices), and what it does not expose it leaves to the solver's
+    defaults, which are solve's too. Else `run --costs` would follow another plan than
+    `solve --costs` writes for the same arguments (docs/executor.md)."""
+    import inspect
+
+    pytest.importorskip("torch")
+    from poet_opt.executor.train import run_training
+    from poet_opt.solver.driver import solve as solve_schedule
+
+    def options(command):
+        return {p.opts[0] if p.opts[0].startswith("--") else p.opts[-1]: p for p in main.commands[command].params}
+
+    solve, run = options("solve"), options("run")
+    for name in ("--runtime", "--mode", "--time-limit", "--trainable", "--costs", "--device", "--ram"):
+        assert name in run, f"run lacks solve's {name}"
+    shared = sorted(set(solve) & set(run))
+    for name in shared:
+        if not (run[name].required or solve[name].required):  # a required option has no default to agree on
+            assert run[name].default == solve[name].default, (name, run[name].default, solve[name].default)
+        assert getattr(run[name].type, "choices", None) == getattr(solve[name].type, "choices", None), name
+    # what run passes to the solver when the option is left at its default
+    given = inspect.signature(run_training).parameters
+    assert given["runtime"].default is None and given["time_limit"].default is None
+    assert given["trainable"].default == solve["--trainable"].default
+    assert given["mode"].default is None  # None: the solver's default, below
+    solver = inspect.signature(solve_schedule).parameters
+    for option, parameter in (("--mode", "mode"), ("--solver", "backend"), ("--order", "order"), ("--gap", "gap"),
+                              ("--time-limit", "time_limit"), ("--runtime", "runtime")):
+        assert solver[parameter].default == solve[option].default, (option, solver[parameter].default)

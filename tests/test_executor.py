@@ -180,8 +180,18 @@ def test_a_schedule_for_another_model_or_a_wrong_batch_is_refused(tmp_path):
     with pytest.raises(PoetError, match="another model"):
         ScheduleExecutor(other, schedule, lr=LR)
     wider = prepare(tiny_cnn(), (4, 3, 32, 32))  # same layers, another batch: other sizes
-    with pytest.raises(PoetError, match="another model"):
+    with pytest.raises(PoetError, match=r"--schedule: the plan is for another input shape: 2,3,32,32, not "
+                                        r"--input-shape 4,3,32,32"):
         ScheduleExecutor(wider, schedule, lr=LR)
+    older = schedule.to_dict()
+    del older["graph"]["input_shape"]  # a file from before the document carried it: told by the sizes
+    with pytest.raises(PoetError, match="another model or input shape: layer 'input' holds 24,576 B there, "
+                                        "49,152 B here"):
+        ScheduleExecutor(wider, older, lr=LR)
+    frozen = prepare(tiny_cnn(), (2, 3, 32, 32), trainable="last:1")
+    with pytest.raises(PoetError, match=r"another trainable set: it trains 9 layers \(stem, stem_bn, dw, dw_bn, "
+                                        r"\.\.\.\), --trainable last:1 trains fc"):
+        ScheduleExecutor(frozen, schedule, lr=LR)
     with ScheduleExecutor(cnn, schedule, lr=LR, storage=tmp_path) as step:
         x, y = _batch(cnn)
         with pytest.raises(PoetError, match="--data"):
@@ -249,6 +259,11 @@ def test_run_refuses_bad_input_in_one_line(cnn_batch, tmp_path, monkeypatch):
     assert_one_line_error(cli(*run_args(cnn_batch, "--storage", sd, "--weights-out", out)), "--storage", "full",
                           out=out)
     assert not sd.exists()  # nor the folder run made for them
+    # without --storage: the private temporary directory goes too
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert_one_line_error(cli(*run_args(cnn_batch, "--weights-out", out)), "--storage", "full", out=out)
+    assert not any((tmp_path / "tmp").iterdir())
 
 
 def test_run_stops_on_ctrl_c_with_nothing_written(cnn_batch, tmp_path):
@@ -273,6 +288,150 @@ def test_run_stops_on_ctrl_c_with_nothing_written(cnn_batch, tmp_path):
     assert "interrupted" in err and "Traceback" not in err
     assert not out.exists() and not list(tmp_path.glob(".after.npz*"))
     assert not sd.exists()  # nor the folder run made for them
+
+
+# -- poet-opt run --schedule: the plan `solve --out` wrote, step for step ----------------------------
+
+@pytest.fixture(scope="module")
+def paging_plan(tmp_path_factory):
+    """A plan that pages and recomputes nothing (--mode paging), as `solve --out` writes it: `run`
+    without --schedule would plan otherwise (joint: it recomputes too), so following it is visible."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    solved = cli("solve", "--torch", CNN, "--input-shape", "2,3,32,32", "--device", "rpi4", "--ram", "72KiB",
+                 "--mode", "paging", "--out", path, "-q")
+    assert solved.exit_code == 0, solved.stderr
+    doc = json.loads(path.read_text())
+    assert doc["totals"]["page_outs"] > 0 and doc["totals"]["recomputes"] == 0
+    return path
+
+
+def test_run_follows_the_schedule_file_step_for_step(cnn_batch, paging_plan, tmp_path, monkeypatch):
+    from poet_opt.executor.train import run_training
+
+    doc = json.loads(paging_plan.read_text())
+    planned = tuple((s["op"], s["node"]) for s in doc["steps"])
+    result = run_training(torch_model=CNN, input_shape="2,3,32,32", schedule=paging_plan, steps=STEPS, lr=LR,
+                          data=cnn_batch, storage=tmp_path / "sd", torch_device="cpu")
+    assert [s.executed for s in result.stats] == [planned] * STEPS  # what each step did, as it did it
+    with np.load(cnn_batch) as d:
+        x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    losses, reference = torch_sgd(tiny_cnn(), x, y)
+    assert relative_difference(result.weights, reference) < 1e-5
+    assert np.allclose(result.losses, losses, rtol=1e-6)
+
+    # the command: no --device, --ram or --storage needed; paged tensors go to a private temporary
+    # directory that is gone afterwards
+    made = []
+    close = runner.Storage.close
+    monkeypatch.setattr(runner.Storage, "close", lambda self: (made.append(self.dir), close(self)))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    ran = cli("run", "--torch", CNN, "--input-shape", "2,3,32,32", "--schedule", paging_plan, "--steps", STEPS,
+              "--lr", LR, "--data", cnn_batch, "--json")
+    assert ran.exit_code == 0, ran.stderr
+    summary = json.loads(ran.stdout)
+    totals = doc["totals"]
+    assert summary["executed"] == {"computes": totals["computes"], "page_outs": totals["page_outs"],
+                                   "page_ins": totals["page_ins"], "steps": len(planned)}
+    assert (summary["recomputes"], summary["page_outs"]) == (0, totals["page_outs"])
+    assert summary["schedule"] == str(paging_plan) and summary["loss"] == pytest.approx(losses, rel=1e-6)
+    assert summary["storage_bytes_written"] == summary["planned_storage_bytes_written"] > 0
+    assert made and all(d.parent == tmp_path / "tmp" and not d.exists() for d in made)
+    assert not any((tmp_path / "tmp").iterdir())
+
+
+def test_run_refuses_a_plan_for_another_model_shape_trainable_set_or_budget(cnn_batch, paging_plan, tmp_path):
+    out = tmp_path / "after.npz"
+
+    def run(*extra, shape="2,3,32,32", data=cnn_batch, plan=paging_plan):
+        return cli("run", "--torch", CNN, "--input-shape", shape, "--schedule", plan, "--steps", "1", "--lr", LR,
+                   "--data", data, "--weights-out", out, *extra)
+
+    mlp = tmp_path / "mlp.json"
+    assert cli("solve", "--model", "mlp", "--device", "rpi4", "--ram", "1MB", "--out", mlp, "-q").exit_code == 0
+    assert_one_line_error(run(plan=mlp), "--schedule: the plan is for another model: its 8 forward nodes are not this "
+                          "model's 16", out=out)
+    four = tmp_path / "four.npz"
+    np.savez(four, x=np.zeros((4, 3, 32, 32), np.float32), y=np.zeros(4, np.int64))
+    assert_one_line_error(run(shape="4,3,32,32", data=four), "--schedule: the plan is for another input shape: "
+                          "2,3,32,32, not --input-shape 4,3,32,32", out=out)
+    for flag, value, said in (("--weights", "streamed", "the plan streams its weights from storage"),
+                              ("--optimizer", "sgd", "the plan has the weight update as graph nodes")):
+        other = tmp_path / f"{value}.json"
+        solved = cli("solve", "--torch", CNN, "--input-shape", "2,3,32,32", "--device", "rpi4", "--ram", "100KiB",
+                     flag, value, "--out", other, "-q")
+        assert solved.exit_code == 0, solved.stderr
+        assert_one_line_error(run(plan=other), f"--schedule: {said}", out=out)
+    assert_one_line_error(run("--trainable", "last:1"), "--schedule: the plan is for another trainable set", out=out)
+    assert_one_line_error(run("--ram", "64KiB"), "--schedule: the plan is for a RAM budget of 72 KiB (73,728 B), "
+                          "not --ram 64KiB", out=out)
+    assert_one_line_error(run("--device", "jetson-nano"), "--schedule: the plan is for device rpi4, not --device "
+                          "jetson-nano", out=out)
+    assert_one_line_error(run("--mode", "joint"), "--schedule: the plan is for --mode paging, not --mode joint",
+                          out=out)
+    assert_one_line_error(run("--runtime", "2x"), "--schedule: the plan is for no runtime budget, not --runtime 2x",
+                          out=out)
+    assert_one_line_error(run("--costs", mlp), "--costs: only for the plan `run` solves itself", out=out)
+    assert_one_line_error(run("--time-limit", "5"), "--time-limit: only for the plan `run` solves itself", out=out)
+    # the file passes the validator first, and a broken one is bad input here (exit 2), not exit 1
+    broken = json.loads(paging_plan.read_text())
+    broken["totals"]["page_outs"] += 1
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    assert_one_line_error(run(plan=tmp_path / "broken.json"), "broken.json: --schedule: totals.page_outs", out=out)
+    assert_one_line_error(run(plan=tmp_path / "none.json"), "none.json: --schedule", out=out)
+    assert_one_line_error(run(plan=out), "--weights-out", "same file as --schedule")
+    # agreeing budgets are accepted, and without a plan --device and --ram are required
+    agreed = run("--device", "rpi4", "--ram", "73728B", "--mode", "paging")
+    assert agreed.exit_code == 0, agreed.stderr
+    out.unlink()
+    plain = run_args(cnn_batch, "--weights-out", out)
+    del plain[plain.index("--ram"):plain.index("--ram") + 2]
+    assert_one_line_error(cli(*plain), "--ram: give --ram, or a plan with --schedule PLAN.json", out=out)
+
+
+def test_run_with_costs_follows_the_plan_solve_costs_writes(cnn_batch, tmp_path):
+    """`run --costs` solves the same problem as `solve --costs`, with solve's defaults: the same plan."""
+    from poet_opt.executor.train import run_training
+
+    network = prepare(tiny_cnn(), (2, 3, 32, 32))
+    costs = _written(tmp_path / "costs.csv", costs_csv(measure_costs(network, warmup=0, repeat=1), 4.5))
+    plan = tmp_path / "plan.json"
+    solved = cli("solve", "--torch", CNN, "--input-shape", "2,3,32,32", "--device", "rpi4", "--ram", "72KiB",
+                 "--costs", costs, "--out", plan, "-q")
+    assert solved.exit_code == 0, solved.stderr
+    result = run_training(torch_model=CNN, input_shape="2,3,32,32", device="rpi4", ram="72KiB", costs=costs, steps=1,
+                          lr=LR, data=cnn_batch, torch_device="cpu")
+    doc = json.loads(plan.read_text())
+    assert result.schedule["steps"] == doc["steps"]
+    assert result.stats[0].executed == tuple((s["op"], s["node"]) for s in doc["steps"])
+    assert [n["compute_s"] for n in result.schedule["graph"]["nodes"]] == [n["compute_s"] for n in doc["graph"]["nodes"]]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_run_removes_its_temporary_storage_when_stopped(cnn_batch, tmp_path, signum, code):
+    """Without --storage, paged tensors go to a private directory under $TMPDIR, gone after a
+    SIGTERM or Ctrl-C as after a normal end."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+    args = run_args(cnn_batch)  # the joint plan at 72 KiB pages (test_run_command_trains_as_pytorch_and_reports)
+    args[args.index("--steps") + 1] = "100000"
+    proc = subprocess.Popen(["poet-opt", *map(str, args)], env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp.glob("poet-run-*/node-*.bin")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()
+        assert list(tmp.glob("poet-run-*/node-*.bin")), "no paged tensor reached the temporary directory in 120 s"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == code, err
+    finally:
+        proc.kill()
+    assert "Traceback" not in err
+    assert not list(tmp.glob("poet-run-*")), list(tmp.iterdir())
 
 
 # -- poet-opt measure ---------------------------------------------------------------------------------
@@ -356,7 +515,16 @@ def test_the_commands_in_docs_executor_md_run(tmp_path):
     assert (tmp_path / "costs.csv").is_file() and (tmp_path / "plan.json").is_file()
     with np.load(tmp_path / "after.npz") as trained:
         assert "fc.weight" in trained.files
-    assert json.loads(result.stdout)["steps"] == 3
+    # the loop connects: run trained with the plan solve --costs wrote, not one of its own
+    summary = json.loads(result.stdout)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert "--schedule plan.json" in command and summary["schedule"] == "plan.json"
+    totals = plan["totals"]
+    assert (summary["recomputes"], summary["page_outs"]) == (totals["recomputes"], totals["page_outs"])
+    assert summary["executed"] == {"computes": totals["computes"], "page_outs": totals["page_outs"],
+                                   "page_ins": totals["page_ins"], "steps": len(plan["steps"])}
+    assert summary["steps"] == 3 and summary["planned_step_s"] == pytest.approx(totals["runtime_s"], rel=1e-12)
+    assert not (tmp_path / "sd").exists()  # no --storage: nothing left in the working directory
 
 
 class _InPlaceNet(torch.nn.Module):

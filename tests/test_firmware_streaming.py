@@ -90,8 +90,9 @@ def test_frozen_layers_are_read_from_storage_and_never_written(mlp_batch):
     assert sorted(result.weights) == ["body.14.bias", "body.14.weight", "fc.bias", "fc.weight"]
     check_against_torch(result, wide_mlp(), mlp_batch)
     params = _params(result)
-    trained = {"param:body.14", "param:fc"}
-    assert trained < params.keys()
+    # the two trained layers' regions, in slices where one exceeds the default tile (a quarter of --ram)
+    trained = {name for name in params if name.split("#")[0] in ("param:body.14", "param:fc")}
+    assert {name.split("#")[0] for name in trained} == {"param:body.14", "param:fc"} and trained < params.keys()
     for name in params.keys() - trained:
         assert result.region_bytes_written[name] == 0, name
     written = sum(STEPS * -(-params[name]["bytes"] // SD_BLOCK) * SD_BLOCK for name in trained)

@@ -22,35 +22,60 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
     @main.command()
     @click.option("--torch", "torch_spec", required=True, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
     @click.option("--input-shape", required=True, help="the whole input, batch first, e.g. 8,3,32,32")
-    @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
-    @click.option("--ram", required=True, help="RAM budget for activations and gradients, as for `poet-opt solve`")
+    @click.option("--schedule", "schedule_file", default=None, type=click.Path(dir_okay=False),
+                  help="the plan to follow step for step, as `poet-opt solve --out` wrote it; it must be for this "
+                       "module, input shape and --trainable, and for --device, --ram, --runtime and --mode where given")
+    # the options `run` shares with `solve` have solve's defaults, so that without --schedule `run`
+    # follows the plan `solve` writes for the same arguments (tests/test_cli.py compares them)
+    @click.option("--device", help="built-in device name (see `poet-opt devices`) or a YAML profile; "
+                  "required without --schedule")
+    @click.option("--ram", help="RAM budget for activations and gradients, as for `poet-opt solve`; "
+                  "required without --schedule")
+    @click.option("--runtime", default=None, help="runtime budget: a multiple of plain training (1.2x) or a time "
+                  "(2.5s); default: no limit")
+    @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True)
+    @click.option("--time-limit", type=float, default=None, help="seconds for the solver; the best schedule found "
+                  "so far is kept")
+    @click.option("--trainable", default="all", show_default=True,
+                  help="layers to fine-tune: all, last:N (the last N layers with weights) or NAME,NAME,...")
+    @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
+                  help="measured per-layer time/energy (what `poet-opt measure` writes), as for `poet-opt solve`")
     @click.option("--steps", type=int, required=True, help="training steps to run")
     @click.option("--lr", type=float, required=True, help="SGD learning rate")
     @click.option("--data", required=True, type=click.Path(dir_okay=False),
                   help="BATCH.npz: x (float32, the input's shape) and y (int64 class labels)")
     @click.option("--storage", default=None, type=click.Path(file_okay=False),
-                  help="directory paged tensors go to (the SD card or SSD); default: the system's temporary directory")
+                  help="directory paged tensors go to (the SD card or SSD); default: a temporary directory, removed "
+                       "afterwards")
     @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
                   help="write the trained parameters here (.npz, keyed by named_parameters() names)")
     @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+    @click.pass_context
     @_one_line_errors
-    def run(torch_spec, input_shape, device, ram, steps, lr, data, storage, weights_out, as_json):
-        """Solve the schedule for a torch module and train N steps with it in PyTorch.
+    def run(ctx, torch_spec, input_shape, schedule_file, device, ram, runtime, mode, time_limit, trainable, costs_file,
+            steps, lr, data, storage, weights_out, as_json):
+        """Train N steps of a torch module in PyTorch with a schedule: --schedule's, or one solved here.
 
         Exits 4 when training diverges: the result is printed (a loss that is not finite as null in
         --json, which adds "diverged": true) and --weights-out is not written."""
         import numpy as np
 
         from poet_opt.executor.train import run_training
-        from poet_opt.files import write_atomic
+        from poet_opt.files import check_not_inputs, write_atomic
 
         if weights_out is not None:
             _check_writable(weights_out, field="--weights-out")
-        _check_not_inputs([("--weights-out", weights_out)], device=device, torch_spec=torch_spec, data=data)
+        _check_not_inputs([("--weights-out", weights_out)], device=device or (), torch_spec=torch_spec, data=data,
+                          costs_file=costs_file)
+        check_not_inputs([("--weights-out", weights_out)], [("--schedule", schedule_file)] if schedule_file else [])
+        # with a plan, --mode is checked against it only when given: its default is for solving
+        given_mode = ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT
         # progress only to a terminal: a script reading stderr sees one line, the error, if any
         say = None if as_json or not sys.stderr.isatty() else (lambda text: click.echo(f"poet-opt: {text}", err=True))
         result = run_training(torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram, steps=steps,
-                              lr=lr, data=data, storage=storage, progress=say)
+                              lr=lr, data=data, storage=storage, schedule=schedule_file, costs=costs_file,
+                              runtime=runtime, mode=mode if given_mode or schedule_file is None else None,
+                              time_limit=time_limit, trainable=trainable, progress=say)
         diverged = result.diverged
         if weights_out is not None and not diverged:  # NaN weights are no one's trained model
             write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
@@ -61,9 +86,12 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
                 raise diverged
             return
         steps_s = summary["step_s"]
+        plan = result.schedule
+        where = plan["device"]["name"]
+        source = f"the plan in {schedule_file}" if schedule_file else f"the {where} schedule solved here"
         click.echo("\n".join([
-            f"{result.network.name} with the {device} schedule ({result.schedule.solver['status']}, "
-            f"{summary['recomputes']} recompute(s), {summary['page_outs']} page-out(s) per step) on {summary['torch_device']}: "
+            f"{result.network.name} with {source} ({plan['solver']['status']}, {summary['recomputes']} "
+            f"recompute(s), {summary['page_outs']} page-out(s) per step) on {summary['torch_device']}: "
             f"{summary['steps']} SGD step(s)",
             f"  loss     {', '.join(f'{v:.6g}' for v in result.losses)}",
             f"  peak     {summary['peak_live_bytes'] / 1024:,.1f} KiB of live tensors (plan "
@@ -71,7 +99,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
             f"  storage  {summary['storage_bytes_written'] / 1024:,.1f} KiB written, "
             f"{summary['storage_bytes_read'] / 1024:,.1f} KiB read",
             f"  time     {sum(steps_s) / len(steps_s):.4f} s per step (first {steps_s[0]:.4f} s; the plan predicts "
-            f"{summary['planned_step_s']:.4f} s on {device})",
+            f"{summary['planned_step_s']:.4f} s on {where})",
             *([f"  wrote    {weights_out}"] if weights_out and not diverged else []),
         ]))
         if diverged:

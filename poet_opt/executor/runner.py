@@ -30,6 +30,7 @@ from poet_opt.model.batch import check_labels
 from poet_opt.model.network import Network
 
 STORAGE_FIELD = "--storage"
+SCHEDULE_FIELD = "--schedule"
 
 
 @dataclass
@@ -42,6 +43,8 @@ class StepStats:
     computes: int
     page_outs: int
     page_ins: int
+    # the (op, node id) steps as this call performed them, in order: what `run --schedule` is held to
+    executed: tuple = ()
 
 
 class Storage:
@@ -115,31 +118,74 @@ def _document(schedule) -> dict:
 
 
 def check_schedule(network: Network, doc: dict) -> None:
-    """A schedule is for this network when it has the same nodes (by name), sizes and dependencies."""
+    """A schedule is for this network when it has the same nodes (by name), sizes, dependencies and
+    trainable layers. It must validate first; a mismatch is one line naming ``--schedule`` and what
+    differs: the model, the input shape, or the trainable set (each changes the plan's nodes)."""
     from poet_opt.schedule.validator import validate
 
     if not isinstance(doc, dict) or doc.get("format") != "poet-opt/schedule@1":
-        raise PoetError("not a poet-opt/schedule@1 document", field="--schedule")
+        raise PoetError("not a poet-opt/schedule@1 document", field=SCHEDULE_FIELD)
     validate(doc)
     nodes = doc["graph"]["nodes"]
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
-    refuse_strips(nodes, "the PyTorch executor", "--schedule")
-    refuse_rows(nodes, "the PyTorch executor", "--schedule")
-    mine = {n.name: n for n in network.graph.nodes}
+    refuse_strips(nodes, "the PyTorch executor", SCHEDULE_FIELD)
+    refuse_rows(nodes, "the PyTorch executor", SCHEDULE_FIELD)
+    if any(n.get("op") == "param" for n in nodes):
+        raise PoetError("the plan streams its weights from storage (--weights streamed); the PyTorch executor "
+                        "keeps them in RAM: solve it with --weights resident", field=SCHEDULE_FIELD)
+    if any(str(n.get("op", "")).endswith("_update") for n in nodes):
+        raise PoetError("the plan has the weight update as graph nodes (--optimizer); the PyTorch executor updates "
+                        "the weights after the step itself: solve it with --optimizer none", field=SCHEDULE_FIELD)
+    graph = network.graph
+    # the forward nodes first: a frozen layer has no gradient node, so the trainable set changes the
+    # backward nodes and would otherwise read as another model
+    theirs = {n["name"]: n for n in nodes if n["kind"] == "forward"}
+    mine = {n.name: n for n in graph.nodes if n.kind == "forward"}
+    if set(theirs) != set(mine):
+        missing = sorted(set(mine) - set(theirs))[:3] or sorted(set(theirs) - set(mine))[:3]
+        raise PoetError(f"the plan is for another model: its {len(theirs)} forward nodes are not this model's "
+                        f"{len(mine)} (e.g. {', '.join(missing)})", field=SCHEDULE_FIELD)
+    planned = doc["graph"].get("input_shape")
+    shape = [int(d) for d in network.input_shape]
+    if planned is not None and list(planned) != shape:
+        raise PoetError(f"the plan is for another input shape: {_shape(planned)}, not --input-shape {_shape(shape)}",
+                        field=SCHEDULE_FIELD)
+    resized = [name for name in mine if int(theirs[name]["bytes"]) != mine[name].bytes]
+    if resized:  # an older file without input_shape
+        first = resized[0]
+        raise PoetError(f"the plan is for another model or input shape: layer {first!r} holds "
+                        f"{int(theirs[first]['bytes']):,} B there, {mine[first].bytes:,} B here (--input-shape "
+                        f"{_shape(shape)})", field=SCHEDULE_FIELD)
+    trained = [name for name in mine if theirs[name].get("trainable")]  # both in the model's layer order
+    training = [name for name, n in mine.items() if n.trainable]
+    if trained != training:
+        raise PoetError(f"the plan is for another trainable set: it trains {_names(trained)}, --trainable "
+                        f"{graph.meta.get('trainable', 'all')} trains {_names(training)}", field=SCHEDULE_FIELD)
+    every = {n.name: n for n in graph.nodes}
     names = [n["name"] for n in nodes]
-    if set(names) != set(mine) or len(names) != len(mine):
-        missing = sorted(set(mine) - set(names))[:3] or sorted(set(names) - set(mine))[:3]
-        raise PoetError(f"the schedule is for another model: its {len(names)} nodes are not this model's "
-                        f"{len(mine)} (e.g. {', '.join(missing)})", field="--schedule")
+    if set(names) != set(every) or len(names) != len(every):
+        missing = sorted(set(every) - set(names))[:3] or sorted(set(names) - set(every))[:3]
+        raise PoetError(f"the plan is for another model: its {len(names)} nodes are not this model's "
+                        f"{len(every)} (e.g. {', '.join(missing)})", field=SCHEDULE_FIELD)
     for n in nodes:
-        m = mine[n["name"]]
+        m = every[n["name"]]
         deps = sorted(names[d] for d in n["deps"])
-        if n["kind"] != m.kind or int(n["bytes"]) != m.bytes or deps != sorted(network.graph.nodes[d].name
-                                                                               for d in m.deps):
-            raise PoetError(f"the schedule is for another model: node {n['name']!r} differs (kind, bytes or "
-                            "inputs)", field="--schedule")
+        if n["kind"] != m.kind or int(n["bytes"]) != m.bytes or deps != sorted(graph.nodes[d].name for d in m.deps):
+            raise PoetError(f"the plan is for another model: node {n['name']!r} differs (kind, bytes or inputs)",
+                            field=SCHEDULE_FIELD)
+
+
+def _shape(dims) -> str:
+    return ",".join(str(d) for d in dims)
+
+
+def _names(names: list[str]) -> str:
+    if not names:
+        return "no layer"
+    shown = ", ".join(names[:4])
+    return f"{len(names)} layers ({shown}{', ...' if len(names) > 4 else ''})" if len(names) > 1 else shown
 
 
 class ScheduleExecutor:
@@ -221,6 +267,7 @@ class ScheduleExecutor:
         read0 = self.storage.bytes_read if self.storage else 0
         loss = math.nan
         counts = {"compute": 0, "page_out": 0, "page_in": 0}
+        done: list[tuple[str, int]] = []
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()
@@ -230,10 +277,12 @@ class ScheduleExecutor:
                 name = info["name"]
                 if op == "free":
                     live -= _nbytes(table.pop(name))
+                    done.append((op, node))
                     continue
                 if op == "page_out":
                     self.storage.write(node, table[name])
                     counts[op] += 1
+                    done.append((op, node))
                     continue
                 if op == "page_in":
                     t = self.storage.read(node, self.shapes[name], self.device)
@@ -249,6 +298,7 @@ class ScheduleExecutor:
                     else:
                         t = k.backward(name, table, first=first, grads=grads)
                 counts[op] += 1
+                done.append((op, node))
                 table[name] = t
                 live += _nbytes(t)
                 peak = max(peak, live)  # a compute holds its inputs and its output at once
@@ -260,7 +310,7 @@ class ScheduleExecutor:
         wall = time.perf_counter() - start
         self.last = StepStats(loss, peak, (self.storage.bytes_written - written0) if self.storage else 0,
                               (self.storage.bytes_read - read0) if self.storage else 0, wall, counts["compute"],
-                              counts["page_out"], counts["page_in"])
+                              counts["page_out"], counts["page_in"], tuple(done))
         return loss
 
     def _update(self, grads: dict) -> None:

@@ -171,8 +171,8 @@ class _Replay:
             return self._xhat(env, name, xs[0]) * w["weight"][None, :, None, None] + w["bias"][None, :, None, None]
         if op == "relu":
             return self.t.relu(xs[0])
-        if op == "add":
-            return xs[0] + xs[1]
+        if op == "add":  # x + x records its input once: add has two operands
+            return xs[0] + xs[-1]
         if op == "concat":
             return self.t.cat(xs, dim=1)
         raise ValueError(f"no strip kernel for {op}")
@@ -238,8 +238,8 @@ class _Replay:
         g = env[self.strip_name(u, j, "grad:")]
         if op == "relu":
             return g * (env[self.strip_name(u, j)] > 0)
-        if op == "add":
-            return g
+        if op == "add":  # x + x (its input recorded once) passes the gradient on twice
+            return g if len(layer["inputs"]) == 2 else 2 * g
         if op == "concat":
             c0, c1 = self.channels[f]
             return g[:, c0:c1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from poet_opt.device.profiles import DeviceProfile, load_profile
 from poet_opt.errors import PoetError
@@ -35,13 +35,15 @@ class FirmwarePlan:
     arena: arena.ArenaPlan
     flash: arena.FlashPlan
     rounds: list[dict] = field(default_factory=list)
+    graph: Optional[TrainingGraph] = None  # the graph the schedule plans (graph_for's, after a re-tiling)
 
     def __iter__(self):  # schedule, plan, flash = solve_for_export(...)
         return iter((self.schedule, self.arena, self.flash))
 
 
 def solve_for_export(graph: TrainingGraph, device: DeviceProfile | str, *, ram, time_limit: Optional[float] = None,
-                     max_resolves: int = MAX_RESOLVES, **solve_kwargs) -> FirmwarePlan:
+                     max_resolves: int = MAX_RESOLVES, graph_for: Optional[Callable[[int], TrainingGraph]] = None,
+                     **solve_kwargs) -> FirmwarePlan:
     """`poet_opt.solver.driver.solve` (same keyword arguments), then the arena and flash plans, re-solving
     with a tighter RAM budget while the arena exceeds `ram`.
 
@@ -49,6 +51,9 @@ def solve_for_export(graph: TrainingGraph, device: DeviceProfile | str, *, ram, 
     solved at a tighter one, `solver.ram_bytes_solved` says which, and `solver.bound`/`gap` stay
     relative to the first solve's bound, a lower bound on energy at the user's budget. With a time
     limit, each re-solve gets what is left of it but at least a quarter of it.
+    ``graph_for(budget)``, when given, builds the graph again for a tightened budget before its
+    re-solve: a graph tiled to fit the user's budget (activation strips) may have a node too large for
+    the tighter one, which finer tiles bring within it.
     Raises PoetError (field --ram) when no schedule's arena fits after `max_resolves` re-solves, or
     when a tightened budget has no schedule.
     """
@@ -67,7 +72,7 @@ def solve_for_export(graph: TrainingGraph, device: DeviceProfile | str, *, ram, 
         rounds.append({"ram_bytes": solve_ram, "live_peak_bytes": plan.live_peak_bytes,
                        "arena_bytes": plan.arena_bytes, "energy_j": schedule.totals["energy_j"]})
         if plan.arena_bytes <= budget:
-            return FirmwarePlan(schedule, plan, arena.plan_flash(doc), rounds)
+            return FirmwarePlan(schedule, plan, arena.plan_flash(doc), rounds, graph)
         head = (f"the static arena needs {plan.arena_bytes:,} B, more than the RAM budget {budget:,} B "
                 f"(live peak {plan.live_peak_bytes:,} B, at best {plan.lower_bound_bytes:,} B with alignment)")
         if len(rounds) > max_resolves:
@@ -79,6 +84,8 @@ def solve_for_export(graph: TrainingGraph, device: DeviceProfile | str, *, ram, 
         if time_limit is not None:
             remaining = max(time_limit - (time.perf_counter() - started), time_limit / 4)
         try:
+            if graph_for is not None and graph.min_working_set_bytes() > solve_ram:
+                graph = graph_for(solve_ram)
             schedule = solve(graph, profile, ram=solve_ram, time_limit=remaining, **solve_kwargs)
         except PoetError as exc:
             raise PoetError(f"{head}; re-solving at {solve_ram:,} B to leave room for it: {exc.message}",

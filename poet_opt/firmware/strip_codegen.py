@@ -14,7 +14,8 @@ emits the same maths on the strip buffers the plan holds in the arena:
 - batch norm over strips chains its per-channel statistics (``stats:L@sj``: mean and sum of
   squared deviations, merged with Chan et al.'s update) and the sums its backward needs
   (``gstats:L@sj``), and normalises each strip with the last (poet_kernels_strips.c);
-- ReLU and add go strip by strip with the elementwise kernels;
+- ReLU, add and the concat of weight slices go strip by strip; a weight slice over strips reads its
+  channels of the concat's gradient strips (``grad_alias``), so no per-slice gradient is stored;
 - ``wgrad:L@sj`` adds strip j's weight gradient to the previous link's; the last link adds its part
   into the previous sum (which nothing reads after it) and applies ``w -= lr * g`` to the weights in
   the arena, then writes them back, as a streamed layer's update does.
@@ -43,9 +44,8 @@ class StripWriter(_Writer):
         meta = self.net.graph.meta["strips"]
         self.layers_meta, self.records = meta["layers"], meta["nodes"]
         self.tensors = {name: [tuple(r) for r in rows] for name, rows in meta["tensors"].items()}
-        if meta.get("grad_alias"):
-            raise PoetError("the firmware runs activation strips without weight tiles; drop --weight-tile",
-                            field="--weight-tile")
+        # a weight slice over strips reads its channels of the concat's gradient strips (model/strips.py)
+        self.alias = dict(meta.get("grad_alias") or {})
         self.scratch_floats = 0
         self.windows: dict[tuple, str] = {}
 
@@ -61,7 +61,27 @@ class StripWriter(_Writer):
         return f"{prefix}{layer}" if layer not in self.tensors else f"{prefix}{layer}@s{j}"
 
     def buf(self, ops, layer: str, j: int, prefix: str = "") -> str:
+        if prefix == "grad:" and layer in self.alias:
+            concat, lo, _ = self.aliased(layer)
+            n, _, _, w = self.nchw(layer)
+            if n != 1:
+                raise PoetError(f"internal: {layer}'s gradient strip is not contiguous at batch {n}; gather it")
+            a, b = self.strips(layer)[j]
+            return f"({self.buf(ops, concat, j, prefix)} + {lo * (b - a) * w}u)"
         return self.at(ops, self.name(layer, j, prefix), f"a strip of {layer}")
+
+    def aliased(self, layer: str) -> tuple[str, int, int]:
+        """(the concat whose gradient a weight slice reads, the slice's first channel, the concat's
+        channels)."""
+        concat = self.net.layers[self.alias[layer]]
+        lo, _ = concat.attrs["bounds"][concat.operands.index(layer)]
+        return concat.name, lo, concat.shape[1]
+
+    def concat_slices(self, concat, rows: int, w: int) -> list[tuple[int, int, int]]:
+        """Per tile of a concat over one strip of ``rows`` rows: (first float of its channels in a
+        sample's block, its floats per sample, the whole strip's floats per sample)."""
+        whole = concat.shape[1] * rows * w
+        return [(lo * rows * w, (hi - lo) * rows * w, whole) for lo, hi in concat.attrs["bounds"]]
 
     def nchw(self, layer: str) -> tuple[int, int, int, int]:
         n, c, h, w = self.net.layers[layer].shape
@@ -81,7 +101,14 @@ class StripWriter(_Writer):
         lines = []
         for j, (a, b) in enumerate(self.strips(layer)):
             r0, r1 = max(lo, a), min(hi, b)
-            if r0 < r1:
+            if r0 < r1 and prefix == "grad:" and layer in self.alias:
+                # a weight slice's channels of the concat's gradient strip: c planes in each sample's block
+                concat, first, channels = self.aliased(layer)
+                src = self.buf(ops, concat, j, prefix)
+                lines += [f"poet_copy_strided({dst} + {(s * c * rows + r0 - row0) * w}u, {src} + "
+                          f"{((s * channels + first) * (b - a) + r0 - a) * w}u, {c}u, {(r1 - r0) * w}u, {rows * w}u, "
+                          f"{(b - a) * w}u);" for s in range(n)]
+            elif r0 < r1:
                 lines.append(f"poet_copy_strided({dst} + {(r0 - row0) * w}u, {self.buf(ops, layer, j, prefix)} + "
                              f"{(r0 - a) * w}u, {n * c}u, {(r1 - r0) * w}u, {rows * w}u, {(b - a) * w}u);")
         if lo < 0:
@@ -178,6 +205,9 @@ class StripWriter(_Writer):
             return [f"poet_{op}_forward({out}, {xs[0]}, {count}u);"]
         if op == "add":
             return [f"poet_add_forward({out}, {xs[0]}, {xs[1]}, {count}u);"]
+        if op == "concat":  # the weight slices' channels, side by side in each sample's block
+            return [f"poet_copy_strided({out} + {first}u, {x}, {n}u, {part}u, {whole}u, {part}u);"
+                    for x, (first, part, whole) in zip(xs, self.concat_slices(layer, b - a, w))]
         raise PoetError(f"node {name!r}: no strip kernel for operator {op}", field="--strips")
 
     def chunk_rows(self, total: int, floats) -> int:
@@ -290,6 +320,9 @@ class StripWriter(_Writer):
             return [f"poet_{op}_backward({out}, {g}, {self.buf(ops, f, j)}, {count}u);"]
         if op == "add":
             return [f"poet_accumulate({out}, {g}, {count}u);" for o in user.operands if o == f]
+        if op == "concat":  # a slice's gradient is its channels of the concat's
+            first, part, whole = self.concat_slices(user, hi - lo, w)[user.operands.index(f)]
+            return [f"poet_accumulate_strided({out}, {g} + {first}u, {n}u, {part}u, {part}u, {whole}u);"]
         raise PoetError(f"node {u!r}: no strip kernel back-propagates a {op}", field="--strips")
 
     def window_gradient(self, user, f: str, rows, out: str, ops) -> list[str]:
@@ -349,7 +382,9 @@ class StripWriter(_Writer):
         k, s, p = self.layers_meta[name]["window"]
         n, cx, _, wx = self.nchw(x)
         _, c, _, w = self.nchw(name)
-        gy_whole = self.buf(ops, name, self.index(name, rows), "grad:")
+        # a slice's gradient rows at batch > 1 lie in several blocks of the concat's: gathered
+        gather_gy = name in self.alias and n > 1
+        gy_whole = None if gather_gy else self.buf(ops, name, self.index(name, rows), "grad:")
         weights = layer.params["weight"].value.size
         total = sum(q.value.size for q in layer.params.values())
         prev = self.at(ops, rec["prev"], rec["prev"]) if rec["prev"] else None
@@ -357,7 +392,7 @@ class StripWriter(_Writer):
         own = last and prev is None  # a single link: its sum needs a buffer of its own, in scratch
 
         def floats(chunk: int) -> int:
-            split = chunk < b - a
+            split = chunk < b - a or gather_gy
             return n * cx * ((chunk - 1) * s + k) * wx + (n * c * chunk * w if split else 0) + (total if own else 0)
 
         per = self.chunk_rows(b - a, floats)
@@ -373,10 +408,11 @@ class StripWriter(_Writer):
             c1 = min(b, c0 + per)
             r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
             local = n * cx * rows_in * wx
-            self.scratch(floats(c1 - c0) if own else local + (n * c * (c1 - c0) * w if per < b - a else 0))
+            self.scratch(floats(c1 - c0) if own else
+                         local + (n * c * (c1 - c0) * w if per < b - a or gather_gy else 0))
             lines += self.gather("poet_scratch", r0, rows_in, x, r0, r0 + rows_in, ops)
             gy = gy_whole
-            if per < b - a:
+            if per < b - a or gather_gy:
                 gy = f"(poet_scratch + {local}u)"
                 lines += self.gather(gy, c0, c1 - c0, name, c0, c1, ops, "grad:", None)
             shape = self.window_shape(layer, rows_in, c1 - c0)

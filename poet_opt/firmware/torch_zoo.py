@@ -71,7 +71,23 @@ def _mlp():
     return Mlp()
 
 
-FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp}
+def _example(factory: str):
+    """A zoo model whose PyTorch twin is in poet_opt.examples.torch_models (the module `--torch` is
+    pointed at in the docs), seeded as the others."""
+
+    def make():
+        import torch
+
+        from poet_opt.examples import torch_models
+
+        torch.manual_seed(SEED)
+        return getattr(torch_models, factory)()
+
+    return make
+
+
+FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "resnet18-cifar": _example("resnet18"),
+             "mobilenetv2": _example("mobilenetv2")}
 
 
 def zoo_module(name: str):

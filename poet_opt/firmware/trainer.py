@@ -22,6 +22,7 @@ from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
 from poet_opt.firmware.targets import target_from_profile
 from poet_opt.model.batch import check_labels, divergence, finite_or_none, load_batch
+from poet_opt.model.load import default_tile_bytes, needs_streaming
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
 from poet_opt.solver.backends import ctrl_c_ends_everything
@@ -117,7 +118,7 @@ class EmulatedTraining:
 
 def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
                      torch_model=None, input_shape=None, trainable="all", out_dir=None,
-                     time_limit: Optional[float] = 60.0, mode: str = "joint", progress=None,
+                     time_limit: Optional[float] = None, mode: str = "joint", progress=None,
                      weights: str = "resident", tile_bytes=None, strips="auto") -> EmulatedTraining:
     """Train ``steps`` SGD steps on the batch in ``data`` in firmware generated from the schedule
     that ``poet-opt solve --export`` would give, on the emulated ``device``.
@@ -168,29 +169,41 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     say("tracing the model")
     if weights not in ("resident", "streamed", "auto"):
         raise PoetError(f"unknown weights placement {weights!r}; choose resident, streamed or auto", field="--weights")
-    tile = None
+    ram_bytes = parse_size(ram, field="--ram")
     if tile_bytes is not None:
         tile = parse_size(tile_bytes, field="--weight-tile")
         if tile < 1:
             raise PoetError("must be at least 1 B", field="--weight-tile")
         if weights == "resident":
             raise PoetError("weight tiles need streamed weights (--weights streamed or auto)", field="--weight-tile")
-    network = lower_network(module, shape, trainable=trainable, name=model,
-                            weights="resident" if weights == "auto" else weights,
-                            tile_bytes=tile if weights == "streamed" else None)
-    if weights == "auto":
-        # resident firmware keeps each trained weight and its gradient in RAM beside the arena
-        resident = parse_size(ram, field="--ram") + sum(8 * p.value.size for p in network.trainable_parameters)
-        if resident + STACK_BYTES > profile.memory.ram_bytes:
-            network = lower_network(module, shape, trainable=trainable, name=model, weights="streamed",
-                                    tile_bytes=tile)
-    network = _with_strips(network, strips, module, shape, profile, ram, trainable=trainable, name=model,
-                           weights=weights, tile=tile)
+    else:  # as `poet-opt solve` slices streamed layers (model/load.py): one default for every command
+        tile = None if weights == "resident" else default_tile_bytes([ram_bytes])
+    whole = lower_network(module, shape, trainable=trainable, name=model,
+                          weights="resident" if weights == "auto" else weights,
+                          tile_bytes=tile if weights == "streamed" else None)
+    if weights == "auto" and needs_streaming(whole.graph, profile.memory.ram_bytes, STACK_BYTES, ram_bytes):
+        whole = lower_network(module, shape, trainable=trainable, name=model, weights="streamed", tile_bytes=tile)
+    lowered = {}  # the network of the graph each (re-)solve plans, by its strip budget
+
+    def striped(budget: int) -> Network:
+        if budget not in lowered:
+            # a default slice is a share of the budget the graph is fit to, as solve's is of --ram
+            fit_tile = default_tile_bytes([budget]) if tile_bytes is None and tile is not None else tile
+            lowered[budget] = _with_strips(whole, strips, module, shape, profile, budget, trainable=trainable,
+                                           name=model, weights=weights, tile=fit_tile)
+        return lowered[budget]
+
+    network = striped(ram_bytes)
     classes = network.layers[network.output].elements // network.input_shape[0]
     y = check_labels(y, classes)
     say("solving")
+    # strips fit to the budget may leave a node too large for the tighter budget an arena's
+    # fragmentation calls for: auto strips are then fit to that budget
+    refit = strips == "auto" and network.graph.meta.get("strips")
     with ctrl_c_ends_everything():
-        plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode)
+        plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode,
+                                graph_for=(lambda budget: striped(budget).graph) if refit else None)
+    network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
     if out_dir is not None:
         check_not_inputs([("-o", Path(out_dir))], [("--data", Path(data))])
     return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress)
@@ -211,17 +224,16 @@ def _with_strips(network: Network, strips, module, shape, profile, ram, *, train
                             f"{profile.name}'s {format_bytes(profile.memory.ram_bytes)} of RAM with the stack: it "
                             "needs its activations split into strips (strips='auto')", field="--ram")
         return network
-    if weights == "resident" or tile is not None:
+    if weights == "resident":
         raise PoetError(f"computing {node.name} whole holds {format_bytes(working)}: activation strips need "
-                        "streamed weights without weight tiles (--weights auto or streamed, no --weight-tile)",
-                        field="--weights")
+                        "streamed weights (--weights auto or streamed)", field="--weights")
     budget = min(parse_size(ram, field="--ram"), profile.memory.ram_bytes - STACK_BYTES)
     return lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=strips,
-                         strip_budget=budget)
+                         strip_budget=budget, tile_bytes=tile)
 
 
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
-                 out_dir=None, progress=None) -> EmulatedTraining:
+                 out_dir=None, progress=None, program: bool | str = "auto") -> EmulatedTraining:
     """Generate, build and run the training step of a schedule of ``network.graph``: ``plan`` is
     a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here. A tiled network
     (``lower_network(..., tile_bytes=...)``) carries its tiles, so nothing more is needed here."""
@@ -233,7 +245,7 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
         plan = FirmwarePlan(plan, arena.plan_arena(doc), arena.plan_flash(doc))
     target = target_from_profile(profile)
     generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps, lr=float(lr),
-                                 x=x, y=y)
+                                 x=x, y=y, program=program)
     say = progress or (lambda text: None)
     # built in a scratch directory and copied to out_dir only once training ran: a failure leaves
     # nothing half-written there
@@ -244,6 +256,9 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
             # what a board's storage is provisioned with (dd it to the card, or program it to flash)
             image = weights_image(generated.param_layers, plan.flash, target.erased_byte)
             (work / "poet_weights.bin").write_bytes(image.tobytes())
+        if out_dir is not None and generated.program_offset is not None:
+            # provisioned at its offset (the header of poet_train.c names it) beside the weights
+            (work / "poet_program.bin").write_bytes(generated.program)
         if out_dir is not None:
             result.files = _keep(work, Path(out_dir))
         return result
@@ -325,6 +340,8 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     try:
         for node, layer in generated.param_layers.items():  # the board's storage, provisioned
             emulator.storage.load(plan.flash.offsets[node], codegen.packed_params(layer))
+        if generated.program_offset is not None:  # and the step program beside the weights
+            emulator.storage.load(generated.program_offset, np.frombuffer(generated.program, np.uint8))
         result = emulator.run()
         losses = emulator.read_symbol("poet_losses", np.float32).tolist()
         # torch name -> (parameter, its trained value): one pair per tile of a tiled layer

@@ -53,11 +53,7 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         graph, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
                                           trainable=trainable, costs=costs, optimizer=optimizer)
-        working = graph.min_working_set_bytes()
-        if ram_bytes is not None:
-            working = max(working, min(ram_bytes, graph.plain_peak_bytes()))
-        need = graph.param_bytes + graph.param_grad_bytes + stack_reserve_bytes + working
-        if graph_file or device_ram_bytes is None or need <= device_ram_bytes:
+        if graph_file or not needs_streaming(graph, device_ram_bytes, stack_reserve_bytes, ram_bytes):
             return graph, name
         streamed, _ = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
@@ -119,7 +115,7 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
             before_tiling(graph)
         if weights == "streamed" and strips != "off":
             graph = _torch_striped(graph, torch, input_shape, trainable, strips, bytes_per_element, device_ram_bytes,
-                                   stack_reserve_bytes, ram_bytes)
+                                   stack_reserve_bytes, ram_bytes, tile_bytes)
     else:
         from poet_opt.model.onnx_import import import_onnx
 
@@ -135,6 +131,26 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
 
         graph = apply_costs(graph, table)
     return graph, name
+
+
+def needs_streaming(graph: TrainingGraph, device_ram_bytes: int | None, stack_reserve_bytes: int,
+                    ram_bytes: int | None) -> bool:
+    """``--weights auto``'s rule, for every command: stream the weights when the resident weights,
+    their gradients, the stack reserve and the working memory a plan may use (``ram_bytes``, or
+    plain training's peak if less; at least the smallest working set) exceed the device's RAM."""
+    if device_ram_bytes is None:
+        return False
+    working = graph.min_working_set_bytes()
+    if ram_bytes is not None:
+        working = max(working, min(ram_bytes, graph.plain_peak_bytes()))
+    return graph.param_bytes + graph.param_grad_bytes + stack_reserve_bytes + working > device_ram_bytes
+
+
+def default_tile_bytes(ram_budgets) -> int | None:
+    """The weight-slice size every command uses when ``--weight-tile`` is not given: a quarter of the
+    smallest RAM budget, so a slice leaves room for its layer's activations (None: no budget)."""
+    budgets = [b for b in (ram_budgets or ()) if b is not None]
+    return max(1, min(budgets) // 4) if budgets else None
 
 
 def _strips_value(strips):
@@ -156,13 +172,13 @@ def _strip_budget(device_ram_bytes, stack_reserve_bytes: int, ram_bytes):
 
 
 def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, strips, bytes_per_element: int,
-                   device_ram_bytes, stack_reserve_bytes: int, ram_bytes) -> TrainingGraph:
+                   device_ram_bytes, stack_reserve_bytes: int, ram_bytes, tile_bytes) -> TrainingGraph:
     """A torch CNN's graph with its activations in strips, lowered as `poet-opt emulate` lowers it
     (model/network.py), so that the plan `solve` makes is one the firmware can run: N strips at every
     height, or for "auto" the fewest that bring every node within the RAM budget and the device, and
-    only when some node could not fit the device otherwise. Strips split activations, not weights: a
-    layer's weights are streamed whole (no weight tiles). Unchanged when strips cannot help, so that
-    the working-set check says what does not fit."""
+    only when some node could not fit the device otherwise, with layers over ``tile_bytes`` of weights
+    in slices as the zoo's strip graphs have them. Unchanged when strips cannot help, so that the
+    working-set check says what does not fit."""
     too_big = device_ram_bytes is not None and graph.largest_working_set()[0] + stack_reserve_bytes > device_ram_bytes
     if strips == "auto" and not too_big or not any(n.op == "conv2d" for n in graph.nodes):
         return graph
@@ -174,7 +190,7 @@ def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, stri
     from poet_opt.model.operators import parse_full_shape
 
     striped = lower_network(spec, parse_full_shape(input_shape), trainable=trainable, weights="streamed",
-                            strips=strips, strip_budget=budget).graph
+                            strips=strips, strip_budget=budget, tile_bytes=tile_bytes).graph
     if strips != "auto" or striped.largest_working_set()[0] <= budget:
         return striped  # N strips as asked, as for zoo models: the working-set check says if they fit
     graph.meta["strips_tried"] = True  # for the refusal: strips were tried and did not help

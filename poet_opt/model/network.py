@@ -20,6 +20,7 @@ import numpy as np
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.operators import finish
+from poet_opt.model.tiling import feature_ranges
 from poet_opt.model.torch_import import lower_module, resolve_module
 
 FIELD = "--torch"  # the layers come from a torch module, as that option names it
@@ -115,14 +116,15 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
         raise PoetError("weight tiles need streamed weights (--weights streamed)", field="--weight-tile")
     if tile_bytes is not None and views:
         raise PoetError("the PyTorch executor replays whole layers; it cannot run weight tiles", field="--weight-tile")
-    if strips is not None and (weights != "streamed" or tile_bytes is not None or views):
-        raise PoetError("activation strips need streamed weights without weight tiles", field="--strips")
+    if strips is not None and (weights != "streamed" or views):
+        raise PoetError("activation strips need streamed weights", field="--strips")
     module, default_name = resolve_module(model)
     ops, output = lower_module(module, input_shape)
     meta = {"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
             "input_shape": list(ops.ops[0].shape), "batch_size": ops.ops[0].shape[0]}
     if strips is not None:
-        graph = _strip_graph(name or default_name, ops, output, module, trainable, meta, strips, strip_budget)
+        graph = _strip_graph(name or default_name, ops, output, module, trainable, meta, strips, strip_budget,
+                             tile_bytes)
         kept = set(graph.meta["strips"]["layers"])
     else:
         graph = finish(name or default_name, ops.ops, output, bytes_per_element=4, trainable=trainable, meta=meta,
@@ -161,14 +163,14 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
                          if t is not None and id(t) in buffer_names}
         layer.trainable = o.name in trainable_nodes
         if o.name in tiles:
-            layers.update(_tiled(layer, tiles[o.name], graph, trainable_nodes))
+            layers.update(_tiled(layer, tiles[o.name], trainable_nodes))
             continue
         layers[o.name] = layer
     out_name = ops.ops[output].name
     return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name)
 
 
-def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, strips, budget):
+def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, strips, budget, tile_bytes):
     """The strip graph (model/strips.py) of the traced operators: the zoo's per-sample shapes (the
     batch apart, global pooling to (C,)) and each convolution's and pooling's window along H, which
     the importer does not record."""
@@ -191,8 +193,9 @@ def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, str
         origin = ops.origins.get(o.name)
         m = modules.get(origin.target) if origin is not None and origin.op == "call_module" else None
         shape, window = tuple(o.shape[1:]), ()
-        if len(o.shape) == 4 and o.shape[2:] == (1, 1) and type(m).__name__ == "AdaptiveAvgPool2d":
-            shape = shape[:1]  # global average pooling, as the zoo shapes it
+        global_pool = o.op == "avgpool" and not hasattr(m, "kernel_size") and len(ops.ops[o.inputs[0]].shape) == 4
+        if len(o.shape) == 4 and o.shape[2:] == (1, 1) and global_pool:
+            shape = shape[:1]  # global average pooling (module, function or mean), as the zoo shapes it
         elif hasattr(m, "kernel_size") and len(o.shape) == 4:
             k, s, p = (_pair(v) for v in (m.kernel_size, m.stride or m.kernel_size, m.padding))
             if k[0] != k[1] or s[0] != s[1] or p[0] != p[1]:
@@ -203,16 +206,17 @@ def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, str
     meta = {**meta, "bytes_per_element": 4, "forward_layers": len(kept) - 1}
 
     def build(counts):
-        return training_graph(name, kept, batch, 4, trainable, meta, weights="streamed", strips=counts)
+        return training_graph(name, kept, batch, 4, trainable, meta, weights="streamed", strips=counts,
+                              tile_bytes=tile_bytes)
 
     if strips == "auto":
         return low_memory(fit_strips(build, budget), budget)
     return low_memory(build(strips), budget)
 
 
-def _tiled(layer: Layer, names: list[str], graph: TrainingGraph, trainable_nodes: set[str]) -> dict[str, Layer]:
-    """The tiles of ``layer`` as the graph slices it (their output sizes give each tile's share of
-    the output features), then the concat that takes ``layer``'s name and place."""
+def _tiled(layer: Layer, names: list[str], trainable_nodes: set[str]) -> dict[str, Layer]:
+    """The tiles of ``layer`` as model/tiling.py slices it, then the concat that takes ``layer``'s
+    name and place (with activation strips too, where a tile's nodes are its strips)."""
     if layer.op not in ("conv2d", "linear") or layer.op == "conv2d" and layer.attrs["groups"] != 1:
         raise PoetError(f"node {layer.name!r}: the firmware tiles only ungrouped convolutions and linear layers",
                         field="--weight-tile")
@@ -221,13 +225,9 @@ def _tiled(layer: Layer, names: list[str], graph: TrainingGraph, trainable_nodes
         raise PoetError(f"node {layer.name!r}: a linear layer with a 4-d output is sliced across its channels, not "
                         "its features; the firmware cannot tile it", field="--weight-tile")
     features = layer.shape[axis]
-    per_feature = layer.elements // features
-    sizes = {n.name: n.bytes for n in graph.nodes}
-    bpe = graph.meta.get("bytes_per_element", 4)
     out: dict[str, Layer] = {}
-    bounds, lo = [], 0
-    for name in names:
-        hi = lo + sizes[name] // (bpe * per_feature)
+    bounds = []
+    for name, (lo, hi) in feature_ranges(features, names).items():
         shape = tuple(hi - lo if a == axis else d for a, d in enumerate(layer.shape))
         attrs = dict(layer.attrs, features_out=hi - lo) if layer.op == "linear" else dict(layer.attrs)
         params = {role: Parameter(p.torch_name, p.value[lo:hi].copy(), (lo, hi), tuple(p.value.shape))
@@ -236,9 +236,6 @@ def _tiled(layer: Layer, names: list[str], graph: TrainingGraph, trainable_nodes
                           trainable=name in trainable_nodes, origin=layer.origin,
                           operand_views=list(layer.operand_views))
         bounds.append((lo, hi))
-        lo = hi
-    if lo != features:
-        raise PoetError(f"internal: the tiles of {layer.name!r} cover {lo} of its {features} output features")
     out[layer.name] = Layer(layer.name, "concat", layer.shape, list(names), [out[n].shape for n in names],
                             {"axis": axis, "bounds": bounds}, origin=layer.origin,
                             operand_views=[[] for _ in names])

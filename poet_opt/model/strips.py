@@ -106,6 +106,11 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
         if pp is None and o.params and any(parts[j] and len(parts[j]) > 1 for j in o.inputs):
             raise PoetError(f"{o.name} ({o.op}) reads a tensor split into strips whole; use fewer strips",
                             field="--strips")
+        # strip j of an elementwise operator reads strip j of each input: their rows must agree
+        if pp is not None and not (o.op in WINDOWED and o.window) and \
+                any(parts[j] is not None and parts[j] != pp and len(parts[j]) > 1 for j in o.inputs):
+            raise PoetError(f"{o.name} ({o.op}) reads a tensor split into strips it cannot follow row for row "
+                            f"(shape {tuple(o.shape)}); use --strips off", field="--strips")
 
     nodes: list[Node] = []
     info: dict[str, dict] = {}

@@ -25,7 +25,11 @@ def tile_count(op, bytes_per_element: int, max_weight_bytes: int | None) -> int:
     if max_weight_bytes is None or op.op not in TILEABLE or op.params * bytes_per_element <= max_weight_bytes:
         return 1
     features = op.shape[0] if op.op == "conv2d" else op.shape[-1]
-    return min(features, math.ceil(op.params * bytes_per_element / max(1, max_weight_bytes)))
+    # whole features per slice, so that the largest slice (slices differ by one feature) stays
+    # within the size: dividing the bytes alone left slices one feature over it
+    per_feature = op.params * bytes_per_element / features
+    per_slice = max(1, int(max_weight_bytes // per_feature))
+    return min(features, math.ceil(features / per_slice))
 
 
 def tile_weights(ops: Sequence, train: set[int], bytes_per_element: int,
@@ -48,7 +52,7 @@ def tile_weights(ops: Sequence, train: set[int], bytes_per_element: int,
         axis = 0 if op.op == "conv2d" else len(op.shape) - 1  # conv: channels; linear, embedding: last
         features = op.shape[axis]
         tile_ids = []
-        for j, (lo, hi) in enumerate(_slices(features, k)):
+        for j, (lo, hi) in enumerate(slices(features, k)):
             share = (hi - lo) / features
             shape = tuple(hi - lo if a == axis else d for a, d in enumerate(op.shape))
             tile_ids.append(len(out))
@@ -64,10 +68,17 @@ def tile_weights(ops: Sequence, train: set[int], bytes_per_element: int,
     return out, trained, tiles_of
 
 
-def _slices(n: int, k: int) -> list[tuple[int, int]]:
+def slices(n: int, k: int) -> list[tuple[int, int]]:
     """k contiguous ranges covering 0..n, sizes differing by at most one."""
     bounds = [round(n * j / k) for j in range(k + 1)]
     return list(zip(bounds, bounds[1:]))
+
+
+def feature_ranges(features: int, tile_names) -> dict[str, tuple[int, int]]:
+    """Tile name -> the output features [lo, hi) it computes, as :func:`tile_weights` cut them: the
+    one place executors and the firmware learn a slice's share, whatever else splits its tensor."""
+    tile_names = list(tile_names)
+    return dict(zip(tile_names, slices(features, len(tile_names))))
 
 
 def _share(total: int, lo: int, hi: int, n: int) -> int:

@@ -125,7 +125,10 @@ class Schedule:
                 "stack_reserve_bytes": p.memory.stack_reserve_bytes,
             },
             "graph": {"name": self.graph.name, "nodes": nodes,
-                      "given_ids": self.given_ids()},
+                      "given_ids": self.given_ids(),
+                      # the whole input, batch first, where the importer knows it: lets `poet-opt run
+                      # --schedule` say "another input shape" rather than only "other sizes"
+                      "input_shape": _input_shape(self.graph)},
             "budgets": {
                 "ram_bytes": int(self.budgets.ram_bytes),
                 # null: no runtime limit (JSON has no infinity)
@@ -139,3 +142,15 @@ class Schedule:
             "plain": self.plain,
             "solver": self.solver,
         }
+
+
+def _input_shape(graph: TrainingGraph) -> Optional[list]:
+    """The whole input, batch first: the torch and ONNX importers record it so, the zoo without the
+    batch; a node-link graph has none (null)."""
+    meta = graph.meta
+    shape = meta.get("input_shape")
+    if not shape:
+        return None
+    if "format" in meta:  # torch.fx, onnx: already batch first
+        return [int(d) for d in shape]
+    return [int(meta.get("batch_size", 1)), *(int(d) for d in shape)]

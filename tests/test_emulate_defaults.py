@@ -1,0 +1,95 @@
+"""One set of defaults: `emulate` streams and slices the weights as `solve` does, so a network that
+`solve` plans is one `emulate` trains with no more options (issue 27)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_cli import cli  # noqa: E402
+
+MLP = '''import torch
+from torch import nn
+
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(784, 384), nn.ReLU(), nn.Linear(384, 384), nn.ReLU(), nn.Linear(384, 10))
+'''
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    where = tmp_path_factory.mktemp("mlp")
+    (where / "mlp.py").write_text(MLP)
+    rng = np.random.default_rng(0)
+    np.savez(where / "b.npz", x=rng.standard_normal((4, 784)).astype(np.float32), y=np.array([1, 2, 3, 4]))
+    return where
+
+
+def test_solve_and_emulate_slice_an_mlp_too_big_for_the_budget_the_same_way(mlp):
+    """The 1.8 MB MLP at 96 KiB: its first layer alone is 1.2 MB. `solve` slices it by default; so
+    does `emulate`, into the same graph."""
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.firmware.trainer import STACK_BYTES
+    from poet_opt.model.load import default_tile_bytes, load_training_graph
+    from poet_opt.model.network import lower_network
+
+    spec = str(mlp / "mlp.py") + ":make"
+    profile = load_profile("nrf52840")
+    assert profile.memory.stack_reserve_bytes == STACK_BYTES  # the two commands reserve the same stack
+    tile = default_tile_bytes([96 * 1024])
+    assert tile == 24 * 1024
+    solved, _ = load_training_graph(torch=spec, input_shape="4,784", weights="auto", tile_bytes=tile,
+                                    device_ram_bytes=profile.memory.ram_bytes,
+                                    stack_reserve_bytes=profile.memory.stack_reserve_bytes, ram_bytes=96 * 1024)
+    emulated = lower_network(spec, (4, 784), weights="streamed", tile_bytes=tile).graph
+    assert [(n.name, n.bytes, n.deps) for n in solved.nodes] == [(n.name, n.bytes, n.deps) for n in emulated.nodes]
+    assert max(n.bytes for n in solved.nodes if n.op == "param") <= tile
+
+
+def test_the_mlp_trains_at_96_kib_with_defaults_equal_to_torch(mlp):
+    pytest.importorskip("unicorn")
+    pytest.importorskip("ziglang")
+    from test_firmware_training import torch_sgd
+
+    result = cli("emulate", "--torch", str(mlp / "mlp.py") + ":make", "--input-shape", "4,784", "--device",
+                 "nrf52840", "--ram", "96KiB", "--steps", "2", "--lr", "0.05", "--data", mlp / "b.npz",
+                 "--weights-out", mlp / "w.npz", "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["weights"] == "streamed" and summary["tiles"]
+    assert summary["ram_used_bytes"] <= summary["ram_device_bytes"]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mlp_module", mlp / "mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reference = module.make()
+    losses, want = torch_sgd(reference, mlp / "b.npz", {n for n, _ in reference.named_parameters()}, steps=2,
+                             lr=0.05)
+    with np.load(mlp / "w.npz") as trained:
+        got = {n: trained[n] for n in trained.files}
+    largest = max(float(np.abs(w).max()) for w in want.values())
+    assert max(float(np.abs(got[n] - w).max()) for n, w in want.items()) <= 1e-4 * largest
+    assert np.allclose(summary["loss"], losses, rtol=1e-4, atol=1e-6)
+
+
+def test_the_zoo_resnet18_has_a_firmware_twin_lowered_to_the_zoo_graph():
+    """`emulate --model resnet18-cifar` trains the PyTorch module `--torch ...:resnet18` names, and
+    its lowering is the zoo's graph node for node."""
+    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.network import lower_network
+    from poet_opt.model.zoo import build_model
+
+    zoo = build_model("resnet18-cifar")
+    lowered = lower_network(zoo_module("resnet18-cifar"), (1, 3, 32, 32)).graph
+    assert len(lowered.nodes) == len(zoo.nodes)
+    assert [(n.kind, n.bytes, n.param_bytes) for n in lowered.nodes] == \
+        [(n.kind, n.bytes, n.param_bytes) for n in zoo.nodes]
+    first, again = zoo_module("resnet18-cifar"), zoo_module("resnet18-cifar")  # seeded: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))
