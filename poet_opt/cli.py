@@ -18,10 +18,9 @@ import threading
 import traceback
 from pathlib import Path
 
-from poet_opt.signals import install_early, leave_at_once, signal_behind
+from poet_opt.signals import end_unless_ended, install_early, leave_at_once, signal_behind
 
-if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "poet-opt":  # the command, not an import
-    install_early()
+install_early(__name__)
 
 import click  # noqa: E402
 
@@ -45,6 +44,7 @@ _TERMINATED = threading.Event()  # for code that catches _Terminated as a Keyboa
 
 def _raise_terminated(signum, frame):
     _TERMINATED.set()
+    end_unless_ended(EXIT_TERMINATED)
     raise _Terminated
 
 
