@@ -203,8 +203,9 @@ HIGHS_GRACE_REL = 0.01
 INTERRUPT_GRACE_S = 0.7
 HEARTBEAT_S = 3.0
 _ABANDONED: list[threading.Thread] = []
-# runs given up on because an exception (SIGTERM, a Ctrl-C that ends the command) left the wait
-_CUT_SHORT: list[threading.Thread] = []
+# runs given up on because an exception (SIGTERM, a Ctrl-C that ends the command) left the wait,
+# or None for a signal that came while HiGHS held the model but ran nothing
+_CUT_SHORT: list[Optional[threading.Thread]] = []
 
 
 @atexit.register
@@ -238,6 +239,17 @@ def leave_now_if_abandoned(code: int, wait_s: float = 0.3) -> None:
 
 
 def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> SolveResult:
+    try:
+        return _run_highs(milp, time_limit, gap, threads, progress, start, settle)
+    except KeyboardInterrupt:
+        # A signal anywhere in here, before the run starts too (handing the model over takes
+        # seconds): a Highs object the traceback keeps until the interpreter shuts down aborts it
+        # (exit 134), so the command leaves by leave_now_if_abandoned
+        _CUT_SHORT.append(None)
+        raise
+
+
+def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> SolveResult:
     import highspy
 
     entered = time.perf_counter()
