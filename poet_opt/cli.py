@@ -1,9 +1,9 @@
 """The `poet-opt` command: a thin layer over plain functions that a notebook can call directly.
 
-Bad input of any kind ends as one line on stderr and exit code 2 (validation failures: 1);
-nothing is written unless the schedule validated. Exit codes: 0 success, 1 a schedule that breaks
-a rule (`validate`), 2 bad input or no schedule within the budgets, 3 an internal error (a bug:
-one line too; set POET_OPT_DEBUG=1 for the traceback), 130 interrupted.
+Bad input of any kind ends as one line on stderr and exit code 2; nothing is written unless the
+schedule validated. Exit codes: 0 success, 1 a schedule that breaks a rule (`validate`), 2 bad input
+or no schedule within the budgets, 3 an internal error (a bug: one line too; POET_OPT_DEBUG=1 shows
+the traceback), 4 training diverged (`run`, `emulate`), 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ import threading
 import traceback
 from pathlib import Path
 
-import click
+from poet_opt.signals import end_unless_ended, install_early, leave_at_once, signal_behind
 
-from poet_opt import __version__
-from poet_opt.errors import PoetError
+install_early(__name__)
+
+import click  # noqa: E402
+
+from poet_opt import __version__  # noqa: E402
+from poet_opt.errors import PoetError  # noqa: E402
 from poet_opt.schedule.fit import (check_fits_device, check_ram_within_device, check_weights_fit, check_weights_stored,
                                    device_fit)
 
@@ -40,6 +44,7 @@ _TERMINATED = threading.Event()  # for code that catches _Terminated as a Keyboa
 
 def _raise_terminated(signum, frame):
     _TERMINATED.set()
+    end_unless_ended(EXIT_TERMINATED)
     raise _Terminated
 
 
@@ -48,12 +53,19 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _fail_if_signalled(exc: BaseException) -> None:
+    if (stop := signal_behind(exc)) is not None:  # a signal inside an extension's import, wrapped
+        _fail(f"{'terminated' if isinstance(stop, _Terminated) else 'interrupted'}; nothing was written",
+              EXIT_TERMINATED if isinstance(stop, _Terminated) else EXIT_INTERRUPTED)
+
+
 def _one_line_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except PoetError as exc:
+            _fail_if_signalled(exc)
             _fail(f"error: {exc.one_line()}", exc.exit_code)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
@@ -65,6 +77,7 @@ def _one_line_errors(fn):
             where = f"{exc.filename}: " if exc.filename else ""
             _fail(f"error: {where}{exc.strerror or exc}", 2)
         except Exception as exc:
+            _fail_if_signalled(exc)
             if os.environ.get("POET_OPT_DEBUG"):
                 traceback.print_exc()
             frame = traceback.extract_tb(exc.__traceback__)[-1]
@@ -92,6 +105,9 @@ class _Group(click.Group):
     def _main(self, args, prog_name, complete_var, **extra):
         handled = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _raise_terminated) if handled else None
+        early = handled and signal.getsignal(signal.SIGINT) is leave_at_once
+        if early:  # Ctrl-C is a KeyboardInterrupt while the command runs: its cleanup runs
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         _TERMINATED.clear()
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -110,6 +126,8 @@ class _Group(click.Group):
         finally:
             if handled:  # None: a handler installed outside Python, which cannot be put back
                 signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            if early:
+                signal.signal(signal.SIGINT, leave_at_once)
         sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
 
@@ -290,7 +308,9 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
 @_one_line_errors
 def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, trainable, weights_out, time_limit,
             as_json, out_dir, weights, weight_tile, strips, quiet):
-    """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M."""
+    """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M.
+
+    Exits 4 when training diverges: the result printed (NaN as null), no --weights-out written."""
     import numpy as np
 
     from poet_opt.files import write_atomic
@@ -307,33 +327,12 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
                               steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
                               time_limit=time_limit, progress=say, weights=weights, tile_bytes=weight_tile,
                               strips=strips)
-    if weights_out is not None:
+    if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
         write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
-    summary = result.summary()
-    if as_json:
-        click.echo(json.dumps(summary, indent=1))
-        return
-    losses = ", ".join(f"{v:.6g}" for v in summary["loss"])
-    status = result.schedule.solver["status"]
-    click.echo("\n".join([
-        f"{result.network.name} on the emulated {device}: {summary['steps']} SGD step(s), schedule {status}",
-        f"  loss     {losses}",
-        f"  RAM      {summary['ram_used_bytes'] / 1024:.1f} KiB used of {summary['ram_device_bytes'] / 1024:.0f} KiB "
-        f"(arena {result.arena_bytes / 1024:.1f} KiB, stack {result.stack_bytes} B)",
-        f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
-        f"{summary['flash_erases_max_block']} erase(s) of one block",
-        f"  executed {summary['instructions']:,} instructions, about {summary['cycles']:,} cycles" + (
-            f" ({summary['estimated_runtime_s_per_step'] * 1e3:.4g} ms a step; the plan predicts "
-            f"{summary['predicted_runtime_s_per_step'] * 1e3:.4g} ms)" if summary["estimated_runtime_s_per_step"] else ""),
-        *([f"  weights  streamed from storage: {summary['flash_bytes_read'] / 1024:.1f} KiB read in all, "
-           f"{summary['flash_bytes_written_per_step'] / 1024:.1f} KiB written per step (plan), storage lasts "
-           + (f"{summary['flash_lifetime_steps']:,} steps" if summary.get("flash_lifetime_steps") else "forever")]
-          if summary.get("weights") == "streamed" else []),
-        *(["  tiles    " + ", ".join(f"{layer} in {k}" for layer, k in summary["tiles"].items())]
-          if summary.get("tiles") else []),
-        *([f"  wrote    {weights_out}"] if weights_out else []),
-        *([f"  kept     {out_dir}/ (sources, poet_train.elf)"] if out_dir else []),
-    ]))
+    click.echo(json.dumps(result.summary(), indent=1, allow_nan=False) if as_json
+               else result.text(device, None if result.diverged else weights_out, out_dir))
+    if result.diverged:
+        raise result.diverged
 
 
 def _check_prefix(prefix: str) -> None:

@@ -57,6 +57,14 @@ def shown(value, limit: int = 60) -> str:
     return short.repr(value)
 
 
+class TrainingDiverged(PoetError):
+    """Training ran, and its loss or weights are no longer finite (NaN or infinity: too large a
+    learning rate, say). `run` and `emulate` print their result, with null for each such figure,
+    then this, and exit 4."""
+
+    exit_code = 4
+
+
 class SolveInterrupted(NoScheduleFound):
     """Ctrl-C stopped the solver before it found any valid schedule."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 from poet_opt.errors import PoetError, shown
 
@@ -13,6 +14,10 @@ from poet_opt.errors import PoetError, shown
 MAX_BYTES = 2**63 - 1  # one size (a tensor, a RAM budget) and a graph's total: a signed 64-bit integer
 MAX_SECONDS = 1e12  # one node's time, about 31,700 years
 MAX_JOULES = 1e18  # one node's energy
+# A time or an energy in a graph file or a schedule, one node's or a total: costs come in any unit
+# (Checkmate's fcn_8_vgg has a node of 1.62e12), so the only limit is that no sum overflows: a
+# schedule's counts fit 64 bits, and any 2^64 of these add up to a finite float.
+MAX_QUANTITY = sys.float_info.max / 2**64
 
 _SIZE_UNITS = {
     "": 1,

@@ -58,10 +58,12 @@ def test_shuffled_ids_and_order_are_renumbered(tmp_path):
 
 
 def test_string_ids_edges_alias_and_zero_costs(tmp_path):
-    doc = {"nodes": [{"id": "b", "cost_ram": 0, "cost_cpu": 0}, {"id": "a", "cost_ram": 8}],
+    # (a node without cost_cpu is an error, docs/graphs.md: test_graph_ids.py)
+    doc = {"nodes": [{"id": "b", "cost_ram": 0, "cost_cpu": 0}, {"id": "a", "cost_ram": 8, "cost_cpu": 0.5}],
            "edges": [{"source": "a", "target": "b"}]}
     g = load_node_link(_write(tmp_path, doc))
-    assert [(n.name, n.deps, n.bytes, n.compute_s) for n in g.nodes] == [("a", (), 8, None), ("b", (0,), 0, 0)]
+    assert [(n.name, n.deps, n.bytes, n.compute_s) for n in g.nodes] == [("a", (), 8, 0.5), ("b", (0,), 0, 0)]
+    assert g.meta["given_ids"] == ["a", "b"]
 
 
 def test_many_inputs_per_node(tmp_path):

@@ -95,3 +95,23 @@ def test_a_100000_node_graph_keeps_a_30_s_limit_in_under_2_gib():
     assert got["peak"] <= got["ram"]
     assert got["status"] == "time_limit" and got["full_milp"].startswith("skipped")
     assert got["gap"] is not None and got["gap"] > 0
+
+
+def test_a_limit_too_short_for_a_huge_graph_is_refused_within_it():
+    """A graph file of 10^6 nodes and no edges with --time-limit 10 was still in its first phase at
+    60 s (2 GB): replaying and validating any plan of it alone takes a minute in Python. The solve
+    measures that on the machine as it is, and refuses at once, naming the limit that would do;
+    at 10^5 nodes and a 1 s limit here, a second on a quiet machine."""
+    from poet_opt.model.graph import Node, TrainingGraph
+
+    n = 100_000
+    graph = TrainingGraph.build("flat", [Node(id=i, name=f"n{i}", kind="forward", bytes=1024, deps=(), compute_s=1e-3)
+                                         for i in range(n)])
+    started = time.perf_counter()
+    with pytest.raises(NoScheduleFound) as info:
+        solve(graph, make_test_device(), ram=50 * 2**20, time_limit=1.0)
+    wall = time.perf_counter() - started
+    assert _within(1.0, wall), f"{wall:.1f} s for a 1 s limit"
+    assert info.value.field == "--time-limit" and "give --time-limit" in info.value.message
+    wanted = int(info.value.message.rsplit("--time-limit ", 1)[1].split()[0])
+    assert wanted > 1

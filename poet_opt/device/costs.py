@@ -20,6 +20,7 @@ from poet_opt.device.media import storage_erased, storage_occupied
 from poet_opt.device.profiles import DeviceProfile
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
+from poet_opt.units import MAX_QUANTITY
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _check_finite(costs: NodeCosts, graph: TrainingGraph, profile: DeviceProfile
         for name in ("compute_s", "compute_j", "page_out_s", "page_out_j", "page_in_s", "page_in_j"):
             values = getattr(costs, name)
             # a schedule may run every node in every stage: len(values) times the sum at worst
-            if not np.isfinite(np.sum(values) * max(len(values), 1)) or not np.isfinite(values).all():
-                raise PoetError(f"the {name} of {graph.name}'s nodes on {profile.name} overflow to infinity; "
-                                "check the graph's sizes, FLOPs and times against the profile's rates",
+            if not np.sum(values) * max(len(values), 1) <= MAX_QUANTITY or not np.isfinite(values).all():
+                raise PoetError(f"the {name} of {graph.name}'s nodes on {profile.name} add up past what a "
+                                "schedule can sum (units.MAX_QUANTITY); check the graph's sizes, FLOPs and times against the profile's rates",
                                 source=graph.meta.get("source") or profile.source, field=f"costs.{name}")

@@ -61,7 +61,10 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
     @_one_line_errors
     def run(ctx, torch_spec, input_shape, schedule_file, device, ram, runtime, mode, time_limit, trainable, costs_file,
             weights, weight_tile, strips, steps, lr, data, storage, weights_out, as_json):
-        """Train N steps of a torch module in PyTorch with a schedule: --schedule's, or one solved here."""
+        """Train N steps of a torch module in PyTorch with a schedule: --schedule's, or one solved here.
+
+        Exits 4 when training diverges: the result is printed (a loss that is not finite as null in
+        --json, which adds "diverged": true) and --weights-out is not written."""
         import numpy as np
 
         from poet_opt.executor.train import run_training
@@ -81,11 +84,14 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
                               runtime=runtime, mode=mode if given_mode or schedule_file is None else None,
                               time_limit=time_limit, trainable=trainable, progress=say, weights=weights,
                               weight_tile=weight_tile, strips=strips)
-        if weights_out is not None:
+        diverged = result.diverged
+        if weights_out is not None and not diverged:  # NaN weights are no one's trained model
             write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
         summary = result.summary()
         if as_json:
-            click.echo(json.dumps(summary, indent=1))
+            click.echo(json.dumps(summary, indent=1, allow_nan=False))
+            if diverged:
+                raise diverged
             return
         steps_s = summary["step_s"]
         plan = result.schedule
@@ -95,15 +101,17 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
             f"{result.network.name} with {source} ({plan['solver']['status']}, {summary['recomputes']} "
             f"recompute(s), {summary['page_outs']} page-out(s) per step) on {summary['torch_device']}: "
             f"{summary['steps']} SGD step(s)",
-            f"  loss     {', '.join(f'{v:.6g}' for v in summary['loss'])}",
+            f"  loss     {', '.join(f'{v:.6g}' for v in result.losses)}",
             f"  peak     {summary['peak_live_bytes'] / 1024:,.1f} KiB of live tensors (plan "
             f"{summary['planned_peak_bytes'] / 1024:,.1f} KiB)",
             f"  storage  {summary['storage_bytes_written'] / 1024:,.1f} KiB written, "
             f"{summary['storage_bytes_read'] / 1024:,.1f} KiB read",
             f"  time     {sum(steps_s) / len(steps_s):.4f} s per step (first {steps_s[0]:.4f} s; the plan predicts "
             f"{summary['planned_step_s']:.4f} s on {where})",
-            *([f"  wrote    {weights_out}"] if weights_out else []),
+            *([f"  wrote    {weights_out}"] if weights_out and not diverged else []),
         ]))
+        if diverged:
+            raise diverged
 
 
     @main.command()

@@ -26,6 +26,7 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.executor.kernels import Kernels
+from poet_opt.model.batch import check_labels
 from poet_opt.model.network import Network
 
 STORAGE_FIELD = "--storage"
@@ -51,12 +52,20 @@ class Storage:
 
     def __init__(self, root=None):
         root = Path(root) if root is not None else Path(tempfile.gettempdir())
+        # the folders made here, deepest first: removed again by close, so that a run (or a
+        # failed one) leaves the file system as it found it
+        self._made = []
+        for folder in [root, *root.parents]:
+            if folder.exists() or folder.is_symlink():
+                break
+            self._made.append(folder)
         try:
             if root.exists() and not root.is_dir():
                 raise PoetError("is a file, not a directory", source=str(root), field=STORAGE_FIELD)
             root.mkdir(parents=True, exist_ok=True)
             self.dir = Path(tempfile.mkdtemp(prefix="poet-run-", dir=root))
         except OSError as exc:
+            self._remove_made()
             raise PoetError(f"cannot write in the storage directory: {exc.strerror}", source=str(root),
                             field=STORAGE_FIELD) from None
         self.root = root
@@ -93,6 +102,15 @@ class Storage:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for folder in self._made:
+            try:
+                folder.rmdir()  # only while empty: whatever else came to be there stays
+            except OSError:
+                break
+        self._made = []
 
 
 def _document(schedule) -> dict:
@@ -244,18 +262,16 @@ class ScheduleExecutor:
         import torch
 
         x = torch.as_tensor(x)
-        y = torch.as_tensor(y)
         want = tuple(self.network.input_shape)
         if tuple(x.shape) != want or x.dtype != torch.float32:
             raise PoetError(f"x has shape {','.join(map(str, x.shape))} ({x.dtype}), the schedule is for "
                             f"{','.join(map(str, want))} (float32)", field="--data")
         classes = self.network.layers[self.network.output].elements // want[0]
-        if y.dim() != 1 or y.shape[0] != want[0] or y.dtype not in (torch.int64, torch.int32):
-            raise PoetError(f"y must hold {want[0]} integer class labels, got shape {tuple(y.shape)} ({y.dtype})",
-                            field="--data")
-        if bool((y < 0).any()) or bool((y >= classes).any()):
-            raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")
-        return x.to(self.device), y.to(self.device, torch.int64)
+        # emulate's rule (any integer type); torch has no uint16-64 arithmetic to check them with
+        y = check_labels(y.cpu().numpy() if isinstance(y, torch.Tensor) else y, classes)
+        if y.shape[0] != want[0]:
+            raise PoetError(f"y must hold {want[0]} class labels, one per sample, got {y.shape[0]}", field="--data")
+        return x.to(self.device), torch.as_tensor(y).to(self.device)
 
     def __call__(self, x, y) -> float:
         import torch

@@ -17,7 +17,7 @@ import numpy as np
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, ScheduleExecutor, StepStats, Storage
-from poet_opt.model.batch import load_batch
+from poet_opt.model.batch import divergence, finite_or_none, load_batch
 from poet_opt.model.load import strips_value
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
@@ -40,10 +40,16 @@ class RunResult:
     def losses(self) -> list[float]:
         return [s.loss for s in self.stats]
 
+    @property
+    def diverged(self):
+        """TrainingDiverged saying why, when a loss or a trained weight is not finite; else None."""
+        return divergence(self.losses, self.weights)
+
     def summary(self) -> dict:
+        """The figures as JSON: a loss that is not finite is null, and ``diverged`` true is added."""
         totals = self.schedule["totals"]
         last = self.stats[-1]
-        return {"steps": len(self.stats), "loss": [float(s.loss) for s in self.stats],
+        out = {"steps": len(self.stats), "loss": [finite_or_none(s.loss) for s in self.stats],
                 "peak_live_bytes": max(s.peak_live_bytes for s in self.stats),
                 "planned_peak_bytes": int(totals["peak_ram_bytes"]),
                 "storage_bytes_written": sum(s.storage_bytes_written for s in self.stats),
@@ -60,6 +66,9 @@ class RunResult:
                 "schedule": self.schedule_file,
                 "weights": "streamed" if self.network.graph.streams_weights else "resident",
                 "torch_device": self.device}
+        if self.diverged:
+            out["diverged"] = True
+        return out
 
 
 def prepare(torch_model, input_shape, *, trainable="all", name=None) -> Network:
@@ -159,6 +168,9 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
         raise PoetError(f"expected a positive whole number of steps, got {steps!r}", field="--steps")
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
         raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
+    if not lr <= float(np.finfo(np.float32).max):  # a float, not a float32: 1e39 would overflow in the cast
+        raise PoetError(f"{lr:g} is beyond float32, the weights' number type (at most "
+                        f"{float(np.finfo(np.float32).max):.4g})", field="--lr")
     if input_shape is None:
         raise PoetError("--torch needs --input-shape (the whole input, batch first)", field="--input-shape")
     doc = source = None
@@ -240,6 +252,7 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
 def _solve(network: Network, profile, *, ram, costs, runtime, mode, time_limit, say) -> dict:
     """The plan `poet-opt solve --torch ... --costs` finds for the same module, budgets and costs."""
     from poet_opt.schedule.fit import check_weights_fit
+    from poet_opt.solver.backends import ctrl_c_ends_everything
     from poet_opt.solver.driver import solve
 
     check_weights_fit(network.graph, profile)  # solve's refusal, naming what would make the model fit
@@ -249,7 +262,8 @@ def _solve(network: Network, profile, *, ram, costs, runtime, mode, time_limit, 
 
         graph = apply_costs(graph, costs)
     say("solving")
-    return solve(graph, profile, ram=ram, runtime=runtime, mode=mode, time_limit=time_limit).to_dict()
+    with ctrl_c_ends_everything():
+        return solve(graph, profile, ram=ram, runtime=runtime, mode=mode, time_limit=time_limit).to_dict()
 
 
 def _read_schedule(schedule) -> tuple[dict, str | None]:

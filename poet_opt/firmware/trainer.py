@@ -21,15 +21,18 @@ from poet_opt.files import check_not_inputs, write_files
 from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
 from poet_opt.firmware.targets import target_from_profile
-from poet_opt.model.batch import load_batch
+from poet_opt.model.batch import check_labels, divergence, finite_or_none, load_batch
 from poet_opt.model.load import default_tile_bytes, needs_streaming, strips_value
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
+from poet_opt.solver.backends import ctrl_c_ends_everything
 from poet_opt.units import parse_size
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 BOARD_DIR = Path(__file__).resolve().parent / "board"
 STACK_BYTES = 4096  # the kernels keep a few words each; the emulator measures the real depth
+LOSS_BYTES = 4  # poet_losses: one float per step, kept in RAM for the host to read back
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass
@@ -67,8 +70,14 @@ class EmulatedTraining:
     def instructions_per_step(self) -> float:
         return self.instructions / max(1, len(self.losses))
 
+    @property
+    def diverged(self):
+        """TrainingDiverged saying why, when a loss or a trained weight is not finite; else None."""
+        return divergence(self.losses, self.weights)
+
     def summary(self) -> dict:
-        out = {"steps": len(self.losses), "loss": [float(v) for v in self.losses],
+        """The figures as JSON: a loss that is not finite is null, and ``diverged`` true is added."""
+        out = {"steps": len(self.losses), "loss": [finite_or_none(v) for v in self.losses],
                "ram_device_bytes": self.ram_device_bytes, "ram_used_bytes": self.ram_used_bytes,
                "flash_bytes_written": self.flash_bytes_written,
                "flash_erases_max_block": self.flash_erases_max_block, "instructions": self.instructions}
@@ -87,7 +96,31 @@ class EmulatedTraining:
             strips = self.network.graph.meta.get("strips")
             if strips:
                 out.update(strips=dict(strips["per_height"]), scratch_bytes=self.scratch_bytes)
+        if self.diverged:
+            out["diverged"] = True
         return out
+
+    def text(self, device: str, weights_out=None, out_dir=None) -> str:
+        """What `poet-opt emulate` prints: ``weights_out`` and ``out_dir`` as written."""
+        summary = self.summary()
+        return "\n".join([
+            f"{self.network.name} on the emulated {device}: {summary['steps']} SGD step(s), schedule "
+            f"{self.schedule.solver['status']}",
+            f"  loss     {', '.join(f'{v:.6g}' for v in self.losses)}",
+            f"  RAM      {summary['ram_used_bytes'] / 1024:.1f} KiB used of {summary['ram_device_bytes'] / 1024:.0f} "
+            f"KiB (arena {self.arena_bytes / 1024:.1f} KiB, stack {self.stack_bytes} B)",
+            f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
+            f"{summary['flash_erases_max_block']} erase(s) of one block",
+            f"  executed {summary['instructions']:,} instructions",
+            *([f"  weights  streamed from storage: {summary['flash_bytes_read'] / 1024:.1f} KiB read in all, "
+               f"{summary['flash_bytes_written_per_step'] / 1024:.1f} KiB written per step (plan), storage lasts "
+               + (f"{summary['flash_lifetime_steps']:,} steps" if summary.get("flash_lifetime_steps") else "forever")]
+              if summary.get("weights") == "streamed" else []),
+            *(["  tiles    " + ", ".join(f"{layer} in {k}" for layer, k in summary["tiles"].items())]
+              if summary.get("tiles") else []),
+            *([f"  wrote    {weights_out}"] if weights_out else []),
+            *([f"  kept     {out_dir}/ (sources, poet_train.elf)"] if out_dir else []),
+        ])
 
 
 def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
@@ -123,12 +156,20 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         raise PoetError(f"expected a positive whole number of steps, got {steps!r}", field="--steps")
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
         raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
+    if not lr <= FLOAT32_MAX:
+        raise PoetError(f"{lr:g} is beyond float32, the firmware's number type (at most {FLOAT32_MAX:.4g})",
+                        field="--lr")
     # every file this reads, so that -o writes none of them (before the solve, not after it)
     inputs = _input_files(data, device, torch_model)
     if out_dir is not None:
         check_not_inputs([("-o", path) for path in output_files(out_dir)], inputs)
     profile = load_profile(device)
-    target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
+    target = target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
+    most = (target.ram_bytes - STACK_BYTES) // LOSS_BYTES
+    if steps > most:  # before the batch is read or any C generated
+        raise PoetError(f"the firmware keeps each step's loss in RAM ({LOSS_BYTES} B a step): {steps:,} steps need "
+                        f"{LOSS_BYTES * steps:,} B and {profile.name} has {target.ram_bytes:,} B; at most "
+                        f"{most:,} steps, fewer beside the model", field="--steps")
     if model is not None:  # a zoo model takes the batch's shape
         x, y = load_batch(data)
         module, shape = zoo_module(model), x.shape
@@ -166,14 +207,14 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
 
     network = striped(ram_bytes)
     classes = network.layers[network.output].elements // network.input_shape[0]
-    if (y < 0).any() or (y >= classes).any():
-        raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")
+    y = check_labels(y, classes)
     say("solving")
     # strips fit to the budget may leave a node too large for the tighter budget an arena's
     # fragmentation calls for: auto strips are then fit to that budget
     refit = strips == "auto" and network.graph.meta.get("strips")
-    plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode,
-                            graph_for=(lambda budget: striped(budget).graph) if refit else None)
+    with ctrl_c_ends_everything():
+        plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode,
+                                graph_for=(lambda budget: striped(budget).graph) if refit else None)
     network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
     return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress,
                         inputs=inputs)
@@ -308,6 +349,13 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
             scratch = scratch_bytes(generated.source)
             halo = f", the strips' scratch {scratch / 1024:,.1f} KiB" if scratch else ""
             needed = plan.arena.arena_bytes + weights + scratch + STACK_BYTES
+            losses = LOSS_BYTES * generated.steps
+            if needed + losses > target.ram_bytes and needed + LOSS_BYTES * 64 <= target.ram_bytes:
+                raise PoetError(f"the firmware keeps each step's loss in RAM ({LOSS_BYTES} B a step): "
+                                f"{generated.steps:,} steps need {losses / 1024:,.1f} KiB beside the "
+                                f"{needed / 1024:,.1f} KiB or more the plan, the weights and the stack take, and "
+                                f"{profile.name} has {target.ram_bytes / 1024:,.0f} KiB; at most about "
+                                f"{(target.ram_bytes - needed) // LOSS_BYTES:,} steps fit", field="--steps") from None
             raise PoetError(f"the firmware needs {needed / 1024:,.1f} KiB of RAM or more (arena "
                             f"{plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and their gradients "
                             f"{weights / 1024:,.1f} KiB{halo}, a {STACK_BYTES // 1024} KiB stack, norm statistics) "

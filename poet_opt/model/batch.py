@@ -3,17 +3,25 @@ first) and ``y`` (one integer class label per sample)."""
 
 from __future__ import annotations
 
+import math
 import zipfile
 from typing import Optional
 
 import numpy as np
 
-from poet_opt.errors import PoetError
+from poet_opt.errors import PoetError, TrainingDiverged
+
+# A batch is one training step's input, read whole into memory (and, for `emulate`, into the
+# firmware's flash image): far above any such batch, far below what would exhaust the machine.
+MAX_BATCH_BYTES = 1 << 30
 
 
 def load_batch(path, input_shape: Optional[tuple[int, ...]] = None) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` (float32, batch first) and ``y`` (integer class labels, one per sample) from an .npz."""
+    """``x`` (float32, batch first) and ``y`` (integer class labels, one per sample) from an .npz.
+    Each array's shape is read from its header and checked (against ``input_shape``, against the
+    bytes the file holds, against MAX_BATCH_BYTES) before any memory is set aside for it."""
     try:
+        _check_headers(path, input_shape)
         with np.load(path, allow_pickle=False) as data:
             if "x" not in data or "y" not in data:
                 raise PoetError(f"{path} holds {sorted(data.files)}; expected arrays 'x' and 'y'", field="--data")
@@ -31,3 +39,66 @@ def load_batch(path, input_shape: Optional[tuple[int, ...]] = None) -> tuple[np.
     if not np.isfinite(x).all():
         raise PoetError("x holds NaN or infinity", field="--data")
     return x, y
+
+
+def check_labels(y, classes: int) -> np.ndarray:
+    """The one rule for labels, `emulate`'s and `run`'s: one per sample, of any integer type, each
+    in [0, classes); returned as int64."""
+    y = np.asarray(y)
+    if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
+        raise PoetError(f"y has shape {y.shape} and type {y.dtype}; expected one integer class label per sample",
+                        field="--data")
+    if (y < 0).any() or (y >= classes).any():
+        raise PoetError(f"labels must lie in [0, {classes}) for this model's {classes} outputs", field="--data")
+    return y.astype(np.int64)
+
+
+def divergence(losses, weights) -> TrainingDiverged | None:
+    """Why a training run diverged, or None when every loss and weight is finite."""
+    bad = [k + 1 for k, v in enumerate(losses) if not math.isfinite(v)]
+    if bad:
+        return TrainingDiverged(f"training diverged: the loss is not finite from step {bad[0]}; try a smaller "
+                                "learning rate", field="--lr")
+    if any(not np.isfinite(w).all() for w in weights.values()):
+        return TrainingDiverged("training diverged: some trained weights are not finite; try a smaller learning "
+                                "rate", field="--lr")
+    return None
+
+
+def finite_or_none(value: float):
+    """A figure as JSON can carry it: NaN and infinity are not JSON, null is."""
+    return float(value) if math.isfinite(value) else None
+
+
+def _check_headers(path, input_shape) -> None:
+    """np.load sets aside the memory an array's header claims before reading its data: a 100-byte
+    file claiming shape (10**12,) would end in MemoryError."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        return  # np.load says what is wrong with it
+    with archive:
+        for info in archive.infolist():
+            name = info.filename[:-4] if info.filename.endswith(".npy") else None
+            if name not in ("x", "y"):
+                continue
+            with archive.open(info) as fh:
+                try:
+                    version = np.lib.format.read_magic(fh)
+                    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                            else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read(fh)
+                    header_bytes = fh.tell()
+                except (ValueError, TypeError, EOFError):
+                    return  # np.load says what is wrong with it
+            nbytes = math.prod(shape) * dtype.itemsize
+            shown = ",".join(map(str, shape))
+            if name == "x" and input_shape is not None and tuple(shape) != tuple(input_shape):
+                raise PoetError(f"x has shape {shown}, the model takes {','.join(map(str, input_shape))}",
+                                field="--data")
+            if nbytes > MAX_BATCH_BYTES:
+                raise PoetError(f"{name} has shape {shown}: {nbytes:,} B, more than a batch may hold "
+                                f"({MAX_BATCH_BYTES:,} B)", field="--data")
+            if nbytes > info.file_size - header_bytes:
+                raise PoetError(f"{name}'s header claims shape {shown} ({nbytes:,} B), but the file holds "
+                                f"{max(0, info.file_size - header_bytes):,} B of data", field="--data")

@@ -139,12 +139,20 @@ class TrainingGraph:
             if any(d >= k for d in deps):
                 raise ValueError(f"node {node.name} comes before one of its inputs in this order")
             nodes.append(replace(node, id=k, deps=deps, updates=tuple(new_id[p] for p in node.updates)))
-        return TrainingGraph(name=self.name, nodes=tuple(nodes), meta=dict(self.meta))
+        meta = dict(self.meta)
+        if meta.get("given_ids") is not None:  # by the ids of the graph it describes
+            meta["given_ids"] = [meta["given_ids"][old] for old in order]
+        return TrainingGraph(name=self.name, nodes=tuple(nodes), meta=meta)
 
     @staticmethod
-    def build(name: str, nodes: Iterable[Node], *, source: str | None = None, meta: dict | None = None) -> "TrainingGraph":
+    def build(name: str, nodes: Iterable[Node], *, source: str | None = None, meta: dict | None = None,
+              given_ids: dict | None = None) -> "TrainingGraph":
         """Check the structure (unique ids, known deps, no cycle, sane sizes), then renumber into a
-        topological order that keeps the given order wherever the dependencies allow."""
+        topological order that keeps the given order wherever the dependencies allow.
+
+        ``given_ids`` (a node's id here -> the id its user gave it, as in a graph file) are kept in
+        ``meta["given_ids"]``, by the new ids, so that a schedule names the user's own nodes; so are
+        those of a ``meta`` that already has them (a graph built on another: None for new nodes)."""
         nodes = list(nodes)
         if not nodes:
             raise PoetError("the graph has no nodes", source=source, field="nodes")
@@ -189,7 +197,12 @@ class TrainingGraph:
             node = nodes[pos]
             deps = tuple(sorted({new_id[d] for d in node.deps}))
             renumbered.append(replace(node, id=k, deps=deps, updates=tuple(new_id[p] for p in node.updates)))
-        return TrainingGraph(name=name, nodes=tuple(renumbered), meta=dict(meta or {}))
+        meta = dict(meta or {})
+        if given_ids is None and meta.get("given_ids") is not None:
+            given_ids = dict(enumerate(meta["given_ids"]))
+        if given_ids is not None:
+            meta["given_ids"] = [given_ids.get(nodes[pos].id) for pos in order]
+        return TrainingGraph(name=name, nodes=tuple(renumbered), meta=meta)
 
 
 def _topological_order(nodes: Sequence[Node], by_id: dict[int, int], source: str | None) -> list[int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from poet_opt.errors import PoetError, shown
 from poet_opt.model.graph import Node, TrainingGraph
-from poet_opt.units import MAX_BYTES, MAX_SECONDS
+from poet_opt.units import MAX_BYTES, MAX_QUANTITY
 
 
 def load_node_link(path) -> TrainingGraph:
@@ -54,8 +54,9 @@ def load_node_link(path) -> TrainingGraph:
         if "cost_ram" not in item:
             fail(f"missing (node {shown(node_id)}: its output size in bytes)", f"{where}.cost_ram")
         size = _cost(item["cost_ram"], f"{where}.cost_ram", node_id, fail, MAX_BYTES, "2^63 - 1 bytes")
-        seconds = _cost(item["cost_cpu"], f"{where}.cost_cpu", node_id, fail, MAX_SECONDS, f"{MAX_SECONDS:g} s") \
-            if item.get("cost_cpu") is not None else None
+        if item.get("cost_cpu") is None:  # not 0 s: a node that costs nothing must say so
+            fail(f"missing (node {shown(node_id)}: seconds to compute it)", f"{where}.cost_cpu")
+        seconds = _cost(item["cost_cpu"], f"{where}.cost_cpu", node_id, fail, MAX_QUANTITY, f"{MAX_QUANTITY:.4g} s")
         backward = item.get("backward", False)
         if backward not in (True, False):  # 0 and 1 pass too
             fail(f"must be true or false, got {shown(backward)}", f"{where}.backward")
@@ -63,6 +64,7 @@ def load_node_link(path) -> TrainingGraph:
         op = item.get("op", "")
         entries.append((node_id, name, kind, math.ceil(size), seconds, op if isinstance(op, str) else ""))
 
+    _check_time_sums([e[4] for e in entries], fail)
     # Integer ids are kept so that messages from the graph check name the ids the user wrote.
     all_int = all(isinstance(e[0], int) for e in entries)
     key = {e[0]: (e[0] if all_int else k) for k, e in enumerate(entries)}
@@ -89,7 +91,22 @@ def load_node_link(path) -> TrainingGraph:
     graph_info = raw.get("graph")
     name = graph_info.get("name") if isinstance(graph_info, dict) else None
     name = str(name) if name else Path(source).stem
-    return TrainingGraph.build(name, nodes, source=source, meta={"source": source, "format": "node-link"})
+    return TrainingGraph.build(name, nodes, source=source, meta={"source": source, "format": "node-link"},
+                               given_ids={key[e[0]]: e[0] for e in entries})
+
+
+def _check_time_sums(seconds: list[float], fail) -> None:
+    """Costs come in any unit: any time is taken as long as every sum the solver and the schedule
+    form stays within MAX_QUANTITY: a plan may run each of the n nodes up to n times, so n times
+    the total."""
+    n = len(seconds)
+    total = math.fsum(seconds)
+    if total * max(n, 1) <= MAX_QUANTITY:
+        return
+    k = max(range(n), key=lambda i: seconds[i])
+    fail(f"the nodes' times, each run up to {n} times, add up past what the solver can sum: all together "
+         f"at most {MAX_QUANTITY / n:.4g} s, got {shown(seconds[k])} here among {shown(total)} in all",
+         f"nodes[{k}].cost_cpu")
 
 
 def _read_json(source: str):

@@ -245,16 +245,26 @@ def _label(node) -> str:
     return name
 
 
+def _literal_list(text: str) -> list | None:
+    """A Python list literal from node metadata, or None for anything else (a scalar, a string,
+    text that is not a literal at all, one nested too deeply)."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    return list(value) if isinstance(value, (list, tuple)) else None
+
+
 def _dynamo_label(node) -> str | None:
     """torch's dynamo exporter records the module path of each node in its metadata."""
     props = {p.key: p.value for p in node.metadata_props}
     if "pkg.torch.onnx.name_scopes" not in props:
         return None
-    try:
-        scopes = [str(s) for s in ast.literal_eval(props["pkg.torch.onnx.name_scopes"]) if s]
-        classes = [str(c) for c in ast.literal_eval(props.get("pkg.torch.onnx.class_hierarchy", "[]"))]
-    except (ValueError, SyntaxError):
+    scopes = _literal_list(props["pkg.torch.onnx.name_scopes"])
+    classes = _literal_list(props.get("pkg.torch.onnx.class_hierarchy", "[]"))
+    if scopes is None or classes is None:  # metadata is the file's to say: a label is only a name
         return None
+    scopes, classes = [str(s) for s in scopes if s], [str(c) for c in classes]
     if not scopes:
         return None
     segments: list[str] = []

@@ -183,7 +183,9 @@ def _trace(torch, module):
 def _run(torch, module, graph, shape):
     """Every node's real value on a zero input (eval mode: batch norm uses its running statistics,
     so a batch of one works and the module's state is left alone)."""
-    gm = torch.fx.GraphModule(module, graph)
+    # The graph is interpreted on the module itself: a GraphModule would write submodule names into
+    # Python source, which torch.fx does without escaping (a quote, a newline or a trailing
+    # backslash in a name is a SyntaxError), and a name is the user's data, not code.
     values: dict = {}
 
     class Recorder(torch.fx.Interpreter):
@@ -199,7 +201,7 @@ def _run(torch, module, graph, shape):
     dtype = torch.long if _reads_token_ids(torch, graph, module) else torch.float32
     try:
         with torch.no_grad():
-            Recorder(gm).run(torch.zeros(shape, dtype=dtype))
+            Recorder(module, graph=graph).run(torch.zeros(shape, dtype=dtype))
     except Exception as exc:
         raise PoetError(f"running {type(module).__name__} on an input of shape {tuple(shape)} failed: "
                         f"{_one_line(exc)}", field="--input-shape") from None

@@ -89,6 +89,15 @@ class Schedule:
     def paged_nodes(self) -> list[int]:
         return sorted(self.decisions.page_out)
 
+    def given_ids(self) -> list:
+        """For each node of the plan, the id of the node it is in the graph as the user gave it: the
+        file's own ids for a graph file (its meta says them, in this graph's numbering), else its
+        position in the graph handed to the solver."""
+        given = self.graph.meta.get("given_ids")
+        if given is not None:
+            return list(given)
+        return list(self.order) if self.order else list(range(len(self.graph.nodes)))
+
     def to_dict(self) -> dict:
         c, p = self.costs, self.profile
         nodes = []
@@ -116,7 +125,7 @@ class Schedule:
                 "stack_reserve_bytes": p.memory.stack_reserve_bytes,
             },
             "graph": {"name": self.graph.name, "nodes": nodes,
-                      "given_ids": list(self.order) if self.order else list(range(len(nodes))),
+                      "given_ids": self.given_ids(),
                       # the whole input, batch first, where the importer knows it: lets `poet-opt run
                       # --schedule` say "another input shape" rather than only "other sizes"
                       "input_shape": _input_shape(self.graph)},

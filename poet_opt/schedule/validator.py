@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from poet_opt.errors import PoetError
+from poet_opt.units import MAX_QUANTITY
 
 FORMAT = "poet-opt/schedule@1"
 OPS = ("compute", "page_out", "page_in", "free")
@@ -30,9 +31,9 @@ TRAFFIC_KEYS = ("storage_read_bytes", "storage_written_bytes")
 MEMORY_KEYS = ("param_bytes", "param_grad_bytes", "working_peak_bytes", "total_bytes")
 REL_TOL, ABS_TOL = 1e-6, 1e-12
 # Sane limits, so that every sum over the steps stays finite (docs/schedule-format.md): sizes and
-# counts fit a signed 64-bit integer; times and energies, one node's or a total, at most 1e30.
+# counts fit a signed 64-bit integer; times and energies, one node's or a total, at most
+# units.MAX_QUANTITY (any 2^64 of them add up to a finite float).
 MAX_INTEGER = 2**63 - 1
-MAX_QUANTITY = 1e30
 # The device section's sizes and counts (docs/schedule-format.md); the last four must be positive.
 DEVICE_INTEGERS = ("ram_bytes", "bytes_per_element", "alignment_bytes", "storage_capacity_bytes",
                    "erase_block_bytes", "endurance_cycles", "stack_reserve_bytes")
@@ -63,7 +64,7 @@ def _number(value, where: str, source, *, integer=False, signed=False, most=None
         raise PoetError(f"{where} is {_shown(value)}; expected a {need}", source=source)
     most = most or (MAX_INTEGER if integer else MAX_QUANTITY)
     if abs(value) > most:
-        limit = "2^63 - 1" if most == MAX_INTEGER else f"{most:g}"
+        limit = "2^63 - 1" if most == MAX_INTEGER else f"{most:.4g}"
         raise PoetError(f"{where} is {_shown(value)}; expected at most {limit}", source=source)
     return int(value) if integer else float(value)
 

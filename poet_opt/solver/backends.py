@@ -67,17 +67,37 @@ def interrupted() -> bool:
     return _ACTIVE_FLAG is not None and _ACTIVE_FLAG.is_set()
 
 
+_CTRL_C_ENDS_ALL = threading.Event()
+
+
+@contextmanager
+def ctrl_c_ends_everything():
+    """Within it, Ctrl-C raises KeyboardInterrupt during a solve too, as it does everywhere else:
+    for a solve that is one step of a longer job (`emulate` and `run` compile and train after it),
+    where keeping the best plan so far would run the rest of the job on it after the user asked
+    the whole to stop."""
+    if _CTRL_C_ENDS_ALL.is_set():
+        yield
+        return
+    _CTRL_C_ENDS_ALL.set()
+    try:
+        yield
+    finally:
+        _CTRL_C_ENDS_ALL.clear()
+
+
 @contextmanager
 def interrupt_scope():
     """Ctrl-C asks the solver to stop and keep its incumbent instead of killing the process. One
     scope spans a whole solve: a Ctrl-C during one phase (a restricted MILP, a heuristic) is not
-    forgotten by the next, which then stops at once. Nested scopes share the outer flag."""
+    forgotten by the next, which then stops at once. Nested scopes share the outer flag. Inside
+    ``ctrl_c_ends_everything`` the scope leaves Ctrl-C alone, and its flag is never set."""
     global _ACTIVE_FLAG
     if _ACTIVE_FLAG is not None:
         yield _ACTIVE_FLAG
         return
     flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or _CTRL_C_ENDS_ALL.is_set():
         yield flag
         return
     previous = signal.getsignal(signal.SIGINT)
@@ -183,6 +203,9 @@ HIGHS_GRACE_REL = 0.01
 INTERRUPT_GRACE_S = 0.7
 HEARTBEAT_S = 3.0
 _ABANDONED: list[threading.Thread] = []
+# runs given up on because an exception (SIGTERM, a Ctrl-C that ends the command) left the wait,
+# or None for a signal that came while HiGHS held the model but ran nothing
+_CUT_SHORT: list[Optional[threading.Thread]] = []
 
 
 @atexit.register
@@ -200,17 +223,33 @@ def leave_now_if_abandoned(code: int, wait_s: float = 0.3) -> None:
     """Ends the process with ``code`` at once when a HiGHS run given up on (after a time limit or a
     Ctrl-C) is still inside HiGHS after ``wait_s`` more seconds: a command that must end now (exit
     130 within 2 s of a Ctrl-C) leaves by os._exit after flushing its output, since interpreter
-    shutdown would wait for that run, or crash when it comes back into Python. Otherwise returns."""
+    shutdown would wait for that run, or crash when it comes back into Python. So does one whose
+    run a signal cut short. Otherwise returns."""
     until = time.perf_counter() + wait_s
     for worker in _ABANDONED:
         worker.join(max(0.0, until - time.perf_counter()))
-    if any(worker.is_alive() for worker in _ABANDONED):
+    # A run cut short by a signal aborts the interpreter's shutdown even once it has returned
+    # (exit 134, "terminate called without an active exception": 3 in 8 SIGTERMs on ResNet-50 at
+    # 6-8 s, after the run had ended), so such a process always leaves by os._exit; everything it
+    # writes has landed or been removed by then.
+    if _CUT_SHORT or any(worker.is_alive() for worker in _ABANDONED):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 
 
 def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> SolveResult:
+    try:
+        return _run_highs(milp, time_limit, gap, threads, progress, start, settle)
+    except KeyboardInterrupt:
+        # A signal anywhere in here, before the run starts too (handing the model over takes
+        # seconds): a Highs object the traceback keeps until the interpreter shuts down aborts it
+        # (exit 134), so the command leaves by leave_now_if_abandoned
+        _CUT_SHORT.append(None)
+        raise
+
+
+def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> SolveResult:
     import highspy
 
     entered = time.perf_counter()
@@ -313,15 +352,25 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None) -
         wait_until = (math.inf if time_limit is None
                       else started + float(time_limit) + HIGHS_GRACE_S + HIGHS_GRACE_REL * float(time_limit))
         stop_seen = None
-        while worker.is_alive():
-            now = time.perf_counter()
-            if now >= wait_until:
-                break
-            if stop.is_set():
-                stop_seen = now if stop_seen is None else stop_seen
-                if now - stop_seen >= INTERRUPT_GRACE_S:
+        try:
+            while worker.is_alive():
+                now = time.perf_counter()
+                if now >= wait_until:
                     break
-            worker.join(min(0.2, max(0.0, wait_until - now)))
+                if stop.is_set():
+                    stop_seen = now if stop_seen is None else stop_seen
+                    if now - stop_seen >= INTERRUPT_GRACE_S:
+                        break
+                worker.join(min(0.2, max(0.0, wait_until - now)))
+        except BaseException:
+            # SIGTERM, or a Ctrl-C that ends the whole command: the run is given up on, so that
+            # the command leaves by leave_now_if_abandoned; an interpreter shutting down under a
+            # thread still inside HiGHS aborts (exit 134, "terminate called without an active
+            # exception") instead of exiting 143 or 130.
+            abandoned.set()
+            _ABANDONED.append(worker)
+            _CUT_SHORT.append(worker)
+            raise
         if worker.is_alive():
             abandoned.set()
             _ABANDONED.append(worker)

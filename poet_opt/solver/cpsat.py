@@ -243,47 +243,53 @@ def _run(job: dict, progress, began: float):
             finally:
                 frames.put(None)
 
-        reader = threading.Thread(target=read, name="cpsat-reader", daemon=True)
-        reader.start()
         try:
-            child.stdin.write(pickle.dumps(job))
-            child.stdin.write(b"\n")  # the job's end; the child then waits for a stop line or EOF
-            child.stdin.flush()
-        except BrokenPipeError:
-            pass
-        limit = job["time_limit"]
-        asked, killed = 0.0, False
-        result = None
-        while True:
+            reader = threading.Thread(target=read, name="cpsat-reader", daemon=True)
+            reader.start()
             try:
-                frame = frames.get(timeout=0.05)
-            except queue.Empty:
-                frame = ()
-            if frame is None:
-                break
-            if frame and frame[0] == "progress" and progress is not None:
-                inc, bnd, _ = frame[1:]
-                if not job["bound_is_proof"]:
-                    bnd = None  # the restricted model's bound says nothing about the problem
-                progress(Progress(time.perf_counter() - began, inc, bnd, relative_gap(inc, bnd), "cp-sat"))
-            elif frame and frame[0] in ("result", "error", "missing"):
-                result = frame
-                break  # the child exits on its own; no need to wait for its pipes to close
-            over = None if limit is None else time.perf_counter() - began - limit
-            if not asked and (stop.is_set() or (over is not None and over > STOP_GRACE_S)):
-                asked = time.perf_counter()
+                child.stdin.write(pickle.dumps(job))
+                child.stdin.write(b"\n")  # the job's end; the child then waits for a stop line or EOF
+                child.stdin.flush()
+            except BrokenPipeError:
+                pass
+            limit = job["time_limit"]
+            asked, killed = 0.0, False
+            result = None
+            while True:
                 try:
-                    child.stdin.write(b"stop\n")
-                    child.stdin.flush()
-                except (BrokenPipeError, OSError):
-                    pass
-            # a child that does not answer a stop in time (still starting up, on a loaded machine) is
-            # killed: at the time limit, or at once after Ctrl-C, which promises to stop in seconds
-            late = (over is not None and over > KILL_GRACE_S) or \
-                (stop.is_set() and asked and time.perf_counter() - asked > INTERRUPT_GRACE_S)
-            if not killed and late:
-                killed = True
-                child.kill()
+                    frame = frames.get(timeout=0.05)
+                except queue.Empty:
+                    frame = ()
+                if frame is None:
+                    break
+                if frame and frame[0] == "progress" and progress is not None:
+                    inc, bnd, _ = frame[1:]
+                    if not job["bound_is_proof"]:
+                        bnd = None  # the restricted model's bound says nothing about the problem
+                    progress(Progress(time.perf_counter() - began, inc, bnd, relative_gap(inc, bnd), "cp-sat"))
+                elif frame and frame[0] in ("result", "error", "missing"):
+                    result = frame
+                    break  # the child exits on its own; no need to wait for its pipes to close
+                over = None if limit is None else time.perf_counter() - began - limit
+                if not asked and (stop.is_set() or (over is not None and over > STOP_GRACE_S)):
+                    asked = time.perf_counter()
+                    try:
+                        child.stdin.write(b"stop\n")
+                        child.stdin.flush()
+                    except (BrokenPipeError, OSError):
+                        pass
+                # a child that does not answer a stop in time (still starting up, on a loaded machine) is
+                # killed: at the time limit, or at once after Ctrl-C, which promises to stop in seconds
+                late = (over is not None and over > KILL_GRACE_S) or \
+                    (stop.is_set() and asked and time.perf_counter() - asked > INTERRUPT_GRACE_S)
+                if not killed and late:
+                    killed = True
+                    child.kill()
+        except BaseException:
+            # SIGTERM, or a Ctrl-C that ends the whole command: no search may outlive the command
+            child.kill()
+            child.wait()
+            raise
         was_interrupted = stop.is_set()  # by the user, not by our own stop at the time limit
     try:
         child.stdin.close()  # EOF: the child's listener stops, if it still runs

@@ -1,0 +1,60 @@
+"""What the command does with SIGTERM and SIGINT before its own handlers are in place, and how a
+signal is recognised once a library has wrapped it in an error of its own.
+
+Importing click and the stages takes a second on a busy machine, and nothing is written before
+the command runs: a signal then ends the process at once, with the command's exit code (143 or
+130) and its one line. Imports nothing from poet_opt, so that cli.py can install it first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def leave_at_once(signum, frame) -> None:
+    how = "terminated" if signum == signal.SIGTERM else "interrupted"
+    os.write(2, f"poet-opt: {how}; nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
+def install_early(module_name: str) -> None:
+    """From cli.py's first lines, when it runs as the command (not when a test or a notebook imports it)."""
+    if module_name != "__main__" and os.path.basename(sys.argv[0]) != "poet-opt":
+        return
+    signal.signal(signal.SIGTERM, leave_at_once)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell ignores it
+        signal.signal(signal.SIGINT, leave_at_once)
+
+
+# How long a command has to end on its own after SIGTERM, its cleanup included, before it is ended.
+TERMINATE_GRACE_S = 5.0
+
+
+def end_unless_ended(code: int, after_s: float = TERMINATE_GRACE_S) -> None:
+    """A backstop for a signal whose exception got lost: raised while Python runs a __del__ or a
+    weakref callback, it is printed as "Exception ignored" and the program runs on (once in 30
+    signals: a SIGTERM 3.5 s into ResNet-50's solve ran it to its end, exit 0). Ends the process
+    with ``code`` ``after_s`` seconds on, unless it has ended by then."""
+    def later() -> None:
+        time.sleep(after_s)
+        os.write(2, b"poet-opt: terminated\n")
+        os._exit(code)
+
+    threading.Thread(target=later, name="poet-terminate", daemon=True).start()
+
+
+def signal_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (a Ctrl-C, or SIGTERM as the CLI raises it) an error was made from:
+    a signal inside a native extension's import comes back as "ImportError: initialization
+    failed" with the interrupt as its cause (pybind11), and is no internal error."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
