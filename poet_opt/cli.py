@@ -299,7 +299,8 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
 @click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
 @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
               help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
-@click.option("--time-limit", type=float, default=None, help="seconds for the solver; the best schedule so far is kept")
+@click.option("--time-limit", type=float, default=60.0, show_default=True,
+              help="seconds for the solver (solve has none; emulate always goes on to build and train)")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 @click.option("-o", "--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="keep the generated sources and the linked image (DIR/*.elf) here")

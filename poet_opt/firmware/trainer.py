@@ -125,7 +125,7 @@ class EmulatedTraining:
 
 def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
                      torch_model=None, input_shape=None, trainable="all", out_dir=None,
-                     time_limit: Optional[float] = None, mode: str = "joint", progress=None,
+                     time_limit: Optional[float] = 60.0, mode: str = "joint", progress=None,
                      weights: str = "resident", tile_bytes=None, strips="auto") -> EmulatedTraining:
     """Train ``steps`` SGD steps on the batch in ``data`` in firmware generated from the schedule
     that ``poet-opt solve --export`` would give, on the emulated ``device``.
