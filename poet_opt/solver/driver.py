@@ -26,6 +26,7 @@ from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime
 from poet_opt.solver.lns import MAX_NODES as LNS_MAX_NODES
 from poet_opt.solver.lns import improve
 from poet_opt.solver.residency import residency_bound
+from poet_opt.solver.time_budget import check_time_limit_fits, finish_s
 from poet_opt.units import format_bytes, format_seconds
 
 
@@ -116,7 +117,7 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
     if time_limit is not None and not (time_limit > 0):
         raise PoetError(f"the time limit must be positive, got {time_limit}", field="--time-limit")
     began = time.perf_counter()  # the time limit covers the starts and the build too, not just the MILP
-    _check_time_limit_fits(graph, time_limit)
+    check_time_limit_fits(graph, time_limit)
     costs = node_costs(graph, profile)
     budgets = resolve_budgets(graph, profile, costs, ram, runtime, min_lifetime_steps)
     if mode == "none":  # exact, and never below the working set
@@ -349,7 +350,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     candidates = starting_points(graph, costs, budgets, mode, good_enough=good_enough,  # the greedy loops replay
                                  deadline=None if time_limit is None else began + 0.3 * time_limit)  # per step
     solve_s = 0.0
-    reserve = 0.0 if time_limit is None else _finish_s(graph)  # replay, validation, summary: last
+    reserve = 0.0 if time_limit is None else finish_s(graph)  # replay, validation, summary: last
     gap_milp_fits = time_limit is None or GAP_MILP_BUILD_S_PER_NODE_SQUARED * len(graph) ** 2 <= 0.5 * (
         time_limit - (time.perf_counter() - began) - reserve)
     # The caller's plan (a Pareto sweep passes the budget below's) is one more candidate, so every
@@ -540,39 +541,6 @@ GAP_MILP_TIME_S = 10.0
 # Building the gap MILP, which cannot be stopped, takes about 3e-7 s x nodes^2 (1.2 s at 2000
 # nodes, 22 s at 10,000): not started unless it leaves as long again of the time limit.
 GAP_MILP_BUILD_S_PER_NODE_SQUARED = 4e-7
-# Replaying the chosen plan into steps, validating and summarising it, once every solver phase is
-# over: linear in the graph (about 2 s at 100,000 nodes on a quiet core, 5 s on a busy one); the
-# phases leave this much for it. On a large graph it is measured instead: FINISH_PASSES times one
-# plain-training pass over the graph, timed at the start of the solve (the same kind of Python
-# loop, so the ratio holds on a slow or busy machine too: 14 measured at 100,000 nodes).
-FINISH_S_PER_NODE = 6e-5
-FINISH_PASSES = 16
-# ... and the passes every solve makes before its first phase can give up (costs, working sets,
-# the execution orders' first sweep): measured 4 passes
-SETUP_PASSES = 4
-FINISH_MEASURED_FROM_NODES = 10_000
-_pass_s_per_node = [0.0]  # the last measured, on this machine as busy as it was then
-
-
-def _finish_s(graph: TrainingGraph) -> float:
-    return len(graph) * max(FINISH_S_PER_NODE, FINISH_PASSES * _pass_s_per_node[0])
-
-
-def _check_time_limit_fits(graph: TrainingGraph, time_limit: Optional[float]) -> None:
-    """A plan of a very large graph takes longer to replay and validate than a short limit allows
-    (a minute at 10^6 nodes on a busy machine): refused at once, naming the limit that would do,
-    rather than a solve that runs on past the limit it promised to keep."""
-    _pass_s_per_node[0] = 0.0
-    if time_limit is None or len(graph) < FINISH_MEASURED_FROM_NODES:
-        return
-    started = time.perf_counter()
-    graph.plain_peak_bytes()
-    _pass_s_per_node[0] = (time.perf_counter() - started) / len(graph)
-    finish = _finish_s(graph)
-    if finish + SETUP_PASSES * _pass_s_per_node[0] * len(graph) > time_limit:
-        raise NoScheduleFound(f"a plan of this {len(graph):,}-node graph takes about {finish:.0f} s on this machine "
-                              f"to replay, validate and report once found, more than the {time_limit:g} s limit; "
-                              f"give --time-limit {math.ceil(2 * finish)} or more", field="--time-limit")
 # The window relaxation's share of the time limit (poet_opt/solver/bounds.py), and its time without one
 # (the full MILP then runs to the optimum anyway: the window can only spare it when the start is
 # already within the gap). Below WINDOW_BOUND_MIN_DECISIONS binaries the full MILP proves more, sooner.
