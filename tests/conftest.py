@@ -68,3 +68,15 @@ def _no_hard_exit_in_the_test_process():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(backends, "leave_now_if_abandoned", lambda code, wait_s=0.3: None)
         yield
+
+
+@pytest.fixture
+def one_torch_thread():
+    """PyTorch on one thread: the CI machines are shared, and two threads spinning against other jobs
+    make a step ten times slower (a 4x8x8 convolution's backward took 0.23 s); the results do not
+    depend on it (the references train with the same setting)."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -43,14 +43,7 @@ STEPS, LR = 3, 0.05
 CNN = "poet_opt.examples.torch_models:tiny_cnn"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The CI machines are shared: two threads spinning against other jobs make a step ten times
-    # slower. The results do not depend on it (the reference trains with the same setting).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _seeded_resnet18():

@@ -29,14 +29,7 @@ STRUCTURAL = set(support.STRUCTURAL)
 LR = 0.05
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny tensors: PyTorch's thread pool costs more than it gives, and ten times more on a shared
-    # machine (a 4x8x8 convolution's backward took 0.23 s with threads spinning against other jobs)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- one probe per operator ------------------------------------------------------------------------
