@@ -277,6 +277,12 @@ def test_load_names_the_file_on_every_failure(tmp_path):
 
 # --- independence --------------------------------------------------------------------------------
 
+def test_the_validators_largest_quantity_is_the_loaders():
+    from poet_opt import units
+
+    assert validator.MAX_QUANTITY == units.MAX_QUANTITY
+
+
 def test_validator_imports_nothing_from_poet_opt_but_errors():
     tree = ast.parse(inspect.getsource(validator))
     for node in ast.walk(tree):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 from poet_opt.errors import PoetError
-from poet_opt.units import MAX_QUANTITY
 
 FORMAT = "poet-opt/schedule@1"
 OPS = ("compute", "page_out", "page_in", "free")
@@ -34,6 +34,9 @@ REL_TOL, ABS_TOL = 1e-6, 1e-12
 # counts fit a signed 64-bit integer; times and energies, one node's or a total, at most
 # units.MAX_QUANTITY (any 2^64 of them add up to a finite float).
 MAX_INTEGER = 2**63 - 1
+# units.MAX_QUANTITY, written out here: the validator shares no code with what it checks (a test
+# keeps the two equal)
+MAX_QUANTITY = sys.float_info.max / 2**64
 # The device section's sizes and counts (docs/schedule-format.md); the last four must be positive.
 DEVICE_INTEGERS = ("ram_bytes", "bytes_per_element", "alignment_bytes", "storage_capacity_bytes",
                    "erase_block_bytes", "endurance_cycles", "stack_reserve_bytes")
