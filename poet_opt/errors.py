@@ -69,3 +69,8 @@ class SolveInterrupted(NoScheduleFound):
     """Ctrl-C stopped the solver before it found any valid schedule."""
 
     exit_code = 130
+
+
+class DeadlinePassed(Exception):
+    """A long replay passed the ``time.perf_counter()`` deadline its caller gave: internal, caught
+    by the solver phase that set the deadline (which then leaves that plan out), never shown."""

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
+from poet_opt.errors import DeadlinePassed
 from poet_opt.device.media import packs_sectors, storage_erased, storage_occupied, wear_levelled
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.tiling import TILE_MARK
@@ -278,7 +280,9 @@ def plain_decisions(graph: TrainingGraph) -> Decisions:
     return Decisions(frozenset(), frozenset(), frozenset(), keep)
 
 
-def build_steps(graph: TrainingGraph, decisions: Decisions) -> list[dict]:
+def build_steps(graph: TrainingGraph, decisions: Decisions, deadline: Optional[float] = None) -> list[dict]:
+    """The plan as steps; raises DeadlinePassed once ``time.perf_counter()`` passes ``deadline``
+    (a plan with many recomputations replays for seconds at 10^5 nodes: sqrt(n)'s took 14 s)."""
     T = len(graph)
     nodes = graph.nodes
     recompute_at: dict[int, list[int]] = {}
@@ -301,6 +305,8 @@ def build_steps(graph: TrainingGraph, decisions: Decisions) -> list[dict]:
     steps: list[dict] = []
     resident: set[int] = set()
     for t in range(T):
+        if deadline is not None and t % 512 == 0 and time.perf_counter() > deadline:
+            raise DeadlinePassed
         computed = sorted(recompute_at.get(t, [])) + [t]
         paged_in = set(page_in_at.get(t, []))
         # last position in this stage at which each tensor is read or made

@@ -96,7 +96,7 @@ def sqrt_n_checkpoints(graph: TrainingGraph) -> set[int]:
     return kept
 
 
-def segment_decisions(graph: TrainingGraph, checkpoints: set[int]) -> Decisions:
+def segment_decisions(graph: TrainingGraph, checkpoints: set[int], deadline: Optional[float] = None) -> Decisions:
     """Keep the checkpoints (and every gradient); free every other forward tensor once the forward
     pass is done with it, and recompute it, with whatever it needs that is gone too, in the first
     later stage that reads it, keeping it until its last reader. A checkpoint stays in RAM until
@@ -105,14 +105,17 @@ def segment_decisions(graph: TrainingGraph, checkpoints: set[int]) -> Decisions:
     since they depend only on what the checkpoints cover)."""
     T, last = len(graph), graph.last_use()
     dropped = {n.id for n in graph.nodes if not n.is_backward and n.id not in checkpoints}
-    _, _, read_at = recompute_on_demand(graph, dropped, lambda i: T - 1 if i in checkpoints else last[i])
+    _, _, read_at = recompute_on_demand(graph, dropped, lambda i: T - 1 if i in checkpoints else last[i],
+                                        deadline=deadline)
     recompute, keep, _ = recompute_on_demand(
-        graph, dropped, lambda i: max(last[i], read_at.get(i, i)) if i in checkpoints else last[i])
+        graph, dropped, lambda i: max(last[i], read_at.get(i, i)) if i in checkpoints else last[i],
+        deadline=deadline)
     return Decisions(frozenset(recompute), frozenset(), frozenset(), keep)
 
 
-def sqrt_n_decisions(graph: TrainingGraph) -> Decisions:
-    return segment_decisions(graph, sqrt_n_checkpoints(graph))
+def sqrt_n_decisions(graph: TrainingGraph, deadline: Optional[float] = None) -> Decisions:
+    """Raises DeadlinePassed once ``time.perf_counter()`` passes ``deadline``."""
+    return segment_decisions(graph, sqrt_n_checkpoints(graph), deadline=deadline)
 
 
 def dtr_decisions(graph: TrainingGraph, costs: NodeCosts, ram_bytes: float,

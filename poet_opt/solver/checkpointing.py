@@ -4,6 +4,10 @@ greedy heuristics and the sqrt(n) and DTR baselines build their plans on."""
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
+from poet_opt.errors import DeadlinePassed
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Decisions, Keep
 
@@ -16,12 +20,13 @@ def checkpoint_decisions(graph: TrainingGraph, dropped: set[int]) -> Decisions:
     return Decisions(frozenset(recompute), frozenset(), frozenset(), keep)
 
 
-def recompute_on_demand(graph: TrainingGraph, dropped: set[int], kept_until=None):
+def recompute_on_demand(graph: TrainingGraph, dropped: set[int], kept_until=None, deadline: Optional[float] = None):
     """The replay behind checkpointing: each forward tensor in `dropped` is freed once the forward
     pass no longer reads it and recomputed, with whatever it needs that is gone too, in the first
     later stage that reads it; every other tensor stays resident until stage ``kept_until(i)``
     (default: its last reader). Returns the (stage, node) recomputations, the keeps (a Keep), and
-    per tensor the last stage that reads it, recomputations included."""
+    per tensor the last stage that reads it, recomputations included. Raises DeadlinePassed once
+    ``time.perf_counter()`` passes ``deadline``."""
     nodes, users = graph.nodes, graph.users()
     last = graph.last_use()
     resident_until = {}  # i -> last stage in which i is resident (from its latest materialization)
@@ -38,6 +43,8 @@ def recompute_on_demand(graph: TrainingGraph, dropped: set[int], kept_until=None
         resident_until[i] = end
 
     for t in range(len(graph)):
+        if deadline is not None and t % 512 == 0 and time.perf_counter() > deadline:
+            raise DeadlinePassed
         needed, stack = set(), [d for d in nodes[t].deps if resident_until.get(d, -1) < t]
         while stack:
             i = stack.pop()

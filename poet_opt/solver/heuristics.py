@@ -11,6 +11,7 @@ import time
 from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
+from poet_opt.errors import DeadlinePassed
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import (Budgets, Decisions, Keep, build_steps, paged_erased_bytes,
                                          paged_region_bytes, plain_decisions, storage_limits, totals_of)
@@ -262,14 +263,21 @@ def _fitting_baselines(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets,
     def late() -> bool:
         return interrupted() or (deadline is not None and time.perf_counter() > deadline)
 
-    plans = [None if late() else sqrt_n_decisions(graph)]
+    plans = []
+    try:
+        plans.append(None if late() else sqrt_n_decisions(graph, deadline=deadline))
+    except DeadlinePassed:
+        pass
     plans.append(None if late() else dtr_decisions(graph, costs, budgets.ram_bytes, deadline=deadline))
     fitting = []
     for d in plans:
         if d is None or (beat is not None and plan_energy_j(graph, costs, d) >= beat):
             continue
         d = without_idle_keeps(graph, d)
-        totals = totals_of(graph, costs, build_steps(graph, d))
+        try:  # sqrt(n)'s plan at 10^5 nodes replays for 14 s, past any deadline a 30 s limit sets
+            totals = totals_of(graph, costs, build_steps(graph, d, deadline=deadline))
+        except DeadlinePassed:
+            continue
         if totals["peak_ram_bytes"] <= budgets.ram_bytes and totals["runtime_s"] <= budgets.runtime_s:
             fitting.append(d)
     return fitting
