@@ -366,6 +366,46 @@ def test_firmware_chain_equals_torch(tiling, tmp_path):
     assert CHAIN_OPS[tiling] <= ran, CHAIN_OPS[tiling] - ran
 
 
+def _run(factory, shape, tmp_path, **kw):
+    """`poet-opt run` (run_training) on the chain, one step, against torch.optim.SGD."""
+    from poet_opt.executor.train import run_training
+
+    rng = np.random.default_rng(3)
+    data = tmp_path / "batch.npz"
+    np.savez(data, x=rng.standard_normal(shape).astype(np.float32), y=rng.integers(0, 3, shape[0]))
+    result = run_training(torch_model=factory, input_shape=",".join(map(str, shape)), device="nrf52840",
+                          ram="200KiB", steps=1, lr=LR, data=data, **kw)
+    module = factory()
+    with np.load(data) as d:
+        x, yy = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    module.train()
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    F.cross_entropy(module(x), yy).backward()
+    opt.step()
+    reference = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    assert set(result.weights) == set(reference)
+    largest = max(float(np.abs(w).max()) for w in reference.values())
+    worst = max(float(np.abs(result.weights[n] - w).max()) for n, w in reference.items())
+    assert worst <= 1e-6 * max(1.0, largest), worst
+    return result.schedule
+
+
+@pytest.mark.parametrize("tiling", ["strips", "slices"])
+def test_executor_chain_equals_torch(tiling, tmp_path):
+    """`poet-opt run` trains the firmware's chain with weight slices (and strips of them) through the
+    tiled executor, equal to PyTorch: every operator support.py says the executor runs in that tiling."""
+    kw = {"strips": {"weights": "streamed", "strips": 2, "weight_tile": "512B"},
+          "slices": {"weights": "streamed", "weight_tile": "256B", "strips": "off"}}[tiling]
+    doc = _run(_chain, (2, 3, 8, 8), tmp_path, **kw)
+    doc = doc.to_dict() if hasattr(doc, "to_dict") else doc
+    names = [n["name"] for n in doc["graph"]["nodes"]]
+    assert any("#" in n for n in names), "the plan has weight slices"
+    assert (tiling == "strips") == any("@s" in n for n in names), "strips only where asked"
+    claimed = {s.name for s in ops.specs() if support.runs(s, tiling, "executor")} - STRUCTURAL
+    in_chain = CHAIN_OPS[tiling] if tiling == "slices" else CHAIN_OPS["strips"]
+    assert claimed <= in_chain | {s.name for s in ops.specs() if s.split == "elementwise"}, claimed - in_chain
+
+
 # -- activation strips --------------------------------------------------------------------------------
 
 def _zoo_probe(name: str):
@@ -499,7 +539,7 @@ def test_rows(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_slices(name):
     """Weight slices cut the output features of the registry's sliceable layers; every other
-    operator stays whole in a sliced graph. The executor refuses slices, naming the option."""
+    operator stays whole in a sliced graph."""
     spec = ops.spec(name)
     made = probe(name)
     if made is None:
@@ -517,12 +557,10 @@ def test_slices(name):
     if "slices" in spec.tiled and name != "concat":  # concat is what joins the slices
         assert name in sliced, f"{name}: not sliced"
         _graph_backends(graph, name)
-    from poet_opt.executor.train import prepare  # noqa: F401 (the executor's entry)
-
-    with pytest.raises(PoetError, match="--weight-tile|weight tiles"):
-        lower_network(module, shape, views=True, weights="streamed", tile_bytes=64)
-    assert not support.runs(spec, "slices", "executor")
+    # the firmware and the executor (executor/tiled.py, `poet-opt run`) run the same sliced layers,
+    # each checked against torch by its chain test
     assert (name in CHAIN_OPS["slices"]) == support.runs(spec, "slices", "firmware")
+    assert (name in CHAIN_OPS["slices"]) == support.runs(spec, "slices", "executor")
 
 
 def test_the_docs_table_is_the_registrys():

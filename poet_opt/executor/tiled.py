@@ -27,17 +27,25 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, StepStats, Storage, check_schedule
+from poet_opt.model import ops as registry
 from poet_opt.model.network import Network
+from poet_opt.model.ops import support
 
-# The layers executor/strips.py replays (forward, data and weight gradient). Anything else is
-# refused before training, naming the node, rather than failing half way through a step.
-STRIP_OPS = {"input", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "relu", "add", "concat", "linear"}
+# The layers executor/strips.py replays (forward, data and weight gradient) besides the elementwise
+# operators it runs from their registry entry. Anything else is refused before training, naming
+# the node, rather than failing half way through a step.
+STRIP_OPS = {"input", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "add", "concat", "linear"}
+
+
+def replays(op: str) -> bool:
+    spec = registry.get(op)
+    return op in STRIP_OPS or (spec is not None and support.runs(spec, "strips", "executor"))
 
 
 def check_runnable(network: Network) -> None:
     """Refuse, before any solve, a streamed network with a layer the strip replay has no kernel for."""
     for name, info in network.graph.meta["strips"]["layers"].items():
-        if info["op"] not in STRIP_OPS:
+        if not replays(info["op"]):
             raise PoetError(f"layer {name!r} ({info['op']}) has no strip kernel in the PyTorch executor, which runs "
                             "streamed weights through them; with --weights resident it runs whole layers, if they "
                             "fit (poet-opt emulate trains the streamed plan in firmware)", field="--weights")

@@ -47,13 +47,13 @@ FIRMWARE = {
     "slices": {"conv2d", "linear", "concat"},
 }
 # The PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
-# (executor/strips.py) for strips; row plans and weight slices it refuses.
+# (executor/strips.py, walked by executor/tiled.py) for strips and weight slices; row plans it refuses.
 EXECUTOR = {
     "whole": {"copy", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
               "softmax", "attention"},
     "strips": {"concat", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
     "rows": set(),  # checked by tests/test_rows.py for the zoo's own transformers only
-    "slices": set(),  # the executor replays whole layers; it refuses weight slices
+    "slices": {"conv2d", "linear", "concat"},
 }
 
 
