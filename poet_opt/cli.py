@@ -26,6 +26,7 @@ import click  # noqa: E402
 
 from poet_opt import __version__  # noqa: E402
 from poet_opt.errors import PoetError  # noqa: E402
+from poet_opt.solver.time_budget import parse_time_limit  # noqa: E402
 from poet_opt.schedule.fit import (check_fits_device, check_ram_within_device, check_weights_fit, check_weights_stored,
                                    device_fit)
 
@@ -190,7 +191,9 @@ def WEIGHTS_OPTION(command):
 @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True)
 @click.option("--solver", "backend", type=click.Choice(["highs", "cbc", "gurobi", "cpsat"]), default="highs", show_default=True,
               help="cpsat: OR-Tools CP-SAT on a retention-interval model (docs/cpsat.md), pip extra [cpsat]")
-@click.option("--time-limit", type=float, default=None, help="seconds; the best schedule found so far is kept")
+@click.option("--time-limit", default=None, metavar="SECONDS|none",
+              help="seconds for the solver (default 60, as run and emulate); the best schedule found so far is kept; "
+                   "none: wait for the proof")
 @click.option("--order", type=click.Choice(["auto", "given"]), default="auto", show_default=True,
               help="execution order: auto also tries orders that hold less in RAM at once; given keeps the graph's")
 @click.option("--gap", type=float, default=1e-3, show_default=True,
@@ -245,8 +248,8 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
     if export_file is not None:
         _check_writable(export_file, field="--export")
         _check_prefix(prefix)
-    solve_kwargs = dict(runtime=runtime, mode=mode, backend=backend, time_limit=time_limit, gap=gap, order=order,
-                        model_name=name, progress=None if quiet else print_progress,
+    solve_kwargs = dict(runtime=runtime, mode=mode, backend=backend, time_limit=parse_time_limit(time_limit), gap=gap,
+                        order=order, model_name=name, progress=None if quiet else print_progress,
                         min_lifetime_steps=min_lifetime_steps)
     firmware = None
     if export_file is None:
@@ -299,8 +302,9 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
 @click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
 @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
               help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
-@click.option("--time-limit", type=float, default=60.0, show_default=True,
-              help="seconds for the solver (solve has none; emulate always goes on to build and train)")
+@click.option("--time-limit", default=None, metavar="SECONDS|none",
+              help="seconds for the solver (default 60, as solve and run; emulate then goes on to build and train "
+                   "with the best plan found); none: wait for the proof")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 @click.option("-o", "--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="keep the generated sources and the linked image (DIR/*.elf) here")
@@ -326,7 +330,7 @@ def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, traina
     say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
     result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                               steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
-                              time_limit=time_limit, progress=say, weights=weights, tile_bytes=weight_tile,
+                              time_limit=parse_time_limit(time_limit), progress=say, weights=weights, tile_bytes=weight_tile,
                               strips=strips)
     if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
         write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
@@ -516,7 +520,8 @@ def _table(rows) -> str:
 @click.option("--ram", "ram_list", default=None, help="explicit budgets instead of a range: 256KB,512KB,1MB")
 @click.option("--runtime", default=None, help="runtime budget for every point: 1.2x (of plain training) or 2.5s")
 @click.option("--modes", default="joint", show_default=True, help="comma-separated: joint, remat, paging, none")
-@click.option("--time-limit", type=float, default=60.0, show_default=True, help="seconds per point")
+@click.option("--time-limit", default=None, metavar="SECONDS|none",
+              help="seconds per point (default 60, as solve); none: wait for each point's proof")
 @click.option("--order", type=click.Choice(["auto", "given"]), default="auto", show_default=True,
               help="execution order: auto also tries orders that hold less in RAM at once; given keeps the graph's")
 @click.option("--gap", type=float, default=1e-3, show_default=True, help="relative gap at which a point stops")
@@ -564,8 +569,7 @@ def pareto(model, graph_file, devices, ram_from, ram_to, points, ram_list, runti
     for m in mode_list:
         if m not in ("joint", "remat", "paging", "none"):
             raise PoetError(f"unknown mode {m!r}; choose from joint, remat, paging, none", field="--modes")
-    if time_limit is not None and not time_limit > 0:
-        raise PoetError(f"must be positive, got {time_limit}", field="--time-limit")
+    time_limit = parse_time_limit(time_limit)
     if not gap >= 0:
         raise PoetError(f"must be >= 0, got {gap}", field="--gap")
     if jobs is not None and jobs < 1:

@@ -137,24 +137,38 @@ def test_the_weights_live_on_storage_and_are_updated_there(batch, tmp_path):
     assert not any((tmp_path / "card").iterdir())
 
 
-def test_a_plan_solved_with_other_tiling_options_is_refused_naming_them(batch, tmp_path):
+def test_run_follows_the_tiling_of_its_plan_and_refuses_other_tiling_options(batch, tmp_path):
+    """The plan file says how its network was cut (graph.tiling: the weight tile, the strips per
+    height): `run --schedule` lowers the module the same way without being told again, and an
+    option that cuts it otherwise is refused naming it."""
     plan = tmp_path / "plan.json"
     solved = cli("solve", "--torch", SPEC, "--input-shape", SHAPE, "--device", "nrf52840", "--ram", "160KiB",
                  "--weight-tile", "1KiB", "--time-limit", "2", "-q", "--out", plan)
     assert solved.exit_code == 0, solved.stderr
+    tiling = json.loads(plan.read_text())["graph"]["tiling"]
+    assert tiling["weight_tile_bytes"] == 1024 and tiling["strips_per_height"], tiling
     ran = cli("run", "--torch", SPEC, "--input-shape", SHAPE, "--schedule", plan, "--steps", "1", "--lr", LR,
               "--data", batch)
+    assert ran.exit_code == 0, ran.stderr
+    ran = cli("run", "--torch", SPEC, "--input-shape", SHAPE, "--schedule", plan, "--steps", "1", "--lr", LR,
+              "--data", batch, "--weight-tile", "4KiB")
     assert_one_line_error(ran, "--schedule: the plan is for another model", "--weight-tile")
 
 
 def test_run_refuses_what_its_strip_replay_cannot_run_in_one_line(tmp_path):
-    """tiny_cnn at 192x192 needs strips on the nRF52840, and its ReLU6 has no strip kernel in the
-    PyTorch executor: one line naming the layer, before any solve."""
-    data = tmp_path / "big.npz"
-    np.savez(data, x=np.zeros((1, 3, 192, 192), np.float32), y=np.zeros(1, np.int64))
-    result = cli("run", "--torch", "poet_opt.examples.torch_models:tiny_cnn", "--input-shape", "1,3,192,192",
-                 "--device", "nrf52840", "--ram", "200KiB", "--steps", "1", "--lr", "0.1", "--data", data)
-    assert_one_line_error(result, "relu6", "no strip kernel in the PyTorch executor")
+    """A LeakyReLU between strips: the strip builder splits it, the PyTorch executor's strip replay
+    has no kernel for it (docs/operators.md): one line naming the layer, before any solve."""
+    (tmp_path / "leaky.py").write_text(
+        "import torch.nn as nn\n"
+        "def make():\n"
+        "    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.LeakyReLU(), nn.Conv2d(4, 4, 3, padding=1),\n"
+        "                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))\n")
+    data = tmp_path / "small.npz"
+    np.savez(data, x=np.zeros((1, 1, 16, 16), np.float32), y=np.zeros(1, np.int64))
+    result = cli("run", "--torch", str(tmp_path / "leaky.py") + ":make", "--input-shape", "1,1,16,16",
+                 "--device", "nrf52840", "--ram", "200KiB", "--weights", "streamed", "--strips", "2", "--steps", "1",
+                 "--lr", "0.1", "--data", data)
+    assert_one_line_error(result, "LeakyReLU", "the PyTorch executor streams weights only through")
     with pytest.raises(PoetError) as err:
         lower_for_run(SPEC, SHAPE, ram_bytes=RAM, strips=0, **NRF)
     assert err.value.field == "--strips"

@@ -137,3 +137,29 @@ def test_solve_gives_resnet18_the_same_graph_from_the_zoo_and_from_torch():
     assert zoo.meta["strips"]["per_height"] == traced.meta["strips"]["per_height"]
     assert [(n.name, n.kind, n.bytes, n.deps, n.flops) for n in zoo.nodes] == \
         [(n.name, n.kind, n.bytes, n.deps, n.flops) for n in traced.nodes]
+
+
+def test_the_importer_and_the_strip_builder_slice_the_same_features():
+    """`solve --torch` without strips lowers through the importer (batch-first shapes), `run` through
+    the strip builder (per-sample shapes, strips=1): the same nodes, sizes, inputs and trainable
+    flags, and no slice over the tile. The importer's convolutions were once sliced over the batch
+    axis (2 slices of 2,304 B at a 2 KiB tile; the strip builder cut 3 over the channels)."""
+    import torch
+
+    from poet_opt.examples.torch_models import tiny_cnn
+    from poet_opt.model.network import lower_network
+    from poet_opt.model.torch_import import import_torch
+
+    torch.manual_seed(0)
+    module = tiny_cnn()
+    tile = 2048
+    imported = import_torch(module, (2, 3, 32, 32), weights="streamed", tile_bytes=tile)
+    lowered = lower_network(module, (2, 3, 32, 32), weights="streamed", strips=1, tile_bytes=tile).graph
+
+    def nodes(g):
+        return sorted((n.name, n.bytes, n.trainable, tuple(sorted(g.nodes[d].name for d in n.deps))) for n in g.nodes)
+
+    assert nodes(imported) == nodes(lowered)
+    params = [n for n in imported.nodes if n.op == "param"]
+    assert any("#" in n.name for n in params), "the tile is small enough to slice some layer"
+    assert all(n.bytes <= tile for n in params if "#" in n.name)

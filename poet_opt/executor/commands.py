@@ -13,6 +13,7 @@ import sys
 import click
 
 from poet_opt.errors import PoetError
+from poet_opt.solver.time_budget import parse_time_limit
 
 
 def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> None:
@@ -34,8 +35,9 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
     @click.option("--runtime", default=None, help="runtime budget: a multiple of plain training (1.2x) or a time "
                   "(2.5s); default: no limit")
     @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True)
-    @click.option("--time-limit", type=float, default=None, help="seconds for the solver; the best schedule found "
-                  "so far is kept")
+    @click.option("--time-limit", default=None, metavar="SECONDS|none",
+                  help="seconds for the solver (default 60, as solve and emulate); the best schedule found so far is "
+                       "kept; none: wait for the proof")
     @click.option("--trainable", default="all", show_default=True,
                   help="layers to fine-tune: all, last:N (the last N layers with weights) or NAME,NAME,...")
     @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
@@ -82,7 +84,9 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
         result = run_training(torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram, steps=steps,
                               lr=lr, data=data, storage=storage, schedule=schedule_file, costs=costs_file,
                               runtime=runtime, mode=mode if given_mode or schedule_file is None else None,
-                              time_limit=time_limit, trainable=trainable, progress=say, weights=weights,
+                              # with --schedule there is no solve: a limit given is refused, not defaulted
+                              time_limit=time_limit if schedule_file else parse_time_limit(time_limit),
+                              trainable=trainable, progress=say, weights=weights,
                               weight_tile=weight_tile, strips=strips)
         diverged = result.diverged
         if weights_out is not None and not diverged:  # NaN weights are no one's trained model

@@ -98,7 +98,7 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
 
     if weights not in ("auto", "resident", "streamed"):
         raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
-    strips = strips_value(strips)
+    strips = strips if isinstance(strips, dict) else strips_value(strips)  # a dict: a plan's {H: N}
     module, name = resolve_module(torch_model)  # once: a factory would give other initial weights each call
     resident = prepare(module, input_shape, trainable=trainable, name=name)
     if weights == "resident" or weights == "auto" and not needs_streaming(resident.graph, device_ram_bytes,
@@ -126,7 +126,8 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         need = g.param_bytes + g.param_grad_bytes + stack_reserve_bytes + g.min_working_set_bytes()
         where = f" of the device's {format_bytes(device_ram_bytes)}" if device_ram_bytes is not None else ""
         raise PoetError(f"{exc.message.split(';')[0]}: the PyTorch executor streams weights only through the strip "
-                        f"builder's layers (convolution, pooling, batch norm, ReLU, add, concat, linear); with "
+                        f"builder's layers (convolution, pooling, batch norm, the activations of docs/operators.md, add, "
+                        f"concat, linear); with "
                         f"--weights resident the weights, their gradients, the stack reserve and the smallest working "
                         f"set need {format_bytes(need)}{where}", field="--weights") from None
     too_big = device_ram_bytes is not None and \
@@ -205,6 +206,12 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
             weights = doc.get("memory", {}).get("weights", "auto")
         memory = doc["device"]
         device_ram, stack, ram_bytes = memory["ram_bytes"], memory["stack_reserve_bytes"], doc["budgets"]["ram_bytes"]
+        # and how it was cut: the weight tile and the strips the plan's nodes were solved with
+        tiling = doc["graph"].get("tiling") or {}
+        if weight_tile is None and tiling.get("weight_tile_bytes") is not None:
+            weight_tile = f"{int(tiling['weight_tile_bytes'])}B"
+        if strips_value(strips) == "auto" and "strips_per_height" in tiling:
+            strips = {int(h): int(k) for h, k in tiling["strips_per_height"].items()} or 1
     else:
         from poet_opt.units import parse_size
 

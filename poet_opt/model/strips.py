@@ -118,9 +118,13 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
     nodes: list[Node] = []
     info: dict[str, dict] = {}
     next_id = [0]
+    # a trained layer's forward nodes are trainable, as in the zoo's graph without strips: one network
+    # lowered with strips=1 or without them is the same graph (run checks a plan's against its own)
+    trained = {ops[i].name for i in train}
 
     def add(nm: str, kind: str, nbytes: int, deps, flops: float, op: str, record: dict, *, updates=(),
             writes=0, trainable=False) -> int:
+        trainable = trainable or (record.get("role") == "forward" and record.get("layer") in trained)
         i = next_id[0]
         next_id[0] += 1
         nodes.append(Node(i, nm, kind, int(nbytes), tuple(sorted(set(deps))), float(flops), op, 0, trainable,

@@ -27,7 +27,7 @@ def tile_count(op, bytes_per_element: int, max_weight_bytes: int | None) -> int:
     """How many slices keep each slice's weights within ``max_weight_bytes`` (1: no tiling)."""
     if max_weight_bytes is None or op.op not in TILEABLE or op.params * bytes_per_element <= max_weight_bytes:
         return 1
-    features = op.shape[0] if op.op == "conv2d" else op.shape[-1]
+    features = op.shape[feature_axis(op)]
     # whole features per slice, so that the largest slice (slices differ by one feature) stays
     # within the size: dividing the bytes alone left slices one feature over it
     per_feature = op.params * bytes_per_element / features
@@ -52,7 +52,7 @@ def tile_weights(ops: Sequence, train: set[int], bytes_per_element: int,
             if i in train:
                 trained.add(new_index[i])
             continue
-        axis = 0 if op.op == "conv2d" else len(op.shape) - 1  # conv: channels; linear, embedding: last
+        axis = feature_axis(op)
         features = op.shape[axis]
         tile_ids = []
         for j, (lo, hi) in enumerate(slices(features, k)):
@@ -69,6 +69,14 @@ def tile_weights(ops: Sequence, train: set[int], bytes_per_element: int,
         out.append(replace(op, op="concat", inputs=tuple(tile_ids), flops=float(math.prod(op.shape)), params=0,
                            saves=""))
     return out, trained, tiles_of
+
+
+def feature_axis(op) -> int:
+    """The axis of a layer's output features: a convolution's channels, C of (C, H, W) per sample
+    or of (N, C, H, W) with the batch (the zoo shapes per sample, the torch importer with the batch:
+    taking axis 0 for both once sliced the importer's convolutions over the batch); the last axis of
+    a linear layer or an embedding."""
+    return len(op.shape) - 3 if op.op == "conv2d" else len(op.shape) - 1
 
 
 def slices(n: int, k: int) -> list[tuple[int, int]]:

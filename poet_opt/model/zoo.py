@@ -429,6 +429,8 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
         from poet_opt.model.tiling import tile_weights
 
         ops, train, tiles = tile_weights(ops, train, bpe, tile_bytes)
+        # the plan file keeps it: `run --schedule` and `emulate` lower the network again, slices alike
+        meta = {**meta, "weight_tile_bytes": int(tile_bytes)}
     needs_grad = []
     for i, o in enumerate(ops):  # inputs come first, so one pass settles "f or an ancestor trains"
         needs_grad.append(i in train or any(needs_grad[j] for j in o.inputs))

@@ -128,7 +128,9 @@ class Schedule:
                       "given_ids": self.given_ids(),
                       # the whole input, batch first, where the importer knows it: lets `poet-opt run
                       # --schedule` say "another input shape" rather than only "other sizes"
-                      "input_shape": _input_shape(self.graph)},
+                      "input_shape": _input_shape(self.graph),
+                      # how the network was cut (streamed weights): what lowers it again to these nodes
+                      **_tiling(self.graph)},
             "budgets": {
                 "ram_bytes": int(self.budgets.ram_bytes),
                 # null: no runtime limit (JSON has no infinity)
@@ -142,6 +144,16 @@ class Schedule:
             "plain": self.plain,
             "solver": self.solver,
         }
+
+
+def _tiling(graph: TrainingGraph) -> dict:
+    """The weight tile and the strips per activation height a streamed graph was cut with."""
+    meta = graph.meta
+    if meta.get("weights") != "streamed":
+        return {}
+    strips = (meta.get("strips") or {}).get("per_height") or {}
+    return {"tiling": {"weight_tile_bytes": meta.get("weight_tile_bytes"),
+                       "strips_per_height": {str(h): int(k) for h, k in strips.items()}}}
 
 
 def _input_shape(graph: TrainingGraph) -> Optional[list]:
