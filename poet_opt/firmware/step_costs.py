@@ -53,6 +53,7 @@ class FirmwareCosts:
     paging_cycles: int  # the page-out and page-in steps, and reading streamed weights (param:)
     instructions: int
     skipped: list[str] = field(default_factory=list)  # nodes left to the storage model
+    plan: object = None  # the FirmwarePlan that ran (its .schedule is ``schedule``)
 
     @property
     def outside_cycles(self) -> int:
@@ -143,4 +144,4 @@ def measure_firmware(module, shape, device, *, ram, name=None, trainable="all", 
     return FirmwareCosts(network=network, schedule=plan.schedule, device=profile.name, clock_hz=float(clock),
                          power_w=float(profile.compute.power_w), nodes=measured, step_cycles=int(result.cycles),
                          schedule_cycles=int(result.marks[-1][1] - result.marks[0][1]), paging_cycles=paging,
-                         instructions=int(result.instructions), skipped=skipped)
+                         instructions=int(result.instructions), skipped=skipped, plan=plan)
