@@ -107,3 +107,23 @@ def test_marks_split_one_pass_of_the_schedule_and_nothing_else():
     assert cycles_per_step([(0, 10), (1, 25), (3, 40)], 3) == {0: 15, 1: 15}
     with pytest.raises(Exception, match="one pass"):
         cycles_per_step([(0, 10), (1, 25), (0, 30), (3, 40)], 3)
+
+
+def test_the_profiling_build_trains_to_the_same_bits_and_marks_every_step_also_as_a_program():
+    profile = load_profile("nrf52840")
+    network, plan = solve_plan(tiny_cnn(), (2, 3, 16, 16), profile, ram=RAM)
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal(network.input_shape).astype(np.float32), np.array([0, 2])
+    from poet_opt.firmware.trainer import run_schedule
+
+    plain = run_schedule(network, plan, profile, steps=2, lr=0.05, x=x, y=y)
+    steps = plan.schedule.to_dict()["steps"]
+    marked = [s for s, step in enumerate(steps) if step["op"] != "free"] + [len(steps)]
+    for program in (False, True):
+        profiled = run_schedule(network, plan, profile, steps=2, lr=0.05, x=x, y=y, marks=True, program=program)
+        assert profiled.losses == plain.losses
+        assert all(np.array_equal(profiled.weights[k], v) for k, v in plain.weights.items())
+        assert [m for m, _ in profiled.marks] == marked * 2  # each training step passes every mark once
+        assert not plain.marks
+        half = len(marked)
+        assert sum(cycles_per_step(profiled.marks[half:], len(steps)).values()) > 0
