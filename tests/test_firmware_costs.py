@@ -101,6 +101,18 @@ def test_measure_refuses_options_of_the_other_kind_of_measuring(tmp_path):
     assert_one_line_error(cli("measure", "--model", "mcu-vww", "--input-shape", SHAPE, "-o", out), "--model", out=out)
     assert_one_line_error(cli("measure", *MODEL[:-4], "--device", "rpi4", "--ram", RAM, "-o", out), "--device",
                           out=out)
+    # cycles without a clock are no seconds
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "hardware_profiles" / "nrf52840.yaml").read_text()
+    clockless = tmp_path / "clockless.yaml"
+    clockless.write_text("\n".join(line for line in text.splitlines() if "clock_hz:" not in line))
+    assert_one_line_error(cli("measure", *MODEL[:-4], "--device", clockless, "--ram", RAM, "-o", out), "--device",
+                          "clock_hz", out=out)
+    data = tmp_path / "b.npz"
+    np.savez(data, x=np.zeros((2, 3, 16, 16), np.float32), y=np.array([0, 1]))
+    assert_one_line_error(cli("emulate", *MODEL, "--steps", 1, "--lr", 0.1, "--data", data, "--costs",
+                              tmp_path / "none.csv", "-q"), "--costs", "no such cost file")
 
 
 def test_marks_split_one_pass_of_the_schedule_and_nothing_else():
