@@ -139,3 +139,23 @@ def test_the_profiling_build_trains_to_the_same_bits_and_marks_every_step_also_a
         assert not plain.marks
         half = len(marked)
         assert sum(cycles_per_step(profiled.marks[half:], len(steps)).values()) > 0
+
+
+def test_measure_device_shares_emulates_options_and_defaults():
+    """`measure --device` measures the plan `emulate` runs for the same arguments only if each
+    option they share has emulate's default."""
+    from poet_opt.cli import main
+
+    def options(command):
+        return {p.opts[0] if p.opts[0].startswith("--") else p.opts[-1]: p for p in main.commands[command].params}
+
+    def default(option):  # click marks an option given no default with a sentinel: the same as None
+        return None if type(option.default).__name__ == "Sentinel" else option.default
+
+    measure, emulate = options("measure"), options("emulate")
+    for name in ("--model", "--torch", "--input-shape", "--device", "--ram", "--trainable", "--costs", "--time-limit",
+                 "--weights", "--weight-tile", "--strips"):
+        assert name in measure, f"measure lacks emulate's {name}"
+        if not (measure[name].required or emulate[name].required):
+            assert default(measure[name]) == default(emulate[name]), name
+        assert getattr(measure[name].type, "choices", None) == getattr(emulate[name].type, "choices", None), name
