@@ -128,11 +128,15 @@ def test_cli_emulate_prints_json_and_keeps_what_it_was_asked_to(cnn_batch, tmp_p
     summary = json.loads(result.stdout)
     assert set(summary) == {"steps", "loss", "ram_device_bytes", "ram_used_bytes", "flash_bytes_written",
                             "flash_erases_max_block", "instructions", "cycles", "predicted_runtime_s_per_step",
-                            "predicted_energy_j_per_step", "estimated_runtime_s_per_step"}
+                            "predicted_energy_j_per_step", "estimated_runtime_s_per_step", "estimated_over_predicted",
+                            "costs"}
     # the M4F's table costs at least a cycle per instruction; seconds from the nRF52840's 64 MHz
     assert summary["cycles"] >= summary["instructions"] > 0
     assert summary["estimated_runtime_s_per_step"] == pytest.approx(summary["cycles"] / 2 / 64e6)
     assert summary["predicted_runtime_s_per_step"] > 0
+    assert summary["estimated_over_predicted"] == pytest.approx(summary["estimated_runtime_s_per_step"]
+                                                                / summary["predicted_runtime_s_per_step"])
+    assert summary["costs"] is None  # the profile's own costs: no --costs file
     assert summary["steps"] == 2 and len(summary["loss"]) == 2 and summary["ram_device_bytes"] == 256 * 1024
     with np.load(weights) as trained:
         reference = dict(tiny_cnn().named_parameters())
