@@ -74,6 +74,7 @@ from poet_opt.firmware.targets import (
     TRACE_BASE,
     Target,
 )
+from poet_opt.signals import signals_held
 
 STACK_PAINT = 0xCDCD_CDCD  # RAM fill before a run; the lowest word that differs is the stack's depth
 
@@ -552,7 +553,8 @@ class Emulator:
             except Exception:  # not running: nothing to stop
                 pass
             del uc
-            gc.collect()
+            with signals_held():  # a Ctrl-C during the collection would land in a finalizer, and be lost
+                gc.collect()
         self._icount = None
 
     def _raise_stack_into_statics(self, sp: int, pc: int) -> None:
