@@ -22,10 +22,11 @@ from poet_opt.model.network import Network
 
 
 def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, steps: int, lr: float,
-             x: np.ndarray, y: np.ndarray, program: bool | str = "auto") -> GeneratedStep:
+             x: np.ndarray, y: np.ndarray, program: bool | str = "auto", marks: bool = False) -> GeneratedStep:
     """poet_train.c for ``steps`` SGD steps at ``lr`` on the batch ``x`` with labels ``y``; the step
     as straight-line C, or as a program of kernel calls (firmware/program.py): ``program`` True,
-    False, or "auto" (a program for large steps)."""
+    False, or "auto" (a program for large steps). ``marks``: a profiling build for the emulator, each
+    schedule step marked in its trace register (writer.StepWriter)."""
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
@@ -44,5 +45,5 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
         raise PoetError(f"device.alignment_bytes is {plan.alignment}; fp32 tensors need offsets that are "
                         "multiples of 4", field="--device")
     if network.graph.meta.get("strips"):
-        return StripWriter(network, doc, plan, flash, lr, program).render(steps, x, y)
-    return StepWriter(network, doc, plan, flash, lr, program).render(steps, x, y)
+        return StripWriter(network, doc, plan, flash, lr, program, marks).render(steps, x, y)
+    return StepWriter(network, doc, plan, flash, lr, program, marks).render(steps, x, y)

@@ -204,8 +204,9 @@ def interpreter(program: StepProgram, *, storage_offset: int | None) -> list[str
         *(f"    (void *){'0' if b == 'NULL' else b[:b.startswith('&')] + identifier(b.lstrip('&'))},"
           for b in program.bases),
         "};",
-        f"static const float poet_program_floats[{max(1, len(program.floats))}] = {{"
-        + ", ".join(_c_float(f) for f in program.floats or [0.0]) + "};",
+        # only a step with a float argument reads the table: an unused one fails -Werror
+        *([f"static const float poet_program_floats[{len(program.floats)}] = {{"
+           + ", ".join(_c_float(f) for f in program.floats) + "};"] if program.floats else []),
         "",
         "typedef struct {",
         "    const uint8_t *at;  /* the next byte to decode */",
