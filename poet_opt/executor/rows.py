@@ -58,7 +58,7 @@ class _Replay:
         self.vocab_rows = meta["vocab_rows"]
         self.values: dict = {}
         self.weight_grads: dict = {}
-        self.seq = ids.shape[1]
+        self.seq = self.blocks[-1][1]
 
     def run(self) -> dict:
         for node in self.graph.nodes:

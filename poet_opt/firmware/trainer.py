@@ -234,7 +234,14 @@ def _with_strips(network: Network, strips, module, shape, profile, ram, *, train
     from poet_opt.units import format_bytes
 
     working, node = network.graph.largest_working_set()
-    too_big = working + STACK_BYTES > profile.memory.ram_bytes and any(n.op == "conv2d" for n in network.graph.nodes)
+    convolutions = any(n.op == "conv2d" for n in network.graph.nodes)
+    if working + STACK_BYTES > profile.memory.ram_bytes and strips != "off" and not convolutions and \
+            any(n.op == "matmul" for n in network.graph.nodes):
+        raise PoetError(f"computing {node.name} holds {format_bytes(working)} at once, more than {profile.name}'s "
+                        f"{format_bytes(profile.memory.ram_bytes)} of RAM with the stack: this transformer fits only "
+                        "with its tokens in row tiles, which `poet-opt solve` plans and `poet-opt run` trains, but the "
+                        "firmware generator has no row kernels yet", field="--strips")
+    too_big = working + STACK_BYTES > profile.memory.ram_bytes and convolutions
     if strips not in ("auto", "off") and (isinstance(strips, bool) or not isinstance(strips, int) or strips < 1):
         raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
     if strips == "off" or strips == "auto" and not too_big:
