@@ -17,6 +17,8 @@ import numbers
 from dataclasses import replace
 
 from poet_opt.errors import PoetError
+from poet_opt.model import ops as registry
+from poet_opt.model.ops import support
 from poet_opt.model.rows import ROW_OPS, TOKENWISE, is_transformer
 
 FIELD = "--strips"
@@ -45,8 +47,10 @@ def row_ops(module, ops, output: int):
     index: dict[int, int] = {}  # traced op -> row op standing for it
     divisors: dict[str, float] = {}
 
+    placeholder = next(n for n in values if n.op == "placeholder")
+
     def fx(i):
-        return ops.origins.get(src[i].name)
+        return ops.origins.get(src[i].name, placeholder)
 
     def add(i, op, shape, inputs, *, flops=None):
         o = src[i]
@@ -98,12 +102,21 @@ def row_ops(module, ops, output: int):
         elif o.op == "avgpool" and len(o.shape) == 2 and len(src[o.inputs[0]].shape) == 3:
             _same(values[n], values[fx(o.inputs[0])].mean(dim=1), o.name, "not a mean over the tokens", exact=False)
             add(i, "avgpool", o.shape[1:], o.inputs)
-        elif o.op in ("linear", "layernorm", *TOKENWISE) and len(o.shape) in (2, 3):
-            if o.op in ("linear", "layernorm"):
-                _check_module(module, n, o)
+        elif (o.op in ("linear", "layernorm") or o.op in TOKENWISE and support.runs(registry.spec(o.op), "rows",
+                                                                                   "executor")) and len(o.shape) in (2, 3):
+            if o.op in ("linear", "layernorm"):  # on its input as it is: a view between them would move rows
+                m, F = _check_module(module, n, o), torch.nn.functional
+                xv = values[fx(o.inputs[0])]
+                want = F.linear(xv, m.weight, m.bias) if o.op == "linear" else \
+                    F.layer_norm(xv, m.normalized_shape, m.weight, m.bias, m.eps)
+                _same(values[n], want, o.name, f"{o.op} of other than its input's rows", exact=False)
+            else:  # the replay runs the registry's reference on the inputs' pieces: a constant operand, a
+                # slope or a repeated input would be lost
+                _same(values[n], _reference(o.op, [values[fx(x)] for x in o.inputs]), o.name,
+                      f"{o.op} of other than its tensor operands", exact=False)
             add(i, o.op, o.shape[1:], o.inputs)
         else:
-            why = "" if o.op in ROW_OPS else " (the row builder has no rule for it)"
+            why = " (the row replay has no rule for it)" if o.op in ROW_OPS else " (the row builder has no rule for it)"
             raise PoetError(f"node {o.name!r} ({o.op}, shape {tuple(o.shape)}) cannot be tiled by rows{why}",
                             field=FIELD)
     if index[output] != len(out) - 1:
@@ -121,10 +134,19 @@ def _heads(t, heads: int):
 def _same(got, want, node: str, what: str, *, exact: bool = True) -> None:
     import torch
 
-    ok = got.shape == want.shape and (torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-5,
+    ok = want is not None and got.shape == want.shape and (torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-5,
                                                                                           atol=1e-6))
     if not ok:
         raise PoetError(f"node {node!r}: {what}; row tiles cannot take it", field=FIELD)
+
+
+def _reference(op: str, inputs: list):
+    import torch
+
+    try:
+        return registry.spec(op).torch_forward(torch, *inputs)
+    except (TypeError, RuntimeError):
+        return None
 
 
 def _check_module(module, n, o) -> None:
@@ -132,10 +154,10 @@ def _check_module(module, n, o) -> None:
 
     m = dict(module.named_modules()).get(n.target) if n.op == "call_module" else None
     if isinstance(m, torch.nn.Linear) and m.bias is not None:
-        return
+        return m
     if isinstance(m, torch.nn.LayerNorm) and m.elementwise_affine and m.bias is not None and m.eps == 1e-5 \
             and len(m.normalized_shape) == 1:
-        return
+        return m
     raise PoetError(f"node {o.name!r}: row tiles take {o.op} as an nn.{'Linear' if o.op == 'linear' else 'LayerNorm'}"
                     " module with a bias (and eps 1e-5 for a norm)", field=FIELD)
 
