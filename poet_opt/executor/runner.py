@@ -133,8 +133,9 @@ def check_schedule(network: Network, doc: dict) -> None:
     rows = network is not None and network.graph.meta.get("rows") is not None
     tiled = row_node(nodes)
     if tiled is not None and not rows:  # row plans run in executor/tiled.py, on a network lowered in row tiles
-        raise PoetError(f"the plan tiles a transformer by token rows (node {tiled}); the network here is not: give "
-                        "`run` a transformer module with the plan's --strips (auto or N)", field=SCHEDULE_FIELD)
+        raise PoetError(f"the plan tiles a transformer by token rows (node {tiled}); the PyTorch executor runs it "
+                        "only on a torch transformer lowered in the same row tiles (the plan's --strips)",
+                        field=SCHEDULE_FIELD)
     striped = network is not None and network.graph.meta.get("strips") is not None
     if not striped:  # strip plans run in executor/tiled.py, on a network lowered with strips
         refuse_strips(nodes, "the PyTorch executor", SCHEDULE_FIELD)
