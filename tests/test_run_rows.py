@@ -191,3 +191,46 @@ def test_run_refuses_to_stream_a_transformer_it_would_not_tile_naming_strips(bat
     assert ran.exit_code == 0, ran.stderr
     summary = json.loads(ran.stdout)
     assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] <= 64 * 1024
+
+
+def test_the_commands_of_docs_executor_md_on_row_tiles_run(tmp_path, monkeypatch):
+    """The sh block of docs/executor.md's "Row tiles of a transformer", line by line in a scratch
+    directory, and what the text around it says of the result."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "executor.md").read_text()
+    section = doc[doc.index("## Row tiles of a transformer"):]
+    commands = [line for line in re.search(r"```sh\n(.*?)```", section, re.S).group(1).splitlines() if line.strip()]
+    assert [c.split()[0] for c in commands] == ["python", "poet-opt", "poet-opt"]
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        argv = shlex.split(command)
+        if argv[0] == "python":
+            done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            continue
+        result = cli(*argv[1:])
+        assert result.exit_code == 0, (command, result.stderr)
+    summary = json.loads(result.stdout)
+    plan = json.loads((tmp_path / "rows_plan.json").read_text())
+    names = [n["name"] for n in plan["graph"]["nodes"]]
+    assert "The plan has 128 nodes (2 row blocks of 16 tokens)" in section and len(names) == 128
+    assert any("@r1@" in n for n in names) and not any("@r2@" in n for n in names)
+    assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] <= 16 * 1024
+    assert summary["storage_bytes_read"] == summary["planned_storage_bytes_read"] > 0
+    module = small_encoder_classifier()
+    with np.load(tmp_path / "rows_batch.npz") as b:
+        x, y = torch.from_numpy(b["x"]), torch.from_numpy(b["y"])
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.cross_entropy(module(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert summary["loss"] == pytest.approx(losses, rel=1e-5)

@@ -43,6 +43,7 @@ def row_ops(module, ops, output: int):
     batch = src[0].shape[0]
     if len(src[0].shape) != 3:
         raise PoetError(f"row tiles take (batch, tokens, features) inputs, not {tuple(src[0].shape)}", field=FIELD)
+    users = {i: [u for u in needed if i in src[u].inputs] for i in needed}
     out: list = []
     index: dict[int, int] = {}  # traced op -> row op standing for it
     divisors: dict[str, float] = {}
@@ -65,15 +66,20 @@ def row_ops(module, ops, output: int):
         if o.op == "input":
             add(i, "input", o.shape[1:], ())
         elif o.op == "matmul" and len(o.shape) == 4 and len(src[o.inputs[0]].shape) == 3:  # scores, heads split
+            if len(o.inputs) != 2 or len(users[i]) != 1:  # the divisor is the scores node's, for its one reader
+                raise PoetError(f"node {o.name!r}: attention scores of one tensor with itself, or read twice",
+                                field=FIELD)
             q, k = o.inputs
             heads, seq = o.shape[1], o.shape[2]
             dh = src[q].shape[-1] // heads
             _same(values[n.args[0]], _heads(values[fx(q)], heads), o.name, "its left operand is not Q split into heads")
-            _same(values[n.args[1]], _heads(values[fx(k)], heads).transpose(-2, -1), o.name,
+            split = _heads(values[fx(k)], heads)
+            _same(values[n.args[1]], None if split is None else split.transpose(-2, -1), o.name,
                   "its right operand is not K split into heads and transposed")
             add(i, "matmul", (heads, seq, seq), (q, k), flops=2.0 * batch * seq * seq * heads * dh)
             divisors[o.name] = 1.0
-        elif o.op in ("div", "mul") and len(o.inputs) == 1 and src[o.inputs[0]].name in divisors:
+        elif o.op in ("div", "mul") and len(o.inputs) == 1 and src[o.inputs[0]].name in divisors \
+                and len(users[i]) == 1:
             constant = n.args[1] if len(n.args) == 2 else None
             if isinstance(constant, torch.fx.Node):  # computed from the input's shape, a number on any input
                 constant = values[constant]
@@ -88,11 +94,12 @@ def row_ops(module, ops, output: int):
             if n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None) not in (-1, 3):
                 raise PoetError(f"node {o.name!r}: a softmax over other than the keys", field=FIELD)
             add(i, "softmax", o.shape[1:], o.inputs)
-        elif o.op == "matmul" and len(o.shape) == 4:  # the context, heads split: the reshape after it joins them
-            p, v = o.inputs
+        elif o.op == "matmul" and len(o.shape) == 4 and len(o.inputs) == 2 and src[o.inputs[0]].op == "softmax":
+            p, v = o.inputs  # the context, heads split: the reshape after it joins them
             heads = o.shape[1]
             _same(values[n.args[0]], values[fx(p)], o.name, "its left operand is not the attention probabilities")
-            _same(values[n.args[1]], _heads(values[fx(v)], heads), o.name, "its right operand is not V split into heads")
+            _same(values[n.args[1]], _heads(values[fx(v)], heads), o.name,
+                  "its right operand is not V split into heads")
             seq, d = o.shape[2], heads * o.shape[3]
             add(i, "matmul", (seq, d), (p, v), flops=2.0 * batch * seq * seq * d)
         elif o.op == "copy" and src[o.inputs[0]].op == "matmul" and len(src[o.inputs[0]].shape) == 4:
@@ -102,8 +109,7 @@ def row_ops(module, ops, output: int):
         elif o.op == "avgpool" and len(o.shape) == 2 and len(src[o.inputs[0]].shape) == 3:
             _same(values[n], values[fx(o.inputs[0])].mean(dim=1), o.name, "not a mean over the tokens", exact=False)
             add(i, "avgpool", o.shape[1:], o.inputs)
-        elif (o.op in ("linear", "layernorm") or o.op in TOKENWISE and support.runs(registry.spec(o.op), "rows",
-                                                                                   "executor")) and len(o.shape) in (2, 3):
+        elif (o.op in ("linear", "layernorm") or o.op in TOKENWISE and _replayed(o.op)) and len(o.shape) in (2, 3):
             if o.op in ("linear", "layernorm"):  # on its input as it is: a view between them would move rows
                 m, F = _check_module(module, n, o), torch.nn.functional
                 xv = values[fx(o.inputs[0])]
@@ -126,7 +132,15 @@ def row_ops(module, ops, output: int):
     return out, divisors
 
 
+def _replayed(op: str) -> bool:
+    """An elementwise operator the row replay runs from its registry entry (the support table's)."""
+    return support.runs(registry.spec(op), "rows", "executor")
+
+
 def _heads(t, heads: int):
+    """(batch, tokens, features) split into heads of consecutive features; None if it is not that."""
+    if t.dim() != 3 or t.shape[2] % heads:
+        return None
     b, s, d = t.shape
     return t.view(b, s, heads, d // heads).transpose(1, 2)
 
@@ -134,8 +148,8 @@ def _heads(t, heads: int):
 def _same(got, want, node: str, what: str, *, exact: bool = True) -> None:
     import torch
 
-    ok = want is not None and got.shape == want.shape and (torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-5,
-                                                                                          atol=1e-6))
+    ok = want is not None and got.shape == want.shape and \
+        (torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-5, atol=1e-6))
     if not ok:
         raise PoetError(f"node {node!r}: {what}; row tiles cannot take it", field=FIELD)
 
