@@ -28,8 +28,9 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     budget asked, or plain training's peak if less; at least the smallest working set) exceed ``device_ram_bytes`` and
     streaming brings them within it (else resident, with what streaming would need in
     ``meta["streamed_working_set"]`` for the message). ``tile_bytes``: with streamed weights, split
-    layers with more weights than that into slices (model/tiling.py). ``strips`` (zoo models, streamed
-    weights; model/strips.py): "auto" splits activations into strips along H only when some node's
+    layers with more weights than that into slices (model/tiling.py). ``strips`` (zoo models and torch
+    modules, streamed weights; model/strips.py, and for transformers row blocks of tokens, model/rows.py
+    and model/torch_rows.py): "auto" splits activations into strips along H only when some node's
     working set and ``stack_reserve_bytes`` exceed ``device_ram_bytes`` otherwise, with the fewest
     strips that bring every node within ``ram_bytes`` and the device; "off" never; N: at most N
     strips per tensor. ``before_tiling`` is called with a zoo model's or torch module's streamed graph before
