@@ -234,3 +234,29 @@ def test_the_commands_of_docs_executor_md_on_row_tiles_run(tmp_path, monkeypatch
         opt.step()
         losses.append(loss.item())
     assert summary["loss"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_frozen_layers_of_a_row_plan_stay_and_the_trained_ones_step_as_sgd():
+    """--trainable last:2 in two row blocks: only the last norm and the head are trained (no gradient
+    flows into attention), equal to SGD on those parameters alone, at the plan's peak."""
+    from poet_opt.executor.tiled import TiledExecutor
+    from poet_opt.solver.driver import solve
+
+    network = lower_for_run(SPEC, SHAPE, trainable="last:2", strips=2, ram_bytes=RAM, **MKR)
+    assert [n for n, layer in network.layers.items() if layer.trainable] == ["ln2", "head"]
+    assert not any(n.name.startswith("grad:matmul") for n in network.graph.nodes)
+    plan = solve(network.graph, "mkr1000", ram=RAM, time_limit=5)
+    rng = np.random.default_rng(0)
+    x, y = torch.from_numpy(rng.standard_normal((1, 32, 32)).astype(np.float32)), torch.tensor([3])
+    with TiledExecutor(network, plan, lr=LR) as step:
+        step(x, y)
+        trained = step.weights()
+        assert step.last.peak_live_bytes == step.planned_peak_bytes
+    module = small_encoder_classifier()
+    opt = torch.optim.SGD([p for n, p in module.named_parameters() if n.startswith(("ln2.", "head."))], lr=LR)
+    F.cross_entropy(module(x), y).backward()
+    opt.step()
+    want = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    assert sorted(trained) == ["head.bias", "head.weight", "ln2.bias", "ln2.weight"]
+    assert max(float(np.abs(trained[n] - want[n]).max()) for n in trained) <= 1e-5 * max(
+        float(np.abs(v).max()) for v in want.values())
