@@ -531,7 +531,8 @@ def _row_module(name: str, spec):
 
 def _row_run_equals_torch(name: str, module) -> None:
     """`poet-opt run`'s executor on a plan of the module's row graph (two blocks of four tokens):
-    one SGD step equal to torch's within 1e-5 of the largest weight, at the plan's peak."""
+    one SGD step equal to torch's within 1e-6 of the largest weight (docs/operators.md), at the plan's
+    peak."""
     import copy
 
     from poet_opt.executor.tiled import TiledExecutor
@@ -557,7 +558,7 @@ def _row_run_equals_torch(name: str, module) -> None:
     assert set(trained) == set(want)
     scale = max(float(np.abs(v).max()) for v in want.values())
     worst = max(float(np.abs(trained[n] - want[n]).max()) for n in want)
-    assert worst <= 1e-5 * scale, (name, worst)
+    assert worst <= 1e-6 * scale, (name, worst)
 
 
 @pytest.mark.parametrize("name", NAMES)
