@@ -256,8 +256,8 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
         tiling = doc["graph"].get("tiling") or {}
         if weight_tile is None and tiling.get("weight_tile_bytes") is not None:
             weight_tile = f"{int(tiling['weight_tile_bytes'])}B"
-        if strips_value(strips) == "auto" and "strips_per_height" in tiling:
-            strips = {int(h): int(k) for h, k in tiling["strips_per_height"].items()} or 1
+        if strips_value(strips) == "auto" and tiling.get("strips_per_height"):  # (row tiles: auto finds them)
+            strips = {int(h): int(k) for h, k in tiling["strips_per_height"].items()}
     else:
         from poet_opt.units import parse_size
 
