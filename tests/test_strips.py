@@ -310,9 +310,7 @@ def test_executors_refuse_a_strip_plan_in_one_line(vww_strip_plan, tmp_path):
     """The PyTorch executor and the firmware generator run strips only for a network lowered with
     its strips: they say so, naming a strip node, rather than mis-run the plan
     (tests/test_firmware_strips.py trains a strip plan in firmware, tests/test_run_tiles.py in
-    PyTorch); `run` names a layer its strip replay has no kernel for."""
-    from test_cli import assert_one_line_error, cli
-
+    PyTorch; a layer its strip replay has no kernel for is refused there, naming it)."""
     from poet_opt.errors import PoetError
     from poet_opt.executor.runner import check_schedule
     from poet_opt.firmware import codegen
@@ -326,11 +324,6 @@ def test_executors_refuse_a_strip_plan_in_one_line(vww_strip_plan, tmp_path):
     with pytest.raises(PoetError, match=r"splits activations into strips .*firmware generator for a network lowered "
                                         "without strips"):
         codegen.generate(network, doc, None, None, steps=1, lr=0.1, x=None, y=None)
-    data = tmp_path / "big.npz"
-    np.savez(data, x=np.zeros((1, 3, 192, 192), np.float32), y=np.zeros(1, np.int64))
-    result = cli("run", "--torch", "poet_opt.examples.torch_models:tiny_cnn", "--input-shape", "1,3,192,192",
-                 "--device", "nrf52840", "--ram", "200KiB", "--steps", "1", "--lr", "0.1", "--data", data)
-    assert_one_line_error(result, "--weights", "(relu6) has no strip kernel in the PyTorch executor")
 
 
 def test_resnet18_plans_on_the_nrf52840_in_strips():
