@@ -22,9 +22,10 @@ from poet_opt.model.network import Network
 
 
 def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, steps: int, lr: float,
-             x: np.ndarray, y: np.ndarray, program: bool | str = "auto") -> GeneratedStep:
-    """poet_train.c for ``steps`` SGD steps at ``lr`` on the batch ``x`` with labels ``y``; the step
-    as straight-line C, or as a program of kernel calls (firmware/program.py): ``program`` True,
+             x: np.ndarray, y: np.ndarray, program: bool | str = "auto", prefix: str = "poet_") -> GeneratedStep:
+    """The training step as a library (library.py: ``<prefix>train.c`` and ``.h``) and the example
+    main() that runs ``steps`` SGD steps at ``lr`` on the batch ``x`` with labels ``y``; the step as
+    straight-line C, or as a program of kernel calls (firmware/program.py): ``program`` True,
     False, or "auto" (a program for large steps)."""
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
@@ -43,6 +44,8 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
     if any(o % 4 for o in plan.step_offsets) or any(o % 4 for offs in plan.operand_offsets for o in offs):
         raise PoetError(f"device.alignment_bytes is {plan.alignment}; fp32 tensors need offsets that are "
                         "multiples of 4", field="--device")
-    if network.graph.meta.get("strips"):
-        return StripWriter(network, doc, plan, flash, lr, program).render(steps, x, y)
-    return StepWriter(network, doc, plan, flash, lr, program).render(steps, x, y)
+    from poet_opt.firmware import library
+
+    library.check_library_prefix(prefix)
+    writer = (StripWriter if network.graph.meta.get("strips") else StepWriter)(network, doc, plan, flash, lr, program)
+    return library.render(writer, steps=steps, lr=lr, x=x, y=y, prefix=prefix)
