@@ -378,6 +378,9 @@ class StepWriter:
         only, which moves no running statistics (every compute is taken for a recompute)."""
         lines: list[str] = []
         computed: set[int] = set()
+        # a forward pass pages out only what it pages back in: the rest is kept for the backward
+        # pass, and writing it would wear the storage for nothing
+        read_back = {step["node"] for step in self.doc["steps"][:upto] if step["op"] == "page_in"}
         for s, step in enumerate(self.doc["steps"][:upto]):
             node = step["node"]
             info = self.nodes[node]
@@ -386,6 +389,8 @@ class StepWriter:
             out = f"(poet_arena + {off // 4}u)"
             kind = step["op"]
             if kind == "free":
+                continue
+            if kind == "page_out" and predict and node not in read_back:
                 continue
             if kind == "page_out":
                 lines += [block_comment(f"{s}: page out", name),
