@@ -274,3 +274,31 @@ def test_a_prefix_that_is_no_c_name_or_clashes_with_the_library_is_refused(prefi
     with pytest.raises(PoetError, match=why):
         check_library_prefix(prefix)
     check_library_prefix("poet_page_")  # poet_page_in and _out are the library's; poet_page_init is not
+
+
+def test_the_application_in_docs_firmware_md_compiles_against_the_header_alone(library, tmp_path):
+    """docs/firmware.md's example main(), as written, strictly, with nothing but a generated header."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "firmware.md").read_text()
+    section = doc[doc.index("## The library"):doc.index("## Taking it to a board")]
+    example = next(block for block in re.findall(r"```c\n(.*?)```", section, re.S) if "int main" in block)
+    (tmp_path / "poet_train.h").write_text(library["gen"].header)
+    (tmp_path / "app.c").write_text(example)
+    target = library["firmware"].target
+    done = subprocess.run([*zig_cc(), *common_cflags(target), *WARNING_FLAGS, f"-I{tmp_path}", "-c",
+                           str(tmp_path / "app.c"), "-o", str(tmp_path / "app.o")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    undefined = _undefined(tmp_path / "app.o")
+    assert {"poet_init", "poet_train_step", "poet_save_weights", "poet_load_weights", "poet_predict",
+            "next_batch"} <= set(undefined)
+
+
+def _undefined(obj) -> list[str]:
+    from elftools.elf.elffile import ELFFile
+
+    with open(obj, "rb") as fh:
+        symtab = ELFFile(fh).get_section_by_name(".symtab")
+        return [s.name for s in symtab.iter_symbols() if s.name and s["st_shndx"] == "SHN_UNDEF"]
