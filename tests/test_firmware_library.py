@@ -92,12 +92,13 @@ def _generate(module, device: str, ram: str, out, *, prefix: str = "poet_", mode
     plan = solve_for_export(network.graph, profile, ram=ram, time_limit=10, mode=mode)
     x = np.zeros(SHAPE, np.float32)
     y = np.zeros(SHAPE[0], np.int64)
+    target = target_from_profile(profile)
     gen = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=1, lr=LR, x=x, y=y,
-                           prefix=prefix)
+                           prefix=prefix, storage_defines=target.storage_defines())
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{prefix}train.c").write_text(gen.source)
     (out / f"{prefix}train.h").write_text(gen.header)
-    return network, plan, gen, target_from_profile(profile)
+    return network, plan, gen, target
 
 
 @pytest.fixture(scope="module", params=[("nrf52840", "24KiB", "paging"), ("stm32f746", "20KiB", "joint")],
@@ -211,6 +212,10 @@ def test_the_arena_is_aligned_in_its_own_section_and_every_file_says_where_it_ca
         head = text[:text.index("*/")]
         assert "do not edit" in head and digest in head and "poet-opt 0." in head
         assert plan.schedule.to_dict()["device"]["name"] in head and "budgets: RAM" in head
+    # what a board must define for its storage, as the emulator defined it
+    defines = library["firmware"].target.storage_defines()
+    for key, value in defines.items():
+        assert f"-D{key}={value}" in gen.source
 
 
 def _global_definitions(obj) -> list[str]:

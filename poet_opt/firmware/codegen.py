@@ -22,11 +22,13 @@ from poet_opt.model.network import Network
 
 
 def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, steps: int, lr: float,
-             x: np.ndarray, y: np.ndarray, program: bool | str = "auto", prefix: str = "poet_") -> GeneratedStep:
+             x: np.ndarray, y: np.ndarray, program: bool | str = "auto", prefix: str = "poet_",
+             storage_defines: dict | None = None) -> GeneratedStep:
     """The training step as a library (library.py: ``<prefix>train.c`` and ``.h``) and the example
     main() that runs ``steps`` SGD steps at ``lr`` on the batch ``x`` with labels ``y``; the step as
     straight-line C, or as a program of kernel calls (firmware/program.py): ``program`` True,
-    False, or "auto" (a program for large steps)."""
+    False, or "auto" (a program for large steps). ``storage_defines``: the -D values of the storage
+    geometry the sources were built with, written in a comment for a board to copy."""
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
@@ -48,4 +50,4 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
 
     library.check_library_prefix(prefix)
     writer = (StripWriter if network.graph.meta.get("strips") else StepWriter)(network, doc, plan, flash, lr, program)
-    return library.render(writer, steps=steps, lr=lr, x=x, y=y, prefix=prefix)
+    return library.render(writer, steps=steps, lr=lr, x=x, y=y, prefix=prefix, storage_defines=storage_defines)

@@ -186,7 +186,7 @@ class Library:
         ])
 
     def source(self, interpreter: list[str], run: list[str], forward: list[str] | None,
-               program_end: int) -> str:
+               program_end: int, storage_defines: dict | None = None) -> str:
         w, P, p = self.w, self.P, self.p
         status = f"{p}status"
         zero, sgd = [], []
@@ -224,6 +224,9 @@ class Library:
             '#include "poet_storage.h"',
             f'#include "{p}train.h"',
             "",
+            *(["/* The storage geometry poet_storage.h requires, as the emulator defined it for this device:",
+                *(f" *   -D{comment(key)}={comment(value)}" for key, value in storage_defines.items()),
+                " * A board defines these for its own part. */", ""] if storage_defines else []),
             f"#if POET_STORAGE_CAPACITY_BYTES < {end}u",
             f'#error "the plan\'s regions and the saved weights need {end} bytes of storage"',
             "#endif",
@@ -383,7 +386,7 @@ class Library:
 
 
 def render(writer: StepWriter, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
-           prefix: str = "poet_") -> GeneratedStep:
+           prefix: str = "poet_", storage_defines: dict | None = None) -> GeneratedStep:
     from poet_opt.firmware import program
 
     lib = Library(writer, prefix)
@@ -396,7 +399,7 @@ def render(writer: StepWriter, *, steps: int, lr: float, x: np.ndarray, y: np.nd
     writer.finish(body + (forward or []))
     run, interpreter, code, offset = writer.as_program(body)
     program_end = 0 if offset is None else offset + len(code)
-    source = lib.source(interpreter, run, forward, program_end)
+    source = lib.source(interpreter, run, forward, program_end, storage_defines)
     return GeneratedStep(source, dict(writer.param_symbols), steps, dict(writer.param_layers), code, offset,
                          header=lib.header(), harness=lib.harness(steps, lr, x, y), prefix=prefix)
 

@@ -272,7 +272,8 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
         plan = FirmwarePlan(plan, arena.plan_arena(doc), arena.plan_flash(doc))
     target = target_from_profile(profile)
     generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps, lr=float(lr),
-                                 x=x, y=y, program=program, prefix=prefix)
+                                 x=x, y=y, program=program, prefix=prefix,
+                                 storage_defines=target.storage_defines())
     say = progress or (lambda text: None)
     # built in a scratch directory and copied to out_dir only once training ran: a failure leaves
     # nothing half-written there
