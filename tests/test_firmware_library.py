@@ -307,3 +307,42 @@ def _undefined(obj) -> list[str]:
     with open(obj, "rb") as fh:
         symtab = ELFFile(fh).get_section_by_name(".symtab")
         return [s.name for s in symtab.iter_symbols() if s.name and s["st_shndx"] == "SHN_UNDEF"]
+
+
+SMALL = "import torch\nfrom torch import nn\n\ndef make():\n    torch.manual_seed(0)\n    " \
+        "return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))\n"
+
+
+def _emulate_small(tmp_path, *extra):
+    import json
+
+    from test_cli import cli
+
+    (tmp_path / "small.py").write_text(SMALL)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "b.npz", x=rng.standard_normal((2, 16)).astype(np.float32), y=np.array([1, 3]))
+    result = cli("emulate", "--torch", f"{tmp_path / 'small.py'}:make", "--input-shape", "2,16", "--device",
+                 "stm32f746", "--ram", "16KiB", "--steps", 2, "--lr", 0.05, "--data", tmp_path / "b.npz", "--json",
+                 "-q", *extra)
+    return result, (json.loads(result.stdout) if result.exit_code == 0 else None)
+
+
+def test_emulate_prefix_names_the_library_and_trains_the_same(tmp_path):
+    plain, plain_summary = _emulate_small(tmp_path, "-o", tmp_path / "plain")
+    named, named_summary = _emulate_small(tmp_path, "--prefix", "kws_", "-o", tmp_path / "kws")
+    assert plain.exit_code == 0 and named.exit_code == 0, named.stderr
+    assert named_summary["loss"] == plain_summary["loss"]
+    made = {p.name for p in (tmp_path / "kws").iterdir()}
+    assert {"kws_train.c", "kws_train.h", "poet_harness.c", "poet_train.elf", "poet_train.ld"} <= made
+    assert "poet_train.c" not in made
+    harness = (tmp_path / "kws" / "poet_harness.c").read_text()
+    assert '#include "kws_train.h"' in harness and "kws_train_step(" in harness
+    assert "KEEP(*(.kws_arena))" in (tmp_path / "kws" / "poet_train.ld").read_text()
+
+
+def test_emulate_refuses_a_prefix_that_is_no_c_name_before_solving(tmp_path):
+    from test_cli import assert_one_line_error
+
+    result, _ = _emulate_small(tmp_path, "--prefix", "9lives", "-o", tmp_path / "out")
+    assert_one_line_error(result, "--prefix", "9lives")
+    assert not (tmp_path / "out").exists()
