@@ -66,7 +66,8 @@ def check_library_prefix(prefix: str) -> None:
     for header in (here / "kernels" / "poet_kernels.h", here / "board" / "poet_paging.h",
                    here / "board" / "poet_storage.h"):
         names.update(re.findall(r"\b[A-Za-z_]\w*\b", Path(header).read_text()))
-    ours = [prefix + n for n in API] + [prefix.upper() + s for s, _, _ in STATUSES] + [prefix.upper() + "TRAIN_H"]
+    macros = [s for s, _, _ in STATUSES] + ["TRAIN_H", "BATCH", "INPUT_FLOATS", "CLASSES", "LOGITS_FLOATS"]
+    ours = [prefix + n for n in API] + [prefix.upper() + m for m in macros]
     clash = [n for n in ours if n in names]
     if clash:
         raise PoetError(f"{prefix!r} makes {clash[0]}, a name of the firmware's own library; choose another prefix",
