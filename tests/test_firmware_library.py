@@ -360,7 +360,9 @@ def test_emulate_prefix_names_the_library_and_trains_the_same(tmp_path):
     assert "poet_train.c" not in made
     harness = (tmp_path / "kws" / "poet_harness.c").read_text()
     assert '#include "kws_train.h"' in harness and "kws_train_step(" in harness
-    assert "KEEP(*(.kws_arena))" in (tmp_path / "kws" / "poet_train.ld").read_text()
+    script = (tmp_path / "kws" / "poet_train.ld").read_text()
+    assert "KEEP(*(.kws_arena))" in script
+    assert script.startswith("/*\n * poet_train.ld") and "do not edit" in script[:script.index("*/")]
 
 
 def test_emulate_refuses_a_prefix_that_is_no_c_name_before_solving(tmp_path):

@@ -81,7 +81,9 @@ def _fnv1a(text: str) -> int:
     return h
 
 
-def _provenance(doc: dict, what: str) -> str:
+def provenance(doc: dict, what: str) -> str:
+    """The comment every generated file opens with: what made it from which schedule, for which
+    device and budgets; a reader of a board's sources can tell whether they are still current."""
     dev, budgets = doc.get("device") or {}, doc.get("budgets") or {}
     runtime = budgets.get("runtime_s")
     lines = [
@@ -147,7 +149,7 @@ class Library:
         shape = " x ".join(str(d) for d in self.w.net.input_shape)
         status = f"{p}status"
         return "\n".join([
-            _provenance(self.doc, f"{p}train.h, the training step's interface").rstrip("\n"),
+            provenance(self.doc, f"{p}train.h, the training step's interface").rstrip("\n"),
             f"#ifndef {guard}",
             f"#define {guard}",
             "",
@@ -217,7 +219,7 @@ class Library:
                 "    poet_input = inputs;", "    rc = poet_forward(logits);", "    poet_input = NULL;",
                 f"    return ({status})rc;"]
         return "\n".join([
-            _provenance(self.doc, f"{p}train.c, the training step of {w.net.name}").rstrip("\n"),
+            provenance(self.doc, f"{p}train.c, the training step of {w.net.name}").rstrip("\n"),
             "#include <stddef.h>",
             "#include <stdint.h>",
             '#include "poet_kernels.h"',
@@ -362,7 +364,7 @@ class Library:
         host; an application's main() calls the same functions on its own batches."""
         p, P = self.p, self.P
         return "\n".join([
-            _provenance(self.doc, f"{HARNESS_FILE}, the example main() the emulator runs").rstrip("\n"),
+            provenance(self.doc, f"{HARNESS_FILE}, the example main() the emulator runs").rstrip("\n"),
             "#include <stdint.h>",
             f'#include "{p}train.h"',
             "",

@@ -350,7 +350,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     from poet_opt.firmware.emulator import Emulator, EmulatorError
     from poet_opt.firmware.strip_codegen import scratch_bytes
 
-    from poet_opt.firmware.library import HARNESS_FILE, HARNESS_LOSSES
+    from poet_opt.firmware.library import HARNESS_FILE, HARNESS_LOSSES, provenance
 
     work.mkdir(parents=True, exist_ok=True)
     source, harness = work / f"{generated.prefix}train.c", work / HARNESS_FILE
@@ -363,7 +363,9 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     try:
         firmware = build_firmware(sources, target, work, name="poet_train", include_dirs=[KERNEL_DIR, BOARD_DIR],
                                   defines=target.storage_defines(), min_stack_bytes=STACK_BYTES,
-                                  arena_sections=[f".{generated.prefix}arena"])
+                                  arena_sections=[f".{generated.prefix}arena"],
+                                  linker_heading=provenance(plan.schedule.to_dict(), "poet_train.ld, the linker script "
+                                                            "the emulator linked poet_train.elf with"))
     except FirmwareBuildError as exc:
         if "does not fit in the device's RAM" in str(exc):
             # each with its gradient; streamed weights are in the arena
