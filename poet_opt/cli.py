@@ -289,58 +289,6 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
         sys.exit(EXIT_INTERRUPTED)
 
 
-@main.command()
-@click.option("--model", help="zoo model name with a firmware build (mcu-vww, mlp, resnet18-cifar, mobilenetv2)")
-@click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
-@click.option("--input-shape", default=None, help="--torch: the whole input, batch first, e.g. 2,3,32,32")
-@click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
-@click.option("--ram", required=True, help="RAM budget, as for `poet-opt solve`")
-@click.option("--steps", type=int, required=True, help="training steps to run on the emulated board")
-@click.option("--lr", type=float, required=True, help="SGD learning rate")
-@click.option("--data", required=True, type=click.Path(dir_okay=False),
-              help="BATCH.npz with x (float32, batch first) and y (int64 class labels)")
-@click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
-@click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
-              help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
-@click.option("--time-limit", default=None, metavar="SECONDS|none",
-              help="seconds for the solver (default 60, as solve and run; emulate then goes on to build and train "
-                   "with the best plan found); none: wait for the proof")
-@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
-@click.option("-o", "--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="keep the generated library (PREFIXtrain.c, .h), its example main() and the image here")
-@click.option("--prefix", default="poet_", show_default=True, help="prefix of every name the library exports")
-@WEIGHTS_OPTION
-@click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
-@_one_line_errors
-def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, trainable, weights_out, time_limit,
-            as_json, out_dir, prefix, weights, weight_tile, strips, quiet):
-    """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M.
-
-    Exits 4 when training diverges: the result printed (NaN as null), no --weights-out written."""
-    import numpy as np
-
-    from poet_opt.files import write_atomic
-    from poet_opt.firmware.trainer import emulate_training, output_files
-
-    if (model is None) == (torch_spec is None):
-        raise click.UsageError("give --model NAME or --torch FILE.py:FACTORY (with --input-shape)")
-    if weights_out is not None:
-        _check_writable(weights_out, field="--weights-out")
-    kept = [("-o", path) for path in output_files(out_dir, prefix)] if out_dir is not None else []
-    _check_not_inputs([*kept, ("--weights-out", weights_out)], device=device, torch_spec=torch_spec, data=data)
-    say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
-    result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
-                              steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
-                              time_limit=parse_time_limit(time_limit), progress=say, weights=weights,
-                              tile_bytes=weight_tile, strips=strips, prefix=prefix)
-    if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
-        write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
-    click.echo(json.dumps(result.summary(), indent=1, allow_nan=False) if as_json
-               else result.text(device, None if result.diverged else weights_out, out_dir))
-    if result.diverged:
-        raise result.diverged
-
-
 def _check_prefix(prefix: str) -> None:
     """Before a long solve, not after it."""
     from poet_opt.firmware.header import check_prefix
@@ -691,10 +639,15 @@ def plot(schedule_file, out, as_json):
     click.echo(f"wrote {', '.join(map(str, written))}")
 
 
-# `run` and `measure` (poet_opt/executor/commands.py): defined there, kept out of this module's length
+# `emulate` (poet_opt/firmware/commands.py), `run` and `measure` (poet_opt/executor/commands.py): defined
+# there, kept out of this module's length; `measure --device` runs the firmware's own, handed over here
 from poet_opt.executor.commands import add_commands as _add_executor_commands  # noqa: E402
+from poet_opt.firmware.commands import add_commands as _add_firmware_commands  # noqa: E402
+from poet_opt.firmware.commands import measure_on_device as _measure_on_device  # noqa: E402
 
-_add_executor_commands(main, _one_line_errors, _check_writable, _check_not_inputs)
+_add_firmware_commands(main, _one_line_errors, _check_writable, _check_not_inputs, WEIGHTS_OPTION)
+_add_executor_commands(main, _one_line_errors, _check_writable, _check_not_inputs,
+                       measure_on_device=_measure_on_device, weights_option=WEIGHTS_OPTION)
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ the command runs: a signal then ends the process at once, with the command's exi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -58,3 +59,18 @@ def signal_behind(exc: BaseException) -> KeyboardInterrupt | None:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM wait for the end of the block, and are then raised as usual. For a block
+    that runs finalizers (a garbage collection): a signal raised inside a __del__ or a weakref
+    callback is printed as "Exception ignored" and lost, and the command would run on to exit 0."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -128,11 +128,15 @@ def test_cli_emulate_prints_json_and_keeps_what_it_was_asked_to(cnn_batch, tmp_p
     summary = json.loads(result.stdout)
     assert set(summary) == {"steps", "loss", "ram_device_bytes", "ram_used_bytes", "flash_bytes_written",
                             "flash_erases_max_block", "instructions", "cycles", "predicted_runtime_s_per_step",
-                            "predicted_energy_j_per_step", "estimated_runtime_s_per_step"}
+                            "predicted_energy_j_per_step", "estimated_runtime_s_per_step", "estimated_over_predicted",
+                            "costs"}
     # the M4F's table costs at least a cycle per instruction; seconds from the nRF52840's 64 MHz
     assert summary["cycles"] >= summary["instructions"] > 0
     assert summary["estimated_runtime_s_per_step"] == pytest.approx(summary["cycles"] / 2 / 64e6)
     assert summary["predicted_runtime_s_per_step"] > 0
+    assert summary["estimated_over_predicted"] == pytest.approx(summary["estimated_runtime_s_per_step"]
+                                                                / summary["predicted_runtime_s_per_step"])
+    assert summary["costs"] is None  # the profile's own costs: no --costs file
     assert summary["steps"] == 2 and len(summary["loss"]) == 2 and summary["ram_device_bytes"] == 256 * 1024
     with np.load(weights) as trained:
         reference = dict(tiny_cnn().named_parameters())
@@ -244,7 +248,8 @@ def test_ctrl_c_during_the_emulated_training_stops_it_at_once(vww_batch, tmp_pat
 
 
 def test_the_commands_in_docs_firmware_md_run(tmp_path):
-    """Every line of docs/firmware.md's sh block, as written, in a scratch directory."""
+    """Every line of docs/firmware.md's first sh block and its measured costs' block, as written, in a
+    scratch directory."""
     import os
     import re
     import subprocess
@@ -252,15 +257,24 @@ def test_the_commands_in_docs_firmware_md_run(tmp_path):
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "firmware.md").read_text()
-    commands = [line for line in re.search(r"```sh\n(.*?)```", doc, re.S).group(1).splitlines() if line.strip()]
-    assert len(commands) == 3 and all(c.startswith(("python", "poet-opt")) for c in commands)
+    # the first block, and that of "Costs from the firmware itself" (the strips' block has its own test)
+    costs = doc[doc.index("## Costs from the firmware itself"):]
+    blocks = [re.search(r"```sh\n(.*?)```", text, re.S).group(1) for text in (doc, costs)]
+    commands = [line for block in blocks for line in block.splitlines() if line.strip()]
+    assert len(commands) == 5 and all(c.startswith(("python", "poet-opt")) for c in commands)
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "cnn-batch.npz", x=rng.standard_normal((2, 3, 32, 32)).astype(np.float32), y=np.array([1, 3]))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    printed = []
     for command in commands:
         done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, (command, done.stderr)
+        printed.append(done.stdout)
     assert (tmp_path / "build" / "poet_train.elf").is_file()
     with np.load(tmp_path / "after.npz") as trained:
         assert "fc.weight" in trained.files
-    assert json.loads(done.stdout)["steps"] == 3
+    assert json.loads(printed[2])["steps"] == 3
+    # "Costs from the firmware itself": the plan solved with the measured costs predicts its step
+    assert (tmp_path / "vww-costs.csv").is_file()
+    emulated = json.loads(printed[4])
+    assert emulated["costs"] == "vww-costs.csv" and abs(emulated["estimated_over_predicted"] - 1) <= 0.10

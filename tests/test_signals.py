@@ -323,3 +323,38 @@ def test_a_sigterm_whose_exception_is_lost_still_ends_the_command():
     assert done.returncode == 143, done.stderr
     assert "Exception ignored" in done.stderr  # the exception was lost, as it can be
     assert time.perf_counter() - started < 8
+
+
+def test_ctrl_c_while_measure_runs_the_firmware_stops_it_and_writes_nothing(tmp_path):
+    """`measure --device`: a Ctrl-C in the emulated step ends the command at once (exit 130), and
+    no costs file is half there. The step runs about half a second: the signal comes early in it (a
+    Ctrl-C later in it landed in a finalizer of Emulator.close's garbage collection, was printed as
+    "Exception ignored" and lost, and the command wrote its file and exited 0: see the next test)."""
+    run = signal_run(Run(["measure", "--model", "mcu-vww", "--input-shape", "1,1,96,96", "--device", "nrf52840",
+                          "--ram", "150KiB", "-o", "costs.csv"], signal.SIGINT, 0.05, anchor="training 1 step",
+                         tty=True, outputs=["costs.csv"]), tmp_path)
+    assert run.anchored, run.stderr[-2000:]
+    assert_signalled_cleanly(run, tmp_path)
+    assert run.stdout == ""
+
+
+def test_a_signal_while_signals_are_held_is_raised_after_the_block_not_in_it():
+    import gc
+    import weakref
+
+    from poet_opt.signals import signals_held
+
+    class Box:
+        pass
+
+    seen = []
+    box = Box()
+    # a finalizer the collection runs: where an unheld Ctrl-C would be printed and dropped
+    weakref.finalize(box, lambda: seen.append("finalized"))
+    with pytest.raises(KeyboardInterrupt):
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            del box
+            gc.collect()
+            seen.append("block ended")
+    assert seen == ["finalized", "block ended"]

@@ -1,5 +1,5 @@
-"""One default time limit for every command that solves: `solve`, `run`, `emulate` and each point
-of `pareto` give the solver 60 s unless told otherwise, so one model and budget get the same plan
+"""One default time limit for every command that solves: `solve`, `run`, `emulate`, `measure
+--device` and each point of `pareto` give the solver 60 s unless told otherwise, so one model and budget get the same plan
 from each; `none` waits for the proof; anything else is one line naming --time-limit."""
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ COMMANDS = {
     "emulate": ("poet_opt.firmware.trainer", "emulate_training",
                 ["emulate", "--model", "mlp", "--device", "stm32f746", "--ram", "64KiB", "--steps", "1", "--lr", "0.1",
                  "--data", "b.npz"]),
+    "measure": ("poet_opt.firmware.step_costs", "measure_firmware",
+                ["measure", "--model", "mlp", "--input-shape", "1,784", "--device", "stm32f746", "--ram", "64KiB",
+                 "--out", "costs.csv"]),
     "pareto": ("poet_opt.pareto", "sweep", ["pareto", "--model", "mlp", "--device", "rpi4", "--ram", "1MB,2MB", "-o", "front"]),
 }
 

@@ -16,8 +16,10 @@ from poet_opt.errors import PoetError
 from poet_opt.solver.time_budget import parse_time_limit
 
 
-def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> None:
-    """Add `run` and `measure` to the click group ``main``."""
+def add_commands(main, one_line_errors, check_writable, check_not_inputs, measure_on_device,
+                 weights_option) -> None:
+    """Add `run` and `measure` to the click group ``main``. ``measure_on_device``: what `measure
+    --device` runs (poet_opt/firmware/commands.py, a stage this one may not import)."""
     _check_writable, _check_not_inputs, _one_line_errors = check_writable, check_not_inputs, one_line_errors
 
     @main.command()
@@ -119,18 +121,32 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
 
 
     @main.command()
-    @click.option("--torch", "torch_spec", required=True, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
+    @click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
+    @click.option("--model", default=None, help="with --device: a zoo model with a firmware build (as for `poet-opt "
+                  "emulate`)")
     @click.option("--input-shape", required=True, help="the whole input, batch first, e.g. 8,3,32,32")
     @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
                   help="the measured-costs file to write (.csv), for `poet-opt solve --costs`")
+    @click.option("--device", default=None, help="a microcontroller profile (a core `poet-opt emulate` runs): measure "
+                  "each node's generated kernels on the emulated core, not PyTorch on this machine")
+    @click.option("--ram", default=None, help="with --device: the RAM budget of the plan that runs, as for `emulate`")
+    @click.option("--trainable", default="all", show_default=True, help="with --device: all, last:N or NAME,NAME,...")
+    @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
+                  help="with --device: solve the plan that runs with these costs, as for `poet-opt solve --costs`")
+    @click.option("--time-limit", default=None, metavar="SECONDS|none",
+                  help="with --device: seconds for the solver (default 60, as solve); none: wait for the proof")
+    @weights_option
     @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="untimed runs per node")
     @click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="timed runs per node")
     @click.option("--watts", type=float, default=None,
                   help="average power while training, to write energy_j = time x watts (default: time only)")
     @click.option("--json", "as_json", is_flag=True, help="print every node's median and spread as JSON")
+    @click.pass_context
     @_one_line_errors
-    def measure(torch_spec, input_shape, out, warmup, repeat, watts, as_json):
-        """Time every node's forward and backward on this machine; write a --costs file."""
+    def measure(ctx, torch_spec, model, input_shape, out, device, ram, trainable, costs_file, time_limit, weights,
+                weight_tile, strips, warmup, repeat, watts, as_json):
+        """Time every node's forward and backward on this machine, or with --device on the emulated
+        microcontroller; write a --costs file."""
         from poet_opt.executor.measure import costs_csv, measure_costs
         from poet_opt.executor.train import prepare
         from poet_opt.files import write_text_atomic
@@ -138,7 +154,26 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs) -> Non
         if not out.lower().endswith(".csv"):
             raise PoetError("give a .csv file name", source=out, field="--out")
         _check_writable(out, field="--out")
-        _check_not_inputs([("--out", out)], torch_spec=torch_spec)
+        _check_not_inputs([("--out", out)], device=device or (), torch_spec=torch_spec, costs_file=costs_file)
+        given = {name for name in ctx.params if name not in ("torch_spec", "input_shape", "out", "device", "as_json")
+                 and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
+        on_host = {"warmup", "repeat", "watts"}
+        if device is not None:
+            for name in sorted(given & on_host):  # the emulator's cycles are exact, its power the profile's
+                raise PoetError(f"applies to timing on this machine, not to --device {device}", field=f"--{name}")
+            if ram is None:
+                raise PoetError(f"--device {device} runs a plan: give its RAM budget", field="--ram")
+            say = None if as_json or not sys.stderr.isatty() else (lambda text: click.echo(f"poet-opt: {text}", err=True))
+            click.echo(measure_on_device(device=device, ram=ram, out=out, model=model, torch_spec=torch_spec,
+                                         input_shape=input_shape, trainable=trainable, time_limit=parse_time_limit(time_limit),
+                                         costs_file=costs_file, weights=weights, weight_tile=weight_tile,
+                                         strips=strips, as_json=as_json, say=say))
+            return
+        for name in sorted(given - on_host):
+            field = "--costs" if name == "costs_file" else "--" + name.replace("_", "-")
+            raise PoetError("applies with --device (the emulated microcontroller) only", field=field)
+        if torch_spec is None:
+            raise PoetError("give --torch FILE.py:FACTORY (or --device with --model or --torch)", field="--torch")
         costs_csv([], watts)  # a bad --watts fails before the timing, not after it
         network = prepare(torch_spec, input_shape)
         nodes = network.graph.nodes

@@ -71,8 +71,10 @@ from poet_opt.firmware.targets import (
     RAM_REGION_END,
     SCS_BASE,
     STORAGE_CTRL_BASE,
+    TRACE_BASE,
     Target,
 )
+from poet_opt.signals import signals_held
 
 STACK_PAINT = 0xCDCD_CDCD  # RAM fill before a run; the lowest word that differs is the stack's depth
 
@@ -279,6 +281,9 @@ class Emulator:
         self.ram.view(np.uint32)[:] = STACK_PAINT
         self._controller = _StorageController(self)
         uc.mmio_map(STORAGE_CTRL_BASE, 0x1000, self._controller.read, None, self._controller.write, None)
+        # the profiled step's marks: the cycle estimate is read here, once per schedule step
+        uc.mmio_map(TRACE_BASE, 0x1000, self._trace_read, None, self._trace_write, None)
+        self.marks: list[tuple[int, int]] = []  # (the word written, estimated cycles then)
         self._scs = {0xD88: 0}  # CPACR: the FPU is off at reset
         uc.mmio_map(SCS_BASE, 0x1000, self._scs_read, None, self._scs_write, None)
         uc.hook_add(UC_HOOK_INTR, self._on_interrupt)
@@ -405,6 +410,24 @@ class Emulator:
         lr = int(uc.reg_read(UC_ARM_REG_LR)) & ~1
         return f"in the basic block at {self.where(self._pc(uc))} (lr: {self.where(lr)})"
 
+    def _trace_write(self, uc, offset, size, value, user_data) -> None:
+        if offset != 0 or size != 4:
+            self._bad_trace(uc, offset, "write")
+            return
+        # the block hook has already added the whole current block: the few instructions after
+        # the store in it land on the mark before; a mark costs one Python call, not per instruction
+        cycles = int(self._icount[0].cycles) if self._icount is not None else 0
+        self.marks.append((int(value) & 0xFFFF_FFFF, cycles))
+
+    def _trace_read(self, uc, offset, size, user_data) -> int:
+        self._bad_trace(uc, offset, "read")
+        return 0
+
+    def _bad_trace(self, uc, offset: int, what: str) -> None:
+        self._stop_with(uc, EmulatorFault(
+            f"{what} of 0x{TRACE_BASE + offset:08x} {self._near(uc)}: the trace register takes 32-bit writes "
+            f"at 0x{TRACE_BASE:08x} only", pc=self._pc(uc), address=TRACE_BASE + offset, kind="bus fault"))
+
     def _scs_read(self, uc, offset, size, user_data) -> int:
         if offset == 0xD00:
             return self.core.cpuid
@@ -530,7 +553,8 @@ class Emulator:
             except Exception:  # not running: nothing to stop
                 pass
             del uc
-            gc.collect()
+            with signals_held():  # a Ctrl-C during the collection would land in a finalizer, and be lost
+                gc.collect()
         self._icount = None
 
     def _raise_stack_into_statics(self, sp: int, pc: int) -> None:

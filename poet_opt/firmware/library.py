@@ -27,7 +27,7 @@ import numpy as np
 from poet_opt import __version__
 from poet_opt.errors import PoetError
 from poet_opt.firmware.c_text import check_prefix, comment, float_literal, identifier
-from poet_opt.firmware.writer import GeneratedStep, StepWriter, c_array
+from poet_opt.firmware.writer import MARK_FUNCTION, GeneratedStep, StepWriter, c_array
 
 HARNESS_FILE = "poet_harness.c"
 HARNESS_LOSSES = "harness_losses"  # what the emulator reads back: one loss per step
@@ -244,6 +244,7 @@ class Library:
             "",
             *w.decls,
             *w.weights_comment(),
+            *(MARK_FUNCTION if w.marks else []),
             *interpreter,
             "static int poet_step(float *loss)",
             "{",

@@ -212,8 +212,10 @@ def interpreter(program: StepProgram, *, storage_offset: int | None) -> list[str
         *(f"    (void *){'0' if b in ('NULL', *RUNTIME_BASES) else b[:b.startswith('&')] + identifier(b.lstrip('&'))},"
           for b in program.bases),
         "};",
-        f"static {'' if runtime_floats else 'const '}float poet_program_floats[{max(1, len(program.floats))}] = {{"
-        + ", ".join("0.0f" if isinstance(f, str) else _c_float(f) for f in program.floats or [0.0]) + "};",
+        # only a step with a float argument reads the table: an unused one fails -Werror
+        *([f"static {'' if runtime_floats else 'const '}float poet_program_floats[{len(program.floats)}] = {{"
+           + ", ".join("0.0f" if isinstance(f, str) else _c_float(f) for f in program.floats) + "};"]
+          if program.floats else []),
         "",
         "typedef struct {",
         "    const uint8_t *at;  /* the next byte to decode */",

@@ -15,6 +15,9 @@ Memory map (that of nRF52840, STM32F7 and SAMD21 parts):
 0x40000000            storage controller registers (``STORAGE_CTRL_BASE``, one 4 KiB page).
                       The storage itself is behind the controller, not memory-mapped,
                       as an SPI/QSPI flash or an SD card is.
+0x40001000            trace register (``TRACE_BASE``): a word written there is recorded
+                      with the cycle estimate of that moment (firmware/profile.py marks
+                      the steps of a profiled training step with it). Emulator only.
 0xE000E000            System Control Space: CPUID and CPACR only (the start-up code
                       enables the FPU there); any other SCS register faults.
 ====================  ==============================================================
@@ -33,6 +36,7 @@ FLASH_BASE = 0x0000_0000
 RAM_BASE = 0x2000_0000
 RAM_REGION_END = 0x4000_0000  # the SRAM region of the Armv7-M/Armv6-M memory map
 STORAGE_CTRL_BASE = 0x4000_0000  # keep in step with POET_EMU_STORAGE_BASE in poet_storage_emu.c
+TRACE_BASE = 0x4000_1000  # the one word poet_mark() writes (writer.py, marks=True)
 SCS_BASE = 0xE000_E000
 FLASH_MAP_STEP = 1 << 20
 # Flash the linker may use when the profile gives no flash size: the whole code region below RAM.

@@ -9,7 +9,7 @@ import bisect
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -65,6 +65,9 @@ class EmulatedTraining:
     flash_wear_events: int = 0
     cycles: int = 0  # the emulator's cycle estimate for the run (poet_opt/firmware/cycles.py)
     clock_hz: Optional[float] = None  # the profile's core clock, when it gives one
+    # a profiling build (run_schedule(marks=True)): (schedule step, or len(steps) at the end of a
+    # training step; estimated cycles when it began), every training step's in turn
+    marks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def instructions_per_step(self) -> float:
@@ -83,9 +86,13 @@ class EmulatedTraining:
                "flash_erases_max_block": self.flash_erases_max_block, "instructions": self.instructions}
         # beside the plan's prediction: the estimated cycles, and with the profile's clock, seconds
         steps, totals = max(1, len(self.losses)), self.schedule.totals
-        out.update(cycles=self.cycles, predicted_runtime_s_per_step=float(totals["runtime_s"]),
-                   predicted_energy_j_per_step=float(totals["energy_j"]),
-                   estimated_runtime_s_per_step=self.cycles / steps / self.clock_hz if self.clock_hz else None)
+        estimated = self.cycles / steps / self.clock_hz if self.clock_hz else None
+        predicted = float(totals["runtime_s"])
+        out.update(cycles=self.cycles, predicted_runtime_s_per_step=predicted,
+                   predicted_energy_j_per_step=float(totals["energy_j"]), estimated_runtime_s_per_step=estimated,
+                   # the cycle estimate covers start-up too (shared by the steps) but no storage bus time
+                   estimated_over_predicted=estimated / predicted if estimated is not None and predicted else None,
+                   costs=self.network.graph.meta.get("measured_costs"))
         if self.weights_placement == "streamed":  # (resident runs keep the summary they always had)
             out.update(weights="streamed", flash_bytes_read=self.flash_bytes_read,
                        flash_bytes_written_per_step=self.flash_bytes_written_per_step,
@@ -111,7 +118,10 @@ class EmulatedTraining:
             f"KiB (arena {self.arena_bytes / 1024:.1f} KiB, stack {self.stack_bytes} B)",
             f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
             f"{summary['flash_erases_max_block']} erase(s) of one block",
-            f"  executed {summary['instructions']:,} instructions",
+            f"  executed {summary['instructions']:,} instructions"
+            + (f", about {summary['estimated_runtime_s_per_step'] * 1e3:,.2f} ms a step at the profile's clock (the "
+               f"plan predicts {summary['predicted_runtime_s_per_step'] * 1e3:,.2f} ms)"
+               if summary["estimated_runtime_s_per_step"] is not None else ""),
             *([f"  weights  streamed from storage: {summary['flash_bytes_read'] / 1024:.1f} KiB read in all, "
                f"{summary['flash_bytes_written_per_step'] / 1024:.1f} KiB written per step (plan), storage lasts "
                + (f"{summary['flash_lifetime_steps']:,} steps" if summary.get("flash_lifetime_steps") else "forever")]
@@ -127,7 +137,7 @@ class EmulatedTraining:
 def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
                      torch_model=None, input_shape=None, trainable="all", out_dir=None,
                      time_limit: Optional[float] = 60.0, mode: str = "joint", progress=None,
-                     weights: str = "resident", tile_bytes=None, strips="auto",
+                     weights: str = "resident", tile_bytes=None, strips="auto", costs=None,
                      prefix: str = "poet_") -> EmulatedTraining:
     """Train ``steps`` SGD steps on the batch in ``data`` in firmware generated from the schedule
     that ``poet-opt solve --export`` would give, on the emulated ``device``.
@@ -144,15 +154,12 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     features (model/tiling.py), each read, updated and written back on its own; None: no tiles.
     ``strips``: "auto" splits a CNN's activations along H into strips (model/strips.py, with
     streamed weights) when some node would not fit the device's RAM whole, the fewest that bring
-    every node within ``ram``; N: N strips at every height; "off": never. ``prefix`` starts every
-    name the generated library exports (``<prefix>train_step``, ``<prefix>train.h``)."""
+    every node within ``ram``; N: N strips at every height; "off": never. ``costs``: measured
+    per-node costs the plan is solved with, as for `poet-opt solve --costs` (`poet-opt measure`
+    writes them from this firmware). ``prefix`` starts every name the generated library exports
+    (``<prefix>train_step``, ``<prefix>train.h``)."""
     from poet_opt.firmware.torch_zoo import zoo_module
 
-    def say(text: str) -> None:
-        if progress is not None:
-            progress(text)
-
-    strips = strips_value(strips)
     if (model is None) == (torch_model is None):
         raise PoetError("give a zoo model or a torch model, not both or neither", field="--model")
     if not isinstance(steps, int) or steps < 1:
@@ -184,6 +191,30 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
             raise PoetError("--torch needs --input-shape", field="--input-shape")
         module, shape = torch_model, parse_full_shape(input_shape)
         x, y = load_batch(data, shape)  # the traced network takes exactly this shape
+    network, plan = solve_plan(module, shape, profile, ram=ram, name=model, trainable=trainable,
+                               time_limit=time_limit, mode=mode, progress=progress, weights=weights,
+                               tile_bytes=tile_bytes, strips=strips, costs=costs)
+    classes = network.layers[network.output].elements // network.input_shape[0]
+    y = check_labels(y, classes)
+    return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress,
+                        inputs=inputs, prefix=prefix)
+
+
+def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_limit: Optional[float] = 60.0,
+               mode: str = "joint", progress=None, weights: str = "resident", tile_bytes=None, strips="auto",
+               costs=None):
+    """(the network as lowered, the FirmwarePlan that ``poet-opt solve --export`` gives it): what
+    `emulate` and `measure --device` run. ``costs``: a measured-costs file or MeasuredCosts
+    (``solve --costs``), put on the graph before the solve."""
+    from poet_opt.model.measured_costs import MeasuredCosts, apply_costs, load_costs
+
+    def say(text: str) -> None:
+        if progress is not None:
+            progress(text)
+
+    strips = strips_value(strips)
+    table = costs if costs is None or isinstance(costs, MeasuredCosts) else load_costs(costs)
+    model = name
     say("tracing the model")
     if weights not in ("resident", "streamed", "auto"):
         raise PoetError(f"unknown weights placement {weights!r}; choose resident, streamed or auto", field="--weights")
@@ -207,13 +238,13 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         if budget not in lowered:
             # a default slice is a share of the budget the graph is fit to, as solve's is of --ram
             fit_tile = default_tile_bytes([budget]) if tile_bytes is None and tile is not None else tile
-            lowered[budget] = _with_strips(whole, strips, module, shape, profile, budget, trainable=trainable,
-                                           name=model, weights=weights, tile=fit_tile)
+            net = _with_strips(whole, strips, module, shape, profile, budget, trainable=trainable, name=model,
+                               weights=weights, tile=fit_tile)
+            # the file names this graph's nodes: a file for another model or lowering fails here
+            lowered[budget] = net if table is None else replace(net, graph=apply_costs(net.graph, table))
         return lowered[budget]
 
     network = striped(ram_bytes)
-    classes = network.layers[network.output].elements // network.input_shape[0]
-    y = check_labels(y, classes)
     say("solving")
     # strips fit to the budget may leave a node too large for the tighter budget an arena's
     # fragmentation calls for: auto strips are then fit to that budget
@@ -222,8 +253,7 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode,
                                 graph_for=(lambda budget: striped(budget).graph) if refit else None)
     network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
-    return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress,
-                        inputs=inputs, prefix=prefix)
+    return network, plan
 
 
 def _input_files(data, device, torch_model) -> list[tuple[str, Path]]:
@@ -259,11 +289,12 @@ def _with_strips(network: Network, strips, module, shape, profile, ram, *, train
 
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
                  out_dir=None, progress=None, program: bool | str = "auto", inputs=(),
-                 prefix: str = "poet_") -> EmulatedTraining:
+                 marks: bool = False, prefix: str = "poet_") -> EmulatedTraining:
     """Generate, build and run the training step of a schedule of ``network.graph``: ``plan`` is
     a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here. A tiled network
     (``lower_network(..., tile_bytes=...)``) carries its tiles, so nothing more is needed here.
-    ``out_dir`` gets ``output_files``, none of which may be one of ``inputs`` ((option, path) pairs)."""
+    ``out_dir`` gets ``output_files``, none of which may be one of ``inputs`` ((option, path) pairs).
+    ``marks``: a profiling build, each schedule step marked with its cycle estimate (``.marks``)."""
     from poet_opt.firmware import arena
     from poet_opt.firmware.fit import FirmwarePlan
 
@@ -272,7 +303,7 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
         plan = FirmwarePlan(plan, arena.plan_arena(doc), arena.plan_flash(doc))
     target = target_from_profile(profile)
     generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps, lr=float(lr),
-                                 x=x, y=y, program=program, prefix=prefix,
+                                 x=x, y=y, program=program, marks=marks, prefix=prefix,
                                  storage_defines=target.storage_defines())
     say = progress or (lambda text: None)
     # built in a scratch directory and copied to out_dir only once training ran: a failure leaves
@@ -396,6 +427,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         if generated.program_offset is not None:  # and the step program beside the weights
             emulator.storage.load(generated.program_offset, np.frombuffer(generated.program, np.uint8))
         result = emulator.run()
+        marks = list(emulator.marks)
         losses = emulator.read_symbol(HARNESS_LOSSES, np.float32).tolist()
         # torch name -> (parameter, its trained value): one pair per tile of a tiled layer
         trained: dict[str, list] = {}
@@ -440,4 +472,4 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         flash_bytes_read=int(storage.bytes_read), flash_bytes_written_per_step=int(flash.bytes_written_per_step),
         flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions,
         flash_wear_events=int(storage.erases_total), cycles=int(result.cycles or 0),
-        clock_hz=getattr(profile.compute, "clock_hz", None))
+        clock_hz=getattr(profile.compute, "clock_hz", None), marks=marks)

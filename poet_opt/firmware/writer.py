@@ -40,6 +40,7 @@ from poet_opt.errors import PoetError
 from poet_opt.firmware import program
 from poet_opt.firmware.arena import ArenaPlan, FlashPlan
 from poet_opt.firmware.c_text import block_comment, comment, float_literal, identifier
+from poet_opt.firmware.targets import TRACE_BASE
 from poet_opt.model import ops as registry
 from poet_opt.model.network import Layer, Network
 
@@ -120,6 +121,16 @@ def elementwise_backward(op: str, g: str, gu: str, n: int, at, output: str, oper
     return f"{spec.c_backward}({', '.join([g, gu, *saved])}, {n}u);"
 
 
+# the emulator's trace register (targets.TRACE_BASE): a profiling build only, no board has it
+MARK_FUNCTION = [
+    "static void poet_mark(uint32_t step)",
+    "{",
+    f"    *(volatile uint32_t *)0x{TRACE_BASE:08x}u = step;",
+    "}",
+    "",
+]
+
+
 def c_float(v: float) -> str:
     return float_literal(v)
 
@@ -140,9 +151,12 @@ def c_ident(k: int, role: str) -> str:
 
 class StepWriter:
     def __init__(self, network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, lr: float,
-                 program: bool | str = "auto"):
+                 program: bool | str = "auto", marks: bool = False):
         self.net, self.doc, self.plan, self.flash, self.lr = network, doc, plan, flash, float(lr)
         self.program = program  # True, False or "auto": a program past program.PROGRAM_CALLS calls
+        # `poet-opt measure` on the emulator: each schedule step first writes its number to the
+        # trace register, so that the cycles between two marks are that step's (firmware/profile.py)
+        self.marks = marks
         self.nodes = doc["graph"]["nodes"]
         self.by_name = {n["name"]: i for i, n in enumerate(self.nodes)}
         self.layer_index = {name: k for k, name in enumerate(network.layers)}
@@ -392,6 +406,8 @@ class StepWriter:
                 continue
             if kind == "page_out" and predict and node not in read_back:
                 continue
+            if self.marks and not predict:
+                lines.append(f"poet_mark({s}u);")
             if kind == "page_out":
                 lines += [block_comment(f"{s}: page out", name),
                           f"rc = poet_page_out({self.flash.offsets[node]}u, {out}, {nbytes}u);",
@@ -411,6 +427,8 @@ class StepWriter:
                 raise PoetError(f"the schedule computes {name!r} again after it updated its weights in place; "
                                 "the firmware cannot reproduce the first result")
             lines += self.compute(node, info, out, ops, first)
+        if self.marks and not predict:  # closes the last step
+            lines.append(f"poet_mark({len(self.doc['steps'])}u);")
         return lines
 
     def finish(self, lines: list[str]) -> None:
