@@ -239,8 +239,9 @@ def test_bert_base_plans_on_the_stock_nrf52840_and_its_8gb_card(bert_nrf52840):
 
 
 def test_executors_refuse_a_row_plan_in_one_line():
-    """Neither the PyTorch executor nor the firmware generator runs row tiling: they say so in one
-    line naming a row node, rather than mis-run the plan."""
+    """The firmware generator runs no row tiling, and the PyTorch executor runs a row plan only on a
+    torch transformer lowered in its row tiles (tests/test_run_rows.py), not on this zoo model's:
+    they say so in one line naming a row node, rather than mis-run the plan."""
     from poet_opt.errors import PoetError
     from poet_opt.executor.runner import check_schedule
     from poet_opt.firmware import codegen

@@ -218,8 +218,9 @@ def test_run_solves_a_streamed_plan_itself_with_solve_s_defaults(batch):
 
 
 def test_a_transformer_that_must_stream_is_refused_naming_weights_and_the_operator(tmp_path):
-    """Row tiling of a torch transformer is not lowered yet, and the strip builder has no fused
-    attention: one line naming --weights, the operator and what resident weights would need."""
+    """Row tiles of a torch transformer need its attention written out (matmul, softmax: see
+    tests/test_run_rows.py), and the strip builder has no fused attention: one line naming --weights,
+    the operator and what resident weights would need."""
     data = tmp_path / "tokens.npz"
     np.savez(data, x=np.zeros((1, 128, 768), np.float32), y=np.zeros(1, np.int64))
     result = cli("run", "--torch", "poet_opt.examples.torch_models:transformer_block", "--input-shape", "1,128,768",

@@ -502,10 +502,71 @@ def test_strips(name):
 
 # -- row tiles and weight slices: the graph builders ----------------------------------------------------
 
+class _Call(nn.Module):
+    """A registry operator by its torch function, as a user's forward would call it."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _row_module(name: str, spec):
+    """The hand-written encoder block of examples/torch_models.py, small, with its FFN activation
+    swapped for ``name`` (after a sigmoid where its domain is positive); None when torch has no
+    function of that name. Every other operator row tiles run is in the block already."""
+    from poet_opt.examples.torch_models import EncoderClassifier
+
+    torch.manual_seed(0)
+    module = EncoderClassifier(d=16, h=2, ff=32, classes=3)
+    if spec.split == "elementwise" and spec.arity == 1:
+        fn = getattr(F, name, None) or getattr(torch, name, None)
+        if fn is None:
+            return None
+        module.act = nn.Sequential(nn.Sigmoid(), _Call(fn)) if name in ("log", "sqrt", "reciprocal") else _Call(fn)
+    return module
+
+
+def _row_run_equals_torch(name: str, module) -> None:
+    """`poet-opt run`'s executor on a plan of the module's row graph (two blocks of four tokens):
+    one SGD step equal to torch's within 1e-6 of the largest weight (docs/operators.md), at the plan's
+    peak."""
+    import copy
+
+    from poet_opt.executor.tiled import TiledExecutor
+    from poet_opt.solver.driver import solve
+
+    shape = (1, 8, 16)
+    reference = copy.deepcopy(module)
+    network = lower_network(module, shape, weights="streamed", strips=2, strip_budget=10 ** 9)
+    # the mean over tokens is one vector, summed over the blocks in links (+b)
+    assert any(n.op == name and ("@r1" in n.name or n.name.endswith("+0")) for n in network.graph.nodes), \
+        f"{name}: not in row blocks"
+    plan = solve(network.graph, "rpi4", ram=10 ** 12, mode="none", order="given")
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(shape, generator=gen), torch.tensor([1])
+    with TiledExecutor(network, plan, lr=LR) as step:
+        step(x, y)
+        trained, peak = step.weights(), step.last.peak_live_bytes
+    assert peak == step.planned_peak_bytes
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    F.cross_entropy(reference(x), y).backward()
+    opt.step()
+    want = {n: p.detach().numpy() for n, p in reference.named_parameters()}
+    assert set(trained) == set(want)
+    scale = max(float(np.abs(v).max()) for v in want.values())
+    worst = max(float(np.abs(trained[n] - want[n]).max()) for n in want)
+    assert worst <= 1e-6 * scale, (name, worst)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_rows(name):
-    """Row tiles exist for the zoo's transformers: the FFN's activation is swapped for each
-    operator; the row builder splits it or refuses it naming it. Both executors refuse row plans."""
+    """Row tiles: in the zoo's encoder block, the FFN's activation swapped for each operator, the row
+    builder splits it or refuses it naming it. The firmware refuses row plans; the PyTorch
+    executor (`poet-opt run`) runs what the support table says, in a torch module's row tiles, equal
+    to torch, and the torch row lowering refuses the rest naming the node."""
     from dataclasses import replace
 
     from poet_opt.model import zoo
@@ -517,6 +578,9 @@ def test_rows(name):
     swap = spec.arity == 1 and spec.split == "elementwise"  # the generic piece-by-piece path
     if swap:
         net.ops = [replace(o, op=name, saves=spec.saves) if o.op == "gelu" else o for o in net.ops]
+    elif name == "avgpool":  # the mean over tokens before a classifier
+        net._add("pool", "avgpool", (len(net.ops) - 1,), (32,), 8 * 32)
+        net.linear(len(net.ops) - 1, "classifier", 2)
     elif name not in {o.op for o in net.ops}:
         net.ops = [replace(o, op=name) if o.op == "gelu" else o for o in net.ops]
     rows = {"blocks": 2, "piece": 32, "vocab_rows": 32}
@@ -529,11 +593,20 @@ def test_rows(name):
     assert support.graph_runs(spec, "rows"), f"{name}: the row builder splits it; the registry says not"
     assert any(n.op == name and "@r" in n.name for n in graph.nodes), name
     _graph_backends(graph, name)
-    nodes = [{"name": n.name, "op": n.op} for n in graph.nodes]
-    for who in ("the firmware generator", "the PyTorch executor"):
-        with pytest.raises(PoetError, match="row"):
-            refuse_rows(nodes, who, "--model")
-    assert not support.runs(spec, "rows", "firmware") and not support.runs(spec, "rows", "executor")
+    with pytest.raises(PoetError, match="row"):
+        refuse_rows([{"name": n.name, "op": n.op} for n in graph.nodes], "the firmware generator", "--model")
+    assert not support.runs(spec, "rows", "firmware")
+    if name == "embedding":  # a torch module's input is features, not token ids: run has no embedding rows
+        assert not support.runs(spec, "rows", "executor")
+        return
+    module = _row_module(name, spec)
+    if support.runs(spec, "rows", "executor"):
+        assert module is not None, f"{name}: said to run in rows, with no probe to show it"
+        _row_run_equals_torch(name, module)
+    elif module is not None:
+        with pytest.raises(PoetError) as refused:
+            lower_network(module, (1, 8, 16), weights="streamed", strips=2, strip_budget=10 ** 9)
+        _refusal(refused.value, name, spec)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -586,8 +659,8 @@ ROW_REPLAYED = [n for n in ops.names(split="elementwise", tiling="rows")
 
 @pytest.mark.parametrize("name", ROW_REPLAYED)
 def test_row_replay_runs_every_elementwise_operator_as_autograd(name, monkeypatch):
-    """No executor runs a row plan yet (both refuse it, above); the row replay they would walk
-    (executor/rows.py) already runs every elementwise operator from the registry: a toy BERT with
+    """The row replay `poet-opt run` walks (executor/rows.py) runs every elementwise operator from
+    the registry in the zoo's row graphs too (embeddings, a [CLS] pooler): a toy BERT with
     its FFN activation swapped for ``name`` replays equal to autograd on the same model, whose
     activation is torch's own function of that name (not the registry's reference)."""
     from dataclasses import replace

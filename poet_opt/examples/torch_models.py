@@ -286,3 +286,41 @@ class StripCnn(nn.Module):
 def strip_cnn() -> nn.Module:
     torch.manual_seed(0)
     return StripCnn()
+
+
+class EncoderClassifier(nn.Module):
+    """One post-LN encoder block written out by hand (no fused attention): linear Q, K and V split
+    into heads by view and transpose, softmax attention by matmul, residual adds, layer norms, a
+    GELU feed-forward, and a classification head on the mean over tokens. Its weights (3 MB at d
+    256) cannot be resident on a 256 KiB part, nor its attention scores whole: at 1 x 64 x 256 it
+    trains on the nRF52840 only with its tokens in row blocks (docs/streaming.md, issue 27)."""
+
+    def __init__(self, d: int = 256, h: int = 4, ff: int = 1024, classes: int = 10):
+        super().__init__()
+        self.h = h
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.fc1, self.act, self.fc2 = nn.Linear(d, ff), nn.GELU(), nn.Linear(ff, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, self.h, d // self.h).transpose(1, 2)
+        k = self.k(x).view(b, s, self.h, d // self.h).transpose(1, 2)
+        v = self.v(x).view(b, s, self.h, d // self.h).transpose(1, 2)
+        a = torch.softmax(q @ k.transpose(-2, -1) / (d // self.h) ** 0.5, dim=-1)
+        ctx = (a @ v).transpose(1, 2).reshape(b, s, d)
+        x = self.ln1(x + self.o(ctx))
+        x = self.ln2(x + self.fc2(self.act(self.fc1(x))))
+        return self.head(x.mean(dim=1))
+
+
+def encoder_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return EncoderClassifier()
+
+
+def small_encoder_classifier() -> nn.Module:
+    """The same block at d 32, 2 heads, FFN 64: row tiles in seconds, for tests."""
+    torch.manual_seed(0)
+    return EncoderClassifier(d=32, h=2, ff=64, classes=4)

@@ -40,6 +40,12 @@ def run_plan(graph, steps, params: dict, ids, y, lr: float) -> dict:
     return execute(_Replay(graph, params, ids, y, lr), graph, steps)
 
 
+def replayer(graph, params: dict, x, y, lr: float):
+    """The replay's node computer (``.compute(node, .records[name], env)``), for an executor that
+    walks a plan: ``params`` may be empty, when every weight comes from a ``param:`` node's value."""
+    return _Replay(graph, params, x, y, lr)
+
+
 class _Replay:
     def __init__(self, graph, params, ids, y, lr):
         import torch
@@ -52,7 +58,7 @@ class _Replay:
         self.vocab_rows = meta["vocab_rows"]
         self.values: dict = {}
         self.weight_grads: dict = {}
-        self.seq = ids.shape[1]
+        self.seq = self.blocks[-1][1]
 
     def run(self) -> dict:
         for node in self.graph.nodes:
@@ -87,32 +93,55 @@ class _Replay:
         return self.layers[self.layers[scores]["inputs"][0]]["shape"][-1] // self.layers[scores]["shape"][0]
 
     def param(self, env, layer: str, tile) -> dict:
-        env[f"param:{layer}#{'.'.join(map(str, tile))}"]  # the tile a node reads is in its deps
-        return self.params[layer]
+        """The weights of one tile, as the tile's own tensors: what its ``param:`` node holds in RAM."""
+        return env[f"param:{layer}#{'.'.join(map(str, tile))}"]
+
+    def tile_where(self, layer: str, tile) -> dict:
+        """role -> the index of a tile's part of the layer's whole parameter."""
+        kind = self.tiles[layer]["kind"]
+        if kind == "linear":
+            (o0, o1), (i0, i1) = self.cols[layer][tile[0]], self.cols[self.layers[layer]["inputs"][0]][tile[1]]
+            return {"weight": (slice(o0, o1), slice(i0, i1)), **({"bias": (slice(o0, o1),)} if tile[1] == 0 else {})}
+        if kind == "norm":
+            (c0, c1) = self.cols[layer][tile[0]]
+            return {"weight": (slice(c0, c1),), "bias": (slice(c0, c1),)}
+        (v0, v1), (c0, c1) = self._vocab(layer)[tile[0]], self.cols[layer][tile[1]]
+        return {"weight": (slice(v0, v1), slice(c0, c1))}
+
+    def tile_values(self, layer: str, tile) -> dict:
+        """A tile's weights cut from the whole parameters: views, so that updating a tile in place
+        updates the whole (the executor stores a copy of each on its storage instead)."""
+        return {role: self.params[layer][role][where] for role, where in self.tile_where(layer, tile).items()}
+
+    def divisor(self, scores: str) -> float:
+        return self.layers[scores].get("divisor") or math.sqrt(self.dh(scores))
 
     # -- nodes -------------------------------------------------------------------------------------
 
     def compute(self, node, rec, env):
         role = rec["role"]
         if role == "param":
-            return None
+            return self.tile_values(rec["layer"], tuple(rec["tile"]))
         if role == "loss":
             return self.loss(rec, env)
         if role in ("forward", "scores", "context"):
             return self.forward(rec, env)
         if role == "embed":
             return self.embed(rec, env)
+        if role == "mean":  # the mean over tokens, summed block by block
+            x = self.layers[rec["layer"]]["inputs"][0]
+            part = env[self.name(x, rec["b"], rec["j"])].sum(dim=1, keepdim=True) / self.seq
+            return part if rec["prev"] is None else env[rec["prev"]] + part
         if role == "linear":
             lay = self.layers[rec["layer"]]
             x = self.layers[rec["layer"]]["inputs"][0]
             xb = env[self.name(x, 0 if lay["cls"] else rec["b"], rec["k"])]
             if lay["cls"]:
                 xb = xb[:, :1]
-            (o0, o1), (i0, i1) = self.cols[rec["layer"]][rec["j"]], self.cols[x][rec["k"]]
             w = self.param(env, rec["layer"], (rec["j"], rec["k"]))
-            out = xb @ w["weight"][o0:o1, i0:i1].T
+            out = xb @ w["weight"].T
             if rec["k"] == 0:
-                out = out + w["bias"][o0:o1]
+                out = out + w["bias"]
             return out if rec["prev"] is None else env[rec["prev"]] + out
         if role == "ln_stats":
             x = self.layers[rec["layer"]]["inputs"][0]
@@ -128,8 +157,7 @@ class _Replay:
         if role == "ln_gstats":
             layer, b, k = rec["layer"], rec["b"], rec["k"]
             x = self.layers[layer]["inputs"][0]
-            (c0, c1) = self.cols[layer][k]
-            gamma = self.param(env, layer, (k,))["weight"][c0:c1]
+            gamma = self.param(env, layer, (k,))["weight"]
             gg = env[self.name(layer, b, k, "grad:")] * gamma
             xhat = self.xhat(env, layer, b, env[self.name(x, b, k)])
             sums = (gg.sum(dim=2), (gg * xhat).sum(dim=2))
@@ -165,7 +193,7 @@ class _Replay:
         lay = self.layers[layer]
         (c0, c1) = self.cols[layer][j]
         v0, v1 = self._vocab(layer)[v]
-        table = self.param(env, layer, (v, j))["weight"][v0:v1, c0:c1]
+        table = self.param(env, layer, (v, j))["weight"]
         idx = self.token_rows(b, lay["positional"], env)
         inside = (idx >= v0) & (idx < v1)
         out = table[(idx - v0).clamp(0, v1 - v0 - 1)] * inside[:, :, None]
@@ -180,18 +208,20 @@ class _Replay:
         op, inputs, b, j = lay["op"], lay["inputs"], rec["b"], rec["j"]
         if op == "input":
             r0, r1 = self.blocks[b]
+            if self.ids.dim() == 3:  # hidden states, not token ids: their feature piece j
+                (c0, c1) = self.cols[layer][j]
+                return self.ids[:, r0:r1, c0:c1]
             return self.ids[:, r0:r1]
         if op == "layernorm":
-            (c0, c1) = self.cols[layer][j]
             w = self.param(env, layer, (j,))
-            return self.xhat(env, layer, b, env[self.name(inputs[0], b, j)]) * w["weight"][c0:c1] + w["bias"][c0:c1]
+            return self.xhat(env, layer, b, env[self.name(inputs[0], b, j)]) * w["weight"] + w["bias"]
         if op == "softmax":
             return self.t.softmax(env[self.name(inputs[0], b, j)], dim=-1)
         if op == "matmul" and len(lay["shape"]) == 3:  # scores of head j for row block b
             dh = self.dh(layer)
             q = self.gather(env, inputs[0], b, j * dh, (j + 1) * dh)
             k = self.all_rows(env, inputs[1], j * dh, (j + 1) * dh)
-            return q @ k.transpose(1, 2) / math.sqrt(dh)
+            return q @ k.transpose(1, 2) / self.divisor(layer)
         if op == "matmul":  # context: piece j of row block b
             p, v = inputs
             dh = self.dh(self._scores_of(p))
@@ -250,9 +280,8 @@ class _Replay:
         if kind == "linear":
             lay = self.layers[u]
             jj = term["j"]
-            (o0, o1), (c0, c1) = self.cols[u][jj], self.cols[f][j]
             g = env[self.name(u, 0 if lay["cls"] or self.vector(u) else b, jj, "grad:")]
-            part = g @ self.param(env, u, (jj, j))["weight"][o0:o1, c0:c1]
+            part = g @ self.param(env, u, (jj, j))["weight"]
             if lay["cls"]:  # the pooler read the [CLS] token: the block's other rows get nothing
                 r0, r1 = self.blocks[b]
                 full = t.zeros(part.shape[0], r1 - r0, part.shape[2], dtype=part.dtype)
@@ -261,15 +290,17 @@ class _Replay:
             return part
         if kind == "add":
             return env[self.name(u, b, j, "grad:")]
+        if kind == "mean":
+            r0, r1 = self.blocks[b]
+            return (env[self.name(u, 0, j, "grad:")] / self.seq).expand(-1, r1 - r0, -1)
         spec = registry.get(kind)
         if kind in TOKENWISE and spec.arity == 1:  # gelu, tanh, ...: from what its backward reads
             return spec.torch_gradient(t, env[self.name(u, b, j, "grad:")],
                                        x=env[self.name(f, b, j)] if spec.saves == "in" else None,
                                        y=env[self.name(u, b, j)] if spec.saves == "out" else None)
         if kind == "layernorm":
-            (c0, c1) = self.cols[u][j]
             d = self.layers[u]["shape"][-1]
-            gamma = self.param(env, u, (j,))["weight"][c0:c1]
+            gamma = self.param(env, u, (j,))["weight"]
             _, var = self.stats(env, u, b)
             xhat = self.xhat(env, u, b, env[self.name(f, b, j)])
             s1, s2 = env[f"lngstats:{u}@r{b}@c{len(self.cols[u]) - 1}"]
@@ -287,12 +318,12 @@ class _Replay:
                 lo, hi = max(c0, h * dh), min(c1, (h + 1) * dh)
                 if kind == "scores_q":
                     ds = env[self.name(u, b, h, "grad:")]
-                    out.append(ds @ self.all_rows(env, k_name, lo, hi) / math.sqrt(dh))
+                    out.append(ds @ self.all_rows(env, k_name, lo, hi) / self.divisor(u))
                 else:
                     bq = term["b"]
                     r0, r1 = self.blocks[b]
                     ds = env[self.name(u, bq, h, "grad:")][:, :, r0:r1]
-                    out.append(ds.transpose(1, 2) @ self.gather(env, q_name, bq, lo, hi) / math.sqrt(dh))
+                    out.append(ds.transpose(1, 2) @ self.gather(env, q_name, bq, lo, hi) / self.divisor(u))
             return t.cat(out, dim=2)
         if kind == "context_p":
             p_name, v_name = self.layers[u]["inputs"]
@@ -322,48 +353,45 @@ class _Replay:
         x = lay["inputs"][0]
         if lay["op"] == "layernorm":
             (j,) = tile
-            (c0, c1) = self.cols[layer][j]
             g = env[self.name(layer, b, j, "grad:")]
             xhat = self.xhat(env, layer, b, env[self.name(x, b, j)])
             part = {"weight": (g * xhat).sum(dim=(0, 1)), "bias": g.sum(dim=(0, 1))}
-            where = {"weight": (slice(c0, c1),), "bias": (slice(c0, c1),)}
         else:
             j, k = tile
-            (o0, o1), (i0, i1) = self.cols[layer][j], self.cols[x][k]
             g = env[self.name(layer, 0 if self.vector(layer) else b, j, "grad:")]
             xs = env[self.name(x, 0 if lay["cls"] else b, k)]
             if lay["cls"]:
                 xs = xs[:, :1]
             part = {"weight": g.flatten(0, 1).T @ xs.flatten(0, 1)}
-            where = {"weight": (slice(o0, o1), slice(i0, i1))}
             if k == 0:
                 part["bias"] = g.sum(dim=(0, 1))
-                where["bias"] = (slice(o0, o1),)
         if rec["prev"]:
             part = {role: env[rec["prev"]][role] + v for role, v in part.items()}
         if not rec["update"]:
             return part
-        self.param(env, layer, tile)
-        self.apply(layer, part, where)
+        self.apply(env, layer, tuple(tile), part)
         return None
 
     def embed_update(self, rec, env):
         layer, v, j = rec["layer"], rec["v"], rec["j"]
         (v0, v1), (c0, c1) = self._vocab(layer)[v], self.cols[layer][j]
-        grad = self.t.zeros(v1 - v0, c1 - c0, dtype=self.params[layer]["weight"].dtype)
+        grad = self.t.zeros(v1 - v0, c1 - c0, dtype=self.param(env, layer, (v, j))["weight"].dtype)
         for b in rec["blocks"]:  # the sparse gradient: the rows of the tokens seen
             idx = self.token_rows(b, self.layers[layer]["positional"], env)
             g = env[self.name(layer, b, j, "grad:")]
             inside = (idx >= v0) & (idx < v1)
             grad.index_add_(0, (idx[inside] - v0), g[inside])
-        self.param(env, layer, (v, j))
-        self.apply(layer, {"weight": grad}, {"weight": (slice(v0, v1), slice(c0, c1))})
+        self.apply(env, layer, (v, j), {"weight": grad})
         return None
 
-    def apply(self, layer: str, grads: dict, where: dict) -> None:
-        store = self.weight_grads.setdefault(layer, {})
+    def apply(self, env, layer: str, tile: tuple, grads: dict) -> None:
+        """SGD on the tile's tensors in RAM, in place; the gradient is kept, placed in the whole
+        layer's, where the whole parameters are known (a replay, not a plan's run)."""
+        weights = self.param(env, layer, tile)
+        where = self.tile_where(layer, tile)
         with self.t.no_grad():
             for role, g in grads.items():
-                tensor = self.params[layer][role]
-                store.setdefault(role, self.t.zeros_like(tensor))[where[role]] = g
-                tensor[where[role]] -= self.lr * g
+                if layer in self.params:
+                    store = self.weight_grads.setdefault(layer, {})
+                    store.setdefault(role, self.t.zeros_like(self.params[layer][role]))[where[role]] = g
+                weights[role] -= self.lr * g

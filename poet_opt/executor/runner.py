@@ -127,10 +127,15 @@ def check_schedule(network: Network, doc: dict) -> None:
         raise PoetError("not a poet-opt/schedule@1 document", field=SCHEDULE_FIELD)
     validate(doc)
     nodes = doc["graph"]["nodes"]
-    from poet_opt.model.rows import refuse_rows
+    from poet_opt.model.rows import row_node
     from poet_opt.model.strips import refuse_strips
 
-    refuse_rows(nodes, "the PyTorch executor", SCHEDULE_FIELD)
+    rows = network is not None and network.graph.meta.get("rows") is not None
+    tiled = row_node(nodes)
+    if tiled is not None and not rows:  # row plans run in executor/tiled.py, on a network lowered in row tiles
+        raise PoetError(f"the plan tiles a transformer by token rows (node {tiled}); the PyTorch executor runs it "
+                        "only on a torch transformer lowered in the same row tiles (the plan's --strips)",
+                        field=SCHEDULE_FIELD)
     striped = network is not None and network.graph.meta.get("strips") is not None
     if not striped:  # strip plans run in executor/tiled.py, on a network lowered with strips
         refuse_strips(nodes, "the PyTorch executor", SCHEDULE_FIELD)

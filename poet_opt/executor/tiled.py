@@ -1,4 +1,5 @@
-"""A plan with streamed weights, activation strips and weight slices, run in PyTorch step for step.
+"""A plan with streamed weights, activation strips and weight slices, or row tiles of a transformer,
+run in PyTorch step for step.
 
 ``TiledExecutor(network, schedule, lr=...)`` trains a network lowered with streamed weights
 (``lower_network(..., weights="streamed", strips=..., tile_bytes=...)``, the graph `poet-opt solve`
@@ -7,8 +8,9 @@ plans for such a module) one step per call, following the plan's steps in order:
 - the weights live on storage: every ``param:L`` node's tensors (a slice's rows of the torch
   parameters) are written to a file under the storage directory when the executor starts, and a
   compute of ``param:L`` reads them back into RAM (a recompute reads them again);
-- every other compute runs the node as executor/strips.py says, on the tensors the plan holds
-  resident, its strips and its slice of weights; a node that updates weights does so in place, and
+- every other compute runs the node as executor/strips.py says (executor/rows.py for a row graph,
+  whose ``param:L#j.k`` tiles are cut from the layer's parameters), on the tensors the plan holds
+  resident, its strips or row blocks and its slice or tile of weights; a node that updates weights does so in place, and
   the updated tensors are written back to their file at once, as the firmware does;
 - ``page_out`` writes a tensor (or a node's statistics) to storage, ``page_in`` reads it back,
   ``free`` drops it, and freeing ``param:L`` leaves no copy of those weights in RAM.
@@ -43,7 +45,10 @@ def replays(op: str) -> bool:
 
 
 def check_runnable(network: Network) -> None:
-    """Refuse, before any solve, a streamed network with a layer the strip replay has no kernel for."""
+    """Refuse, before any solve, a streamed network with a layer the strip replay has no kernel for
+    (the row replay runs every operator the row builder takes)."""
+    if network.graph.meta.get("rows") is not None:
+        return
     for name, info in network.graph.meta["strips"]["layers"].items():
         if not replays(info["op"]):
             raise PoetError(f"layer {name!r} ({info['op']}) has no strip kernel in the PyTorch executor, which runs "
@@ -63,8 +68,10 @@ class TiledExecutor:
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
         graph = network.graph
-        if graph.meta.get("strips") is None:
-            raise PoetError("internal: the tiled executor needs a network lowered with strips (strips=1 for none)")
+        self.rows = graph.meta.get("rows") is not None
+        if graph.meta.get("strips") is None and not self.rows:
+            raise PoetError("internal: the tiled executor needs a network lowered with strips (strips=1 for none) "
+                            "or row tiles")
         self.doc = schedule.to_dict() if hasattr(schedule, "to_dict") else schedule
         check_schedule(network, self.doc)
         check_runnable(network)
@@ -74,7 +81,7 @@ class TiledExecutor:
         self.steps = [(s["op"], self.by_name[names[int(s["node"])]]) for s in self.doc["steps"]]
         self.store = Storage(storage)  # the weights
         self.pages = Storage(storage)  # paged tensors, in a folder of their own: node ids would collide
-        self.roles: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        self.roles: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # param node -> its tensors
         try:
             for n in graph.nodes:
                 if n.op == "param":
@@ -84,12 +91,25 @@ class TiledExecutor:
             raise
         self.last: StepStats | None = None
 
+    def _initial(self, node) -> dict:
+        """role -> initial value (numpy) of the weights a ``param:`` node holds."""
+        if not self.rows:
+            return {role: p.value for role, p in self.network.layers[node.name[len("param:"):]].params.items()}
+        import torch
+
+        from poet_opt.executor.rows import replayer
+
+        whole = {name: {role: torch.from_numpy(p.value) for role, p in layer.params.items()}
+                 for name, layer in self.network.layers.items() if layer.params}
+        r = replayer(self.network.graph, whole, None, None, self.lr)
+        return {role: t.numpy() for role, t in r.compute(node, r.records[node.name], {}).items()}
+
     def _store_initial(self, node) -> None:
         import torch
 
-        layer = self.network.layers[node.name[len("param:"):]]
-        self.roles[layer.name] = [(role, tuple(p.value.shape)) for role, p in layer.params.items()]
-        flat = np.concatenate([p.value.ravel() for p in layer.params.values()]).astype(np.float32)
+        values = self._initial(node)
+        self.roles[node.name] = [(role, tuple(v.shape)) for role, v in values.items()]
+        flat = np.concatenate([v.ravel() for v in values.values()]).astype(np.float32)
         if flat.nbytes != node.bytes:
             raise PoetError(f"internal: {node.name} holds {node.bytes} B in the graph, {flat.nbytes} B of weights")
         self.store.write(node.id, torch.from_numpy(flat))
@@ -124,24 +144,28 @@ class TiledExecutor:
         weights the plan has not read fails instead of reading a stale copy."""
         import torch
 
-        return {role: torch.empty(shape, device="meta") for role, shape in self.roles[layer]}
+        return {role: torch.empty(shape, device="meta") for role, shape in self.roles[f"param:{layer}"]}
 
     def _read_weights(self, node) -> dict:
-        layer = node.name[len("param:"):]
         flat = self.store.read(node.id, (node.bytes // 4,), self.device)
         out, at = {}, 0
-        for role, shape in self.roles[layer]:
+        for role, shape in self.roles[node.name]:
             count = math.prod(shape)
             out[role] = flat[at:at + count].reshape(shape)
             at += count
         return out
 
     def __call__(self, x, y) -> float:
-        from poet_opt.executor.strips import replayer
-
         x, y = self._check_batch(x, y)
         graph = self.network.graph
-        params = {layer: self._placeholders(layer) for layer in self.roles}
+        if self.rows:  # a row node reads its tile's weights from the param node's value, never from params
+            from poet_opt.executor.rows import replayer
+
+            params: dict = {}
+        else:
+            from poet_opt.executor.strips import replayer
+
+            params = {name[len("param:"):]: self._placeholders(name[len("param:"):]) for name in self.roles}
         r = replayer(graph, params, x, y, self.lr)
         table: dict = {}
         updated: set[int] = set()
@@ -159,7 +183,7 @@ class TiledExecutor:
                 done.append((op, node.id))
                 if op == "free":
                     live -= nbytes(table.pop(name))
-                    if node.op == "param":
+                    if node.op == "param" and not self.rows:
                         params[name[len("param:"):]] = self._placeholders(name[len("param:"):])
                     continue
                 if op == "page_out":
@@ -171,7 +195,8 @@ class TiledExecutor:
                     value = _unflatten(self.pages.read(node.id, (node.bytes // 4,), self.device), layouts[node.id])
                 elif node.op == "param":
                     value = self._read_weights(node)
-                    params[name[len("param:"):]] = value
+                    if not self.rows:
+                        params[name[len("param:"):]] = value
                 else:
                     if node.id in updated or set(node.updates) & updated:
                         raise PoetError(f"the plan runs {name} again after it updated weights in place",
@@ -218,6 +243,8 @@ class TiledExecutor:
     def weights(self) -> dict[str, np.ndarray]:
         """torch name -> trained value (float32, PyTorch's shape) of the trainable parameters, read
         back from storage and put together from the slices."""
+        if self.rows:
+            return self._row_weights()
         parts: dict = {}
         for n in self.network.graph.nodes:
             if n.op != "param":
@@ -230,6 +257,27 @@ class TiledExecutor:
                 parts.setdefault(p.torch_name, []).append((p, value[role].numpy()))
         self.store.bytes_read = 0
         return self.network.assemble(parts)
+
+    def _row_weights(self) -> dict[str, np.ndarray]:
+        """The trained layers' parameters put together from their ``param:L#j.k`` tiles."""
+        from poet_opt.executor.rows import replayer
+
+        r = replayer(self.network.graph, {}, None, None, self.lr)
+        out: dict[str, np.ndarray] = {}
+        for n in self.network.graph.nodes:
+            if n.op != "param":
+                continue
+            name, tile = n.name[len("param:"):].split("#")
+            layer = self.network.layers[name]
+            if not layer.trainable:
+                continue
+            value = self._read_weights(n)
+            for role, where in r.tile_where(name, tuple(int(t) for t in tile.split("."))).items():
+                p = layer.params[role]
+                whole = out.setdefault(p.torch_name, np.zeros(p.value.shape, np.float32))
+                whole[where] = value[role].numpy()
+        self.store.bytes_read = 0
+        return out
 
     def close(self) -> None:
         self.store.close()

@@ -100,11 +100,21 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
     strips = strips if isinstance(strips, dict) else strips_value(strips)  # a dict: a plan's {H: N}
     module, name = resolve_module(torch_model)  # once: a factory would give other initial weights each call
-    resident = prepare(module, input_shape, trainable=trainable, name=name)
-    if weights == "resident" or weights == "auto" and not needs_streaming(resident.graph, device_ram_bytes,
+    try:
+        resident, unrunnable = prepare(module, input_shape, trainable=trainable, name=name), None
+    except PoetError as exc:  # a row graph may still run it (a scaled attention): solve's graph decides
+        from poet_opt.model.torch_import import import_torch
+
+        resident, unrunnable = None, exc
+        plain = import_torch(module, input_shape, trainable=trainable, name=name)
+    else:
+        plain = resident.graph
+    if weights == "resident" or weights == "auto" and not needs_streaming(plain, device_ram_bytes,
                                                                           stack_reserve_bytes, ram_bytes):
         if strips not in ("auto", "off") and weights == "resident":  # as solve: auto ignores them when resident
             raise PoetError("activation strips need streamed weights (--weights streamed)", field="--strips")
+        if resident is None:
+            raise unrunnable
         return resident
     tile = tile_bytes if tile_bytes is not None else default_tile_bytes([ram_bytes])
     budget = ram_bytes
@@ -112,11 +122,17 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         room = device_ram_bytes - stack_reserve_bytes
         budget = room if budget is None else min(budget, room)
     shape = parse_full_shape(input_shape)
+    if any(n.op == "matmul" for n in plain.nodes) and not any(n.op == "conv2d" for n in plain.nodes):
+        return _row_network(module, shape, resident, name=name, trainable=trainable, weights=weights, strips=strips,
+                            tile=tile, budget=budget, device_ram_bytes=device_ram_bytes,
+                            stack_reserve_bytes=stack_reserve_bytes)
 
     def lowered(counts):
         return lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=counts,
                              strip_budget=budget, tile_bytes=tile)
 
+    if resident is None:
+        raise unrunnable
     try:
         streamed = lowered(1)
     except PoetError as exc:  # the strip builder's layer table speaks of the firmware generator
@@ -147,6 +163,36 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
 
     check_runnable(streamed)  # before a solve: a layer the strip replay cannot run
     return streamed
+
+
+def _row_network(module, shape, resident: Network | None, *, name, trainable, weights, strips, tile, budget,
+                 device_ram_bytes, stack_reserve_bytes: int) -> Network:
+    """A streamed transformer as solve lowers it (model/load.py): in row tiles when some node would not
+    fit the device whole ("auto") or N row blocks are asked, else whole, which the executor does not
+    stream (a refusal naming --strips); the resident network when rows do not fit either, as solve
+    (``resident`` None: the executor cannot run it whole, a refusal naming --ram)."""
+    from poet_opt.model.torch_import import import_torch
+    from poet_opt.units import format_bytes
+
+    whole = import_torch(module, shape, trainable=trainable, name=name, weights="streamed", tile_bytes=tile)
+    working, node = whole.largest_working_set()
+    too_big = device_ram_bytes is not None and working + stack_reserve_bytes > device_ram_bytes
+    if strips == "off" or strips == "auto" and not too_big:
+        raise PoetError(f"the PyTorch executor streams a transformer's weights only in row tiles, and its largest "
+                        f"node ({node.name}, {format_bytes(working)}) fits the device whole, so auto leaves them out: "
+                        "ask for N row blocks with --strips N, or keep the weights resident (--weights resident)",
+                        field="--strips")
+    rows = lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=strips,
+                         strip_budget=budget)
+    if rows.graph is not None and (strips != "auto" or rows.graph.largest_working_set()[0] <= budget):
+        working, node = rows.graph.largest_working_set()
+        if weights != "auto" or device_ram_bytes is None or working + stack_reserve_bytes <= device_ram_bytes:
+            return rows
+    if weights != "auto" or resident is None:
+        raise PoetError(f"no row tiling brings every node of {name} within {format_bytes(budget)}", field="--ram")
+    resident.graph.meta["streamed_working_set"] = {"bytes": working, "node": node.name}
+    resident.graph.meta["strips_tried"] = True
+    return resident
 
 
 def run_training(*, torch_model, input_shape, steps: int, lr: float, data, device=None, ram=None,
@@ -210,8 +256,8 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
         tiling = doc["graph"].get("tiling") or {}
         if weight_tile is None and tiling.get("weight_tile_bytes") is not None:
             weight_tile = f"{int(tiling['weight_tile_bytes'])}B"
-        if strips_value(strips) == "auto" and "strips_per_height" in tiling:
-            strips = {int(h): int(k) for h, k in tiling["strips_per_height"].items()} or 1
+        if strips_value(strips) == "auto" and tiling.get("strips_per_height"):  # (row tiles: auto finds them)
+            strips = {int(h): int(k) for h, k in tiling["strips_per_height"].items()}
     else:
         from poet_opt.units import parse_size
 

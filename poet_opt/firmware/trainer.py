@@ -227,9 +227,20 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
             raise PoetError("weight tiles need streamed weights (--weights streamed or auto)", field="--weight-tile")
     else:  # as `poet-opt solve` slices streamed layers (model/load.py): one default for every command
         tile = None if weights == "resident" else default_tile_bytes([ram_bytes])
-    whole = lower_network(module, shape, trainable=trainable, name=model,
-                          weights="resident" if weights == "auto" else weights,
-                          tile_bytes=tile if weights == "streamed" else None)
+    try:
+        whole = lower_network(module, shape, trainable=trainable, name=model,
+                              weights="resident" if weights == "auto" else weights,
+                              tile_bytes=tile if weights == "streamed" else None)
+    except PoetError:  # a written-out attention has views the firmware cannot lower; say rows are why first
+        from poet_opt.model.torch_import import import_torch
+
+        try:
+            planned = import_torch(module, shape, trainable=trainable, weights="streamed", tile_bytes=tile)
+        except PoetError:
+            planned = None
+        if planned is not None:
+            _refuse_rows(planned, profile, strips)
+        raise
     if weights == "auto" and needs_streaming(whole.graph, profile.memory.ram_bytes, STACK_BYTES, ram_bytes):
         whole = lower_network(module, shape, trainable=trainable, name=model, weights="streamed", tile_bytes=tile)
     lowered = {}  # the network of the graph each (re-)solve plans, by its strip budget
@@ -264,12 +275,28 @@ def _input_files(data, device, torch_model) -> list[tuple[str, Path]]:
     return [(option, Path(path)) for option, path in given if isinstance(path, (str, Path)) and Path(path).is_file()]
 
 
+def _refuse_rows(graph, profile, strips) -> None:
+    """A transformer that `solve` would plan in row tiles (model/load.py) is refused in one line:
+    the firmware generator has no row kernels."""
+    from poet_opt.units import format_bytes
+
+    working, node = graph.largest_working_set()
+    nodes = graph.nodes
+    if working + STACK_BYTES > profile.memory.ram_bytes and strips != "off" and \
+            not any(n.op == "conv2d" for n in nodes) and any(n.op == "matmul" for n in nodes):
+        raise PoetError(f"computing {node.name} holds {format_bytes(working)} at once, more than {profile.name}'s "
+                        f"{format_bytes(profile.memory.ram_bytes)} of RAM with the stack: this transformer fits only "
+                        "with its tokens in row tiles, which `poet-opt solve` plans and `poet-opt run` trains, but the "
+                        "firmware generator has no row kernels yet", field="--strips")
+
+
 def _with_strips(network: Network, strips, module, shape, profile, ram, *, trainable, name, weights, tile) -> Network:
     """The network lowered with activation strips when ``strips`` asks for them, or ("auto") when
     some node cannot fit the device's RAM whole; the network as it is otherwise."""
     from poet_opt.units import format_bytes
 
     working, node = network.graph.largest_working_set()
+    _refuse_rows(network.graph, profile, strips)
     too_big = working + STACK_BYTES > profile.memory.ram_bytes and any(n.op == "conv2d" for n in network.graph.nodes)
     if strips not in ("auto", "off") and (isinstance(strips, bool) or not isinstance(strips, int) or strips < 1):
         raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")

@@ -28,8 +28,9 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
     budget asked, or plain training's peak if less; at least the smallest working set) exceed ``device_ram_bytes`` and
     streaming brings them within it (else resident, with what streaming would need in
     ``meta["streamed_working_set"]`` for the message). ``tile_bytes``: with streamed weights, split
-    layers with more weights than that into slices (model/tiling.py). ``strips`` (zoo models, streamed
-    weights; model/strips.py): "auto" splits activations into strips along H only when some node's
+    layers with more weights than that into slices (model/tiling.py). ``strips`` (zoo models and torch
+    modules, streamed weights; model/strips.py, and for transformers row blocks of tokens, model/rows.py
+    and model/torch_rows.py): "auto" splits activations into strips along H only when some node's
     working set and ``stack_reserve_bytes`` exceed ``device_ram_bytes`` otherwise, with the fewest
     strips that bring every node within ``ram_bytes`` and the device; "off" never; N: at most N
     strips per tensor. ``before_tiling`` is called with a zoo model's or torch module's streamed graph before
@@ -178,10 +179,13 @@ def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, stri
     (model/network.py), so that the plan `solve` makes is one the firmware can run: N strips at every
     height, or for "auto" the fewest that bring every node within the RAM budget and the device, and
     only when some node could not fit the device otherwise, with layers over ``tile_bytes`` of weights
-    in slices as the zoo's strip graphs have them. Unchanged when strips cannot help, so that the
+    in slices as the zoo's strip graphs have them. A torch transformer's tokens go into row blocks
+    the same way, as `poet-opt run` lowers it. Unchanged when neither can help, so that the
     working-set check says what does not fit."""
     too_big = device_ram_bytes is not None and graph.largest_working_set()[0] + stack_reserve_bytes > device_ram_bytes
-    if strips == "auto" and not too_big or not any(n.op == "conv2d" for n in graph.nodes):
+    convolutions = any(n.op == "conv2d" for n in graph.nodes)
+    transformer = not convolutions and any(n.op == "matmul" for n in graph.nodes)  # row tiles (model/torch_rows.py)
+    if strips == "auto" and not too_big or not (convolutions or transformer):
         return graph
     if bytes_per_element != 4:
         raise PoetError(f"activation strips of a torch module are planned in fp32, not {bytes_per_element} bytes "
@@ -192,7 +196,7 @@ def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, stri
 
     striped = lower_network(spec, parse_full_shape(input_shape), trainable=trainable, weights="streamed",
                             strips=strips, strip_budget=budget, tile_bytes=tile_bytes).graph
-    if strips != "auto" or striped.largest_working_set()[0] <= budget:
+    if striped is not None and (strips != "auto" or striped.largest_working_set()[0] <= budget):
         return striped  # N strips as asked, as for zoo models: the working-set check says if they fit
     graph.meta["strips_tried"] = True  # for the refusal: strips were tried and did not help
     return graph

@@ -23,6 +23,7 @@ from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.operators import finish
 from poet_opt.model.tiling import feature_ranges
 from poet_opt.model.torch_import import lower_module, resolve_module
+from poet_opt.model.torch_rows import is_row_model, row_training_graph
 
 FIELD = "--torch"  # the layers come from a torch module, as that option names it
 
@@ -112,7 +113,10 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
     convolution or linear layer with fewer output features whose parameters are the torch
     parameters' rows lo..hi, and a ``concat`` layer ``L`` that joins their outputs. ``strips``
     (streamed only): split the (C, H, W) activations along H (model/strips.py), N strips at every
-    height, a dict {H: N}, or "auto": the fewest that bring every node within ``strip_budget``."""
+    height, a dict {H: N}, or "auto": the fewest that bring every node within ``strip_budget``; of a
+    transformer (attention, no convolution), its (tokens, features) tensors into N blocks of tokens
+    (model/torch_rows.py, model/rows.py), "auto" the tiling with the fewest nodes that fits (the
+    graph is None when none does); row tiles cut the weights themselves and ignore ``tile_bytes``."""
     if tile_bytes is not None and weights != "streamed":
         raise PoetError("weight tiles need streamed weights (--weights streamed)", field="--weight-tile")
     if tile_bytes is not None and views:
@@ -123,6 +127,8 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
     ops, output = lower_module(module, input_shape)
     meta = {"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
             "input_shape": list(ops.ops[0].shape), "batch_size": ops.ops[0].shape[0]}
+    if strips is not None and is_row_model(ops):
+        return _row_network(name or default_name, module, ops, output, trainable, meta, strips, strip_budget)
     if strips is not None:
         graph = _strip_graph(name or default_name, ops, output, module, trainable, meta, strips, strip_budget,
                              tile_bytes)
@@ -169,6 +175,29 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
         layers[o.name] = layer
     out_name = ops.ops[output].name
     return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name)
+
+
+def _row_network(name: str, module, ops, output: int, trainable, meta: dict, strips, budget) -> Network:
+    """A transformer in row tiles: one layer per row operator (executor/rows.py replays it), each
+    linear's and norm's weight and bias whole; the tiles are the graph's ``param:L#j.k`` nodes."""
+    graph, kept = row_training_graph(name, module, ops, output, trainable, meta, strips, budget)
+    batch = ops.ops[0].shape[0]
+    modules = dict(module.named_modules())
+    names = {id(p): n for n, p in module.named_parameters()}
+    trained = {n.name[len("param:"):].split("#")[0] for n in graph.nodes if n.op == "param" and n.trainable} \
+        if graph is not None else set()
+    layers: dict[str, Layer] = {}
+    for o in kept:
+        operands = [kept[x].name for x in o.inputs]
+        layer = Layer(o.name, o.op, (batch, *o.shape), operands, [layers[p].shape for p in operands])
+        origin = ops.origins.get(o.name)
+        if o.op in ("linear", "layernorm"):
+            m = modules[origin.target]
+            layer.params = {role: Parameter(names[id(t)], _array(t)) for role, t in (("weight", m.weight),
+                                                                                    ("bias", m.bias))}
+            layer.trainable = o.name in trained
+        layers[o.name] = layer
+    return Network(name, module, tuple(ops.ops[0].shape), layers, graph, kept[-1].name)
 
 
 def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, strips, budget, tile_bytes):

@@ -44,7 +44,7 @@ ROW_MARK, COL_MARK, HEAD_MARK = "@r", "@c", "@h"
 # elementwise operators (the registry's) go piece by piece: block b, feature piece j of the output
 # reads the same piece of each input
 TOKENWISE = tuple(n for n in registry.names(split="elementwise", tiling="rows") if n != "input")
-ROW_OPS = ("input", "embedding", "linear", "layernorm", "matmul", "softmax", *TOKENWISE)
+ROW_OPS = ("input", "embedding", "linear", "layernorm", "matmul", "softmax", "avgpool", *TOKENWISE)
 
 
 def partition(n: int, k: int) -> list[tuple[int, int]]:
@@ -214,6 +214,8 @@ class _Builder:
                         ids[b, j] = self.add(self.name(i, b, j), "forward", self.nbytes(i, b, j), deps,
                                              2.0 * (r1 - r0) * self.seq * (c1 - c0) * self.batch, "matmul",
                                              {**rec, "role": "context", "b": b, "j": j})
+            elif o.op == "avgpool":  # the mean over every token, a classifier's pooling
+                self.forward_mean(i)
             elif o.op in TOKENWISE:
                 for (b, j) in self.fwd[o.inputs[0]]:
                     ids[b, j] = self.add(self.name(i, b, j), "forward", self.nbytes(i, b, j),
@@ -261,6 +263,24 @@ class _Builder:
                     if last:
                         ids[b, j] = prev[b]
         self.tiles[o.name] = {"kind": "linear", "rows": self.cols(u), "cols": kin}
+
+    def forward_mean(self, u: int) -> None:
+        """Per feature piece, a chain over the row blocks, so that one block's rows of the input are
+        needed at a time."""
+        o = self.ops[u]
+        (x,) = o.inputs
+        if self.is_vector(x):
+            raise PoetError(f"{o.name}: a mean over tokens of a vector", field="--strips")
+        for j in range(len(self.cols(u))):
+            prev = None
+            for b in range(len(self.blocks)):
+                nm = self.name(u, 0, j) if b == len(self.blocks) - 1 else f"{self.name(u, 0, j)}+{b}"
+                prev = self.add(nm, "forward", self.nbytes(u, 0, j),
+                                (self.fwd[x][b, j], *(() if prev is None else (prev,))),
+                                o.flops * self.share(b) * self.colshare(u, j), "avgpool",
+                                {"role": "mean", "layer": o.name, "b": b, "j": j,
+                                 "prev": None if prev is None else self.nodes[prev].name})
+            self.fwd[u][0, j] = prev
 
     def forward_layernorm(self, u: int) -> None:
         o = self.ops[u]
@@ -346,6 +366,10 @@ class _Builder:
                     deps.add(self.fwd[u][b, j])
                 out.append({"deps": deps, "own": False, "flops": o.flops * self.share(b, u) * self.colshare(u, j),
                             "rec": {"kind": o.op, "layer": o.name}})
+        elif o.op == "avgpool":  # every token gets 1/seq of the mean's gradient
+            if (0, j) in g:
+                out.append({"deps": {g[0, j]}, "own": False, "flops": float(n * (c1 - c0)),
+                            "rec": {"kind": "mean", "layer": o.name}})
         elif o.op == "layernorm":
             if (b, j) in g:
                 deps = {g[b, j], self.fwd[f][b, j], self.stats[u][b], self.gstats[u][b], self.params[u, (j,)]}
@@ -537,14 +561,16 @@ class _Builder:
 
 
 def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], needs_grad: list[bool], meta: dict,
-              tiling: dict, *, flops_per_weight: float = 2.0) -> TrainingGraph:
-    """The streamed-weights training graph (plain SGD) of zoo transformer ``ops`` (untiled) with
-    ``tiling`` = {"blocks": row blocks, "piece": features per column piece, "vocab_rows": table rows
-    per embedding tile}."""
+              tiling: dict, *, flops_per_weight: float = 2.0, divisors: dict | None = None) -> TrainingGraph:
+    """The streamed-weights training graph (plain SGD) of transformer ``ops`` (untiled, the zoo's
+    per-sample shapes) with ``tiling`` = {"blocks": row blocks, "piece": features per column piece,
+    "vocab_rows": table rows per embedding tile}. ``divisors``: scores layer -> what its products
+    are divided by, where not sqrt(d_head) (the zoo folds that in; a torch module writes its own)."""
     if not is_transformer(ops):
         other = next((o for o in ops if o.op not in ROW_OPS), None)  # name the operator rows cannot split
         why = f"; {other.name} ({other.op}) cannot be tiled by rows" if other is not None else ""
-        raise PoetError(f"row tiling is for the zoo's transformers (transformer-block, bert-base){why}",
+        raise PoetError(f"row tiling is for transformers (the zoo's, or a torch module's linear layers, layer "
+                        f"norms and softmax attention){why}",
                         field="--strips")
     blocks, piece = int(tiling["blocks"]), int(tiling["piece"])
     vocab_rows = int(tiling.get("vocab_rows") or piece)
@@ -559,88 +585,13 @@ def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], n
     assert all(d in kept for n in keep for d in n.deps), "a node reads a forward node the loss does not need"
     layers = {o.name: {"op": o.op, "shape": list(o.shape), "inputs": [ops[x].name for x in o.inputs],
                        "params": o.params, "cls": built.is_vector(i) and o.op == "linear" and
-                       not built.is_vector(o.inputs[0]), "positional": o.op == "embedding" and built.positional(i)}
+                       not built.is_vector(o.inputs[0]), "positional": o.op == "embedding" and built.positional(i),
+                       **({"divisor": divisors[o.name]} if o.name in (divisors or {}) else {})}
               for i, o in enumerate(ops)}
     meta = {**meta, "rows": {"blocks": built.blocks, "piece": piece, "vocab_rows": vocab_rows, "layers": layers,
                              "cols": {o.name: built.cols(i) for i, o in enumerate(ops)},
                              "tiles": built.tiles, "nodes": {n.name: built.info[n.name] for n in keep}}}
     return TrainingGraph.build(name, keep, meta=meta)
-
-
-def _estimate(ops, blocks: int, piece: int, vocab_rows: int) -> float:
-    """Roughly how many nodes a tiling makes: three per weight tile and row block (forward, data
-    and weight gradient), the embeddings' tiles once per block and once for the update, attention
-    and the token-wise operators three times per block and head or piece."""
-    total = 0.0
-    for o in ops:
-        if o.op == "linear":
-            total += 3 * blocks * math.ceil(o.shape[-1] / piece) * math.ceil(ops[o.inputs[0]].shape[-1] / piece)
-        elif o.op == "embedding":
-            total += (blocks + 1) * math.ceil(o.params / o.shape[-1] / vocab_rows) * math.ceil(o.shape[-1] / piece)
-        elif o.op != "input":
-            total += 3 * blocks * (o.shape[0] if len(o.shape) == 3 else math.ceil(o.shape[-1] / piece))
-        if o.op == "matmul" and len(o.shape) != 3:  # K's and V's gradients: a link per pair of blocks
-            total += 2 * blocks * blocks * math.ceil(o.shape[-1] / piece)
-    return total
-
-
-MAX_NODES = 200_000  # the solver's linear start takes about 30 s at 100,000 nodes
-
-
-def row_tilings(ops, budget_bytes: int, bpe: int, blocks: int | None = None) -> list[dict]:
-    """Candidate tilings, fewest nodes first: 1 to 16 row blocks or one per token (or ``blocks``, at
-    most one per token), pieces of 8 to 256 features, embedding tiles of as many table rows as leave
-    half the budget to the rest of their nodes; none whose weight tile alone exceeds half the
-    budget (its update holds it and its sum)."""
-    seq = ops[0].shape[0]
-    out = []
-    counts = {min(blocks, seq)} if blocks else {*range(1, min(seq, 16) + 1), seq}
-    for blocks in sorted(counts):
-        for piece in (8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256):
-            if 2 * piece * piece * bpe > budget_bytes:
-                continue
-            tiling = {"blocks": blocks, "piece": piece, "vocab_rows": max(1, budget_bytes // (2 * piece * bpe))}
-            if _estimate(ops, **tiling) <= MAX_NODES:
-                out.append(tiling)
-    if blocks and not out:
-        raise PoetError(f"{min(blocks, seq)} row blocks make more than {MAX_NODES:,} nodes (attention sums K's and "
-                        "V's gradients over every pair of blocks); ask for fewer, or auto", field="--strips")
-    return sorted(out, key=lambda t: (_estimate(ops, t["blocks"], t["piece"], t["vocab_rows"]), t["blocks"]))
-
-
-def proxy(ops: Sequence) -> list:
-    """The model with its repeated encoder blocks cut to the first two: every kind of node, and so
-    every working set, of the whole (a block's nodes are the same in each but the last, which
-    leaves some out), at a sixth of bert-base's nodes, for trying tilings quickly."""
-    import re
-    from dataclasses import replace
-
-    keep: list = []
-    new_index: dict[int, int | None] = {}
-    for i, o in enumerate(ops):
-        m = re.match(r"layer(\d+)\.", o.name)
-        if m and int(m.group(1)) >= 2:
-            new_index[i] = None
-            continue
-        # the first op after the dropped blocks reads the output of the last block kept
-        inputs = tuple(len(keep) - 1 if new_index[x] is None else new_index[x] for x in o.inputs)
-        new_index[i] = len(keep)
-        keep.append(replace(o, inputs=inputs))
-    return keep
-
-
-def fit_rows(build, ops, budget_bytes: int, bpe: int, *, blocks: int | None = None,
-             max_tries: int = 24) -> dict | None:
-    """The tiling with the fewest nodes, of the candidates tried (``row_tilings`` order; only those
-    of ``blocks`` row blocks if given), whose every node's working set fits ``budget_bytes``,
-    checked on ``build(proxy ops, tiling)``; None when none of the first ``max_tries`` does."""
-    small = proxy(ops)
-    for tries, tiling in enumerate(row_tilings(ops, budget_bytes, bpe, blocks)):
-        if tries >= max_tries:
-            break
-        if build(small, tiling).largest_working_set()[0] <= budget_bytes:
-            return tiling
-    return None
 
 
 ROW_OPS_OWN = ("layernorm_stats", "layernorm_grad_stats", "linear_wgrad", "layernorm_wgrad")

@@ -533,7 +533,8 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
 
 def _tiled_graph(name, ops, batch, bpe, trainable, train, meta, streamed, optimizer, *, rows) -> TrainingGraph:
     """The row-tiled graph of a transformer (model/rows.py): it cuts the weights itself."""
-    from poet_opt.model.rows import fit_rows, row_graph
+    from poet_opt.model.row_fit import fit_rows
+    from poet_opt.model.rows import row_graph
 
     if not streamed or (optimizer or "none") not in ("none", "sgd"):
         raise PoetError("row tiling needs streamed weights and plain SGD", field="--strips")
@@ -543,6 +544,7 @@ def _tiled_graph(name, ops, batch, bpe, trainable, train, meta, streamed, optimi
     meta = {**meta, "trainable": trainable if isinstance(trainable, str) or trainable is None else list(trainable),
             "param_count": sum(o.params for o in ops), "trainable_param_count": sum(ops[i].params for i in train),
             "weights": "streamed", "optimizer": "sgd", "optimizer_state_bytes": 0, "tiles": {}}
+    divisors = rows.get("divisors")  # a torch module's own attention scaling (model/torch_rows.py)
     if "budget" in rows:  # the tiling with the fewest nodes whose every node fits the budget
         trained = {ops[i].name for i in train}
 
@@ -551,13 +553,13 @@ def _tiled_graph(name, ops, batch, bpe, trainable, train, meta, streamed, optimi
             need: list[bool] = []
             for i, o in enumerate(some):
                 need.append(i in mine or any(need[j] for j in o.inputs))
-            return row_graph(name, some, batch, bpe, mine, need, meta, tiling)
+            return row_graph(name, some, batch, bpe, mine, need, meta, tiling, divisors=divisors)
 
         chosen = fit_rows(build, ops, int(rows["budget"]), bpe, blocks=rows.get("blocks"))
         if chosen is None:
             return None
         rows = chosen
-    return row_graph(name, ops, batch, bpe, train, needs_grad, meta, rows)
+    return row_graph(name, ops, batch, bpe, train, needs_grad, meta, rows, divisors=divisors)
 
 
 class _Fused:

@@ -73,7 +73,7 @@ def _strips_note(graph) -> str:
         return ("and no row tiling of its tokens brings every node within it" if transformer else
                 "and no number of activation strips brings every node within it")
     if transformer:
-        return "and activations are whole: --strips tiles a zoo transformer's tokens into row blocks"
+        return "and activations are whole: --strips tiles a transformer's tokens into row blocks"
     return "and activations are whole: --strips splits a zoo CNN's into strips"
 
 

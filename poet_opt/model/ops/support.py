@@ -23,17 +23,20 @@ TILINGS_CHECKED = ("whole", "strips", "rows", "slices")
 # those with C kernels of the elementwise convention, whole and strip by strip; the executor runs
 # one it can differentiate from what the graph keeps (its input; or its output, with a torch
 # backward from it), whole when PyTorch spells it (it runs the traced node itself) and over strips
-# when the registry has its PyTorch reference (the replay calls torch_forward).
+# when the registry has its PyTorch reference (the replay calls torch_forward); over row blocks too,
+# where the row replay differentiates one operand (add routes its gradient to both).
 
 
 def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
-    if tiling not in ("whole", "strips"):
+    if tiling not in ("whole", "strips", "rows"):
         return False
     if backend == "firmware":
-        return spec.c_convention == "elementwise" and spec.c_forward is not None
+        return tiling != "rows" and spec.c_convention == "elementwise" and spec.c_forward is not None
     from_what_is_kept = spec.saves != "out" or spec.torch_backward is not None
     if tiling == "whole":
         return from_what_is_kept and bool(spec.torch_modules or spec.torch_functions)
+    if tiling == "rows":
+        return from_what_is_kept and spec.torch_forward is not None and (spec.arity == 1 or spec.name == "add")
     return from_what_is_kept and spec.torch_forward is not None
 
 
@@ -47,12 +50,14 @@ FIRMWARE = {
     "slices": {"conv2d", "linear", "concat"},
 }
 # The PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
-# (executor/strips.py, walked by executor/tiled.py) for strips and weight slices; row plans it refuses.
+# (executor/strips.py, walked by executor/tiled.py) for strips and weight slices; the row replay
+# (executor/rows.py, walked by executor/tiled.py) for a torch transformer's row tiles
+# (model/torch_rows.py: no embedding, whose token ids a torch module's float input is not).
 EXECUTOR = {
     "whole": {"copy", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
               "softmax", "attention"},
     "strips": {"concat", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
-    "rows": set(),  # checked by tests/test_rows.py for the zoo's own transformers only
+    "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool"},
     "slices": {"conv2d", "linear", "concat"},
 }
 
