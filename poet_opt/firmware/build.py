@@ -55,13 +55,21 @@ def _define_flags(defines: Mapping[str, Any]) -> list[str]:
             for key, value in defines.items()]
 
 
-def render_linker_script(target: Target, *, min_stack_bytes: int = 1024) -> str:
-    """board/link.ld.in with this target's flash and RAM sizes filled in."""
+# the section of the arena the generated library with the default prefix declares (library.py)
+ARENA_SECTIONS = (".poet_arena",)
+
+
+def render_linker_script(target: Target, *, min_stack_bytes: int = 1024,
+                         arena_sections: Sequence[str] = ARENA_SECTIONS, heading: str = "") -> str:
+    """board/link.ld.in with this target's flash and RAM sizes and the arenas' sections (one per
+    library prefix linked in) filled in, after ``heading`` (a whole C comment, or nothing)."""
     text = (BOARD_DIR / "link.ld.in").read_text()
     values = {"FLASH_BYTES": target.flash_bytes or DEFAULT_FLASH_LINK_BYTES,
               "RAM_BYTES": target.ram_bytes, "MIN_STACK_BYTES": int(min_stack_bytes)}
     for key, value in values.items():
         text = text.replace(f"@{key}@", f"0x{int(value):X}")
+    kept = [f"        KEEP(*({'.' + identifier(name.lstrip('.'))}))" for name in arena_sections]
+    text = heading + text.replace("@ARENA_SECTIONS@", "\n".join(kept))
     leftover = re.search(r"@[A-Z_]+@", text)
     if leftover:  # pragma: no cover - template and code changed apart
         raise EmulatorError(f"link.ld.in has an unfilled field {leftover.group(0)}")
@@ -99,7 +107,8 @@ def build_firmware(sources: Sequence[str | Path], target: Target, out_dir: str |
                    name: str = "firmware", include_dirs: Iterable[str | Path] = (),
                    defines: Mapping[str, Any] | None = None, cflags: Sequence[str] = (),
                    warnings: Sequence[str] = WARNING_FLAGS, opt: str = "-O2", std: str = "c99",
-                   min_stack_bytes: int = 1024, timeout_s: float = 300.0) -> Firmware:
+                   min_stack_bytes: int = 1024, timeout_s: float = 300.0,
+                   arena_sections: Sequence[str] = ARENA_SECTIONS, linker_heading: str = "") -> Firmware:
     """Cross-compile ``sources`` with the board's start-up code and storage port, link with the
     target's memory map, and return the ``Firmware`` (``out_dir/name.elf``; zig's linker writes
     no map file, ``Firmware.sections`` and the ELF's symbols say where everything went).
@@ -120,7 +129,8 @@ def build_firmware(sources: Sequence[str | Path], target: Target, out_dir: str |
     user_flags = [*(f"-I{d}" for d in include_dirs), *_define_flags(defines or {}), *cflags]
 
     link_ld = out / f"{name}.ld"
-    link_ld.write_text(render_linker_script(target, min_stack_bytes=min_stack_bytes))
+    link_ld.write_text(render_linker_script(target, min_stack_bytes=min_stack_bytes, arena_sections=arena_sections,
+                                            heading=linker_heading))
 
     # Board objects: strict warnings regardless of what the user's sources get.
     board = {src: out / f"{name}.board.{Path(src).stem}.o" for src in ("startup.c", "poet_storage_emu.c")}

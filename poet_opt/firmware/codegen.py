@@ -22,11 +22,15 @@ from poet_opt.model.network import Network
 
 
 def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, steps: int, lr: float,
-             x: np.ndarray, y: np.ndarray, program: bool | str = "auto", marks: bool = False) -> GeneratedStep:
-    """poet_train.c for ``steps`` SGD steps at ``lr`` on the batch ``x`` with labels ``y``; the step
-    as straight-line C, or as a program of kernel calls (firmware/program.py): ``program`` True,
-    False, or "auto" (a program for large steps). ``marks``: a profiling build for the emulator, each
-    schedule step marked in its trace register (writer.StepWriter)."""
+             x: np.ndarray, y: np.ndarray, program: bool | str = "auto", prefix: str = "poet_",
+             storage_defines: dict | None = None, marks: bool = False) -> GeneratedStep:
+    """The training step as a library (library.py: ``<prefix>train.c`` and ``.h``) and the example
+    main() that runs ``steps`` SGD steps at ``lr`` on the batch ``x`` with labels ``y``; the step as
+    straight-line C, or as a program of kernel calls (firmware/program.py): ``program`` True,
+    False, or "auto" (a program for large steps). ``storage_defines``: the -D values of the storage
+    geometry the sources were built with, written in a comment for a board to copy. ``marks``: a
+    profiling build for the emulator, each schedule step marked in its trace register
+    (writer.StepWriter)."""
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
@@ -44,6 +48,9 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
     if any(o % 4 for o in plan.step_offsets) or any(o % 4 for offs in plan.operand_offsets for o in offs):
         raise PoetError(f"device.alignment_bytes is {plan.alignment}; fp32 tensors need offsets that are "
                         "multiples of 4", field="--device")
-    if network.graph.meta.get("strips"):
-        return StripWriter(network, doc, plan, flash, lr, program, marks).render(steps, x, y)
-    return StepWriter(network, doc, plan, flash, lr, program, marks).render(steps, x, y)
+    from poet_opt.firmware import library
+
+    library.check_library_prefix(prefix)
+    writer = (StripWriter if network.graph.meta.get("strips") else StepWriter)(network, doc, plan, flash, lr, program,
+                                                                                marks)
+    return library.render(writer, steps=steps, lr=lr, x=x, y=y, prefix=prefix, storage_defines=storage_defines)

@@ -43,12 +43,14 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
                        "train with the best plan found); none: wait for the proof")
     @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
     @click.option("-o", "--out", "out_dir", default=None, type=click.Path(file_okay=False),
-                  help="keep the generated sources and the linked image (DIR/*.elf) here")
+                  help="keep the generated library (PREFIXtrain.c, .h), its example main() and the image here")
+    @click.option("--prefix", default="poet_", show_default=True,
+                  help="prefix of every name the generated library exports (PREFIXtrain_step, PREFIXtrain.h)")
     @WEIGHTS_OPTION
     @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
     @_one_line_errors
     def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, trainable, weights_out, costs_file,
-                time_limit, as_json, out_dir, weights, weight_tile, strips, quiet):
+                time_limit, as_json, out_dir, prefix, weights, weight_tile, strips, quiet):
         """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M.
 
         Exits 4 when training diverges: the result printed (NaN as null), no --weights-out written."""
@@ -61,14 +63,14 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
             raise click.UsageError("give --model NAME or --torch FILE.py:FACTORY (with --input-shape)")
         if weights_out is not None:
             _check_writable(weights_out, field="--weights-out")
-        kept = [("-o", path) for path in output_files(out_dir)] if out_dir is not None else []
+        kept = [("-o", path) for path in output_files(out_dir, prefix)] if out_dir is not None else []
         _check_not_inputs([*kept, ("--weights-out", weights_out)], device=device, torch_spec=torch_spec, data=data,
                           costs_file=costs_file)
         say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
         result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                                   steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
                                   time_limit=parse_time_limit(time_limit), progress=say, weights=weights,
-                                  tile_bytes=weight_tile, strips=strips, costs=costs_file)
+                                  tile_bytes=weight_tile, strips=strips, costs=costs_file, prefix=prefix)
         if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
             write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
         click.echo(json.dumps(result.summary(), indent=1, allow_nan=False) if as_json

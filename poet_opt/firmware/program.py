@@ -34,6 +34,10 @@ FLASH_PROGRAM_BYTES = 128 * 1024
 READ_BUFFER_BYTES = 512
 MAX_RECORD_BYTES = 160
 STORE_LOSS = "*loss"  # ``*loss = p[0];``: the step's one statement that is not a call
+# what the caller of the train step passes in (library.py): a program in flash cannot name them as
+# constants, so their slots in the bases and floats tables are filled as the program starts
+RUNTIME_BASES = ("poet_input", "poet_labels")
+RUNTIME_FLOATS = ("poet_lr",)
 
 _CALL = re.compile(r"^(rc = )?(poet_\w+)\((.*)\);$")
 _LOSS = re.compile(r"^\*loss = (.+)\[0\];$")
@@ -63,7 +67,7 @@ class StepProgram:
     kinds: dict[str, tuple[str, ...]]  # kernel -> its arguments' kinds ("ptr", "int", "float")
     checked: set[str]  # kernels whose non-zero result (a storage error) ends the step
     bases: list[str]  # base number -> array name; 0 is NULL
-    floats: list[float]
+    floats: list  # a float, or the name of one of RUNTIME_FLOATS
     code: bytes
 
 
@@ -112,6 +116,8 @@ def _arg(text: str) -> Arg:
     text = text.strip()
     if text == "NULL":
         return Arg("null")
+    if text in RUNTIME_FLOATS:
+        return Arg("float", base=text)
     if _FLOAT.match(text):
         return Arg("float", value=_float_value(text))
     base, offset = "", 0
@@ -167,11 +173,11 @@ def encode(calls: list[Call]) -> StepProgram:
                 code += _varint(base_index[a.base]) + _varint(int(a.value))
             elif a.kind == "int":
                 code += _varint(int(a.value))
-            else:  # by bits: -0.0 and 0.0 stay apart
-                bits = struct.pack("<f", a.value)
+            else:  # by bits: -0.0 and 0.0 stay apart; a runtime float by its name
+                bits = a.base.encode() if a.base else struct.pack("<f", a.value)
                 if bits not in float_index:
                     float_index[bits] = len(floats)
-                    floats.append(a.value)
+                    floats.append(a.base or a.value)
                 code += _varint(float_index[bits])
     return StepProgram(calls, kernels, kinds, checked, bases, floats, bytes(code))
 
@@ -197,16 +203,19 @@ def interpreter(program: StepProgram, *, storage_offset: int | None) -> list[str
     lines = []
     if storage_offset is None:
         lines.append(_bytes_array("poet_program", program.code))
+    runtime_bases = [k for k, b in enumerate(program.bases) if b in RUNTIME_BASES]
+    runtime_floats = [k for k, f in enumerate(program.floats) if isinstance(f, str)]
     lines += [
-        "static void *const poet_program_bases[] = {",
+        f"static void *{'' if runtime_bases else 'const '}poet_program_bases[] = {{",
         # a base is a generated array or the address of a generated struct (_SYMBOL's \w takes any
         # Unicode letter: only an ASCII identifier passes into C)
-        *(f"    (void *){'0' if b == 'NULL' else b[:b.startswith('&')] + identifier(b.lstrip('&'))},"
+        *(f"    (void *){'0' if b in ('NULL', *RUNTIME_BASES) else b[:b.startswith('&')] + identifier(b.lstrip('&'))},"
           for b in program.bases),
         "};",
         # only a step with a float argument reads the table: an unused one fails -Werror
-        *([f"static const float poet_program_floats[{len(program.floats)}] = {{"
-           + ", ".join(_c_float(f) for f in program.floats) + "};"] if program.floats else []),
+        *([f"static {'' if runtime_floats else 'const '}float poet_program_floats[{len(program.floats)}] = {{"
+           + ", ".join("0.0f" if isinstance(f, str) else _c_float(f) for f in program.floats) + "};"]
+          if program.floats else []),
         "",
         "typedef struct {",
         "    const uint8_t *at;  /* the next byte to decode */",
@@ -273,6 +282,8 @@ def interpreter(program: StepProgram, *, storage_offset: int | None) -> list[str
         lines += ["    r.at = poet_program;", "    r.end = poet_program + POET_PROGRAM_BYTES;"]
     else:
         lines += ["    r.at = r.end = r.buffer;", "    r.next_read = POET_PROGRAM_OFFSET;"]
+    lines += [f"    poet_program_bases[{k}] = (void *){identifier(program.bases[k])};" for k in runtime_bases]
+    lines += [f"    poet_program_floats[{k}] = {identifier(program.floats[k])};" for k in runtime_floats]
     lines += ["    (void)loss;", "    for (;;) {"]
     if storage_offset is not None:
         lines += ["        if (poet_program_fill(&r)) {", "            return -4; /* POET_STORAGE_E_IO */", "        }"]

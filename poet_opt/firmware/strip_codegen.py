@@ -30,7 +30,7 @@ import re
 
 from poet_opt.errors import PoetError
 from poet_opt.firmware.c_text import identifier
-from poet_opt.firmware.writer import StepWriter, c_float, c_ident, elementwise_backward, elementwise_kernel
+from poet_opt.firmware.writer import LR, StepWriter, c_float, c_ident, elementwise_backward, elementwise_kernel
 from poet_opt.model import ops as registry
 from poet_opt.model.strips import touching
 
@@ -416,14 +416,14 @@ class StripWriter(StepWriter):
             shape = self.window_shape(layer, rows_in, c1 - c0)
             if fused:
                 lines.append(f"poet_conv2d_backward_params_sgd({w_arena}, {self.param(layer, 'bias', ops)}, {gy}, "
-                             f"poet_scratch, {shape}, {c_float(self.lr)});")
+                             f"poet_scratch, {shape}, {LR});")
             else:
                 bias = f"{into} + {weights}u" if "bias" in layer.params else "NULL"
                 lines.append(f"poet_conv2d_backward_params({into}, {bias}, {gy}, poet_scratch, {shape});")
         if not last:
             return lines
         if not fused:  # the previous sum is read by nothing after this link: it takes the last part in place
-            lines.append(f"poet_sgd_step({w_arena}, {into}, {total}u, {c_float(self.lr)});")
+            lines.append(f"poet_sgd_step({w_arena}, {into}, {total}u, {LR});")
         return lines + self.write_back(updates[0], ops)
 
     def write_back(self, p: int, ops) -> list[str]:
@@ -437,12 +437,11 @@ class StripWriter(StepWriter):
         # gamma and beta's gradients are the whole tensor's sums of dy * xhat and dy
         c = layer.shape[1]
         sums = self.at(ops, f"gstats:{layer.name}@s{len(self.strips(layer.name)) - 1}", f"{layer.name}'s update")
-        lr = c_float(self.lr)
+        lr = LR
         return [f"poet_sgd_step({self.param(layer, 'weight', ops)}, {sums} + {c}u, {c}u, {lr});",
                 f"poet_sgd_step({self.param(layer, 'bias', ops)}, {sums}, {c}u, {lr});", *self.write_back(p, ops)]
 
-    def step_body(self) -> list[str]:
-        lines = super().step_body()
+    def finish(self, lines: list[str]) -> None:
         # a striped layer's kernels take their geometry inline, and batch norm over strips keeps its
         # statistics in the arena: the whole-tensor declarations they leave unused would not compile
         used = set(re.findall(r"poet_\w+", "\n".join(lines)))
@@ -450,7 +449,6 @@ class StripWriter(StepWriter):
                       or used & set(re.findall(r"(poet_\w+_\d+)(?:\[| =)", d))]
         # halo windows and their gradients, gathered from several strips (its size is in scratch_bytes)
         self.decls.append(f"static float poet_scratch[{max(1, self.scratch_floats)}];\n")
-        return lines
 
 
 def scratch_bytes(source: str) -> int:

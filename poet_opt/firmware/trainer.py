@@ -31,7 +31,7 @@ from poet_opt.units import parse_size
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 BOARD_DIR = Path(__file__).resolve().parent / "board"
 STACK_BYTES = 4096  # the kernels keep a few words each; the emulator measures the real depth
-LOSS_BYTES = 4  # poet_losses: one float per step, kept in RAM for the host to read back
+LOSS_BYTES = 4  # harness_losses: one float per step, kept in RAM for the host to read back
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -129,14 +129,16 @@ class EmulatedTraining:
             *(["  tiles    " + ", ".join(f"{layer} in {k}" for layer, k in summary["tiles"].items())]
               if summary.get("tiles") else []),
             *([f"  wrote    {weights_out}"] if weights_out else []),
-            *([f"  kept     {out_dir}/ (sources, poet_train.elf)"] if out_dir else []),
+            *([f"  kept     {out_dir}/ (the library, its header, the example main(), poet_train.elf)"]
+              if out_dir else []),
         ])
 
 
 def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
                      torch_model=None, input_shape=None, trainable="all", out_dir=None,
                      time_limit: Optional[float] = 60.0, mode: str = "joint", progress=None,
-                     weights: str = "resident", tile_bytes=None, strips="auto", costs=None) -> EmulatedTraining:
+                     weights: str = "resident", tile_bytes=None, strips="auto", costs=None,
+                     prefix: str = "poet_") -> EmulatedTraining:
     """Train ``steps`` SGD steps on the batch in ``data`` in firmware generated from the schedule
     that ``poet-opt solve --export`` would give, on the emulated ``device``.
 
@@ -154,7 +156,8 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     streamed weights) when some node would not fit the device's RAM whole, the fewest that bring
     every node within ``ram``; N: N strips at every height; "off": never. ``costs``: measured
     per-node costs the plan is solved with, as for `poet-opt solve --costs` (`poet-opt measure`
-    writes them from this firmware)."""
+    writes them from this firmware). ``prefix`` starts every name the generated library exports
+    (``<prefix>train_step``, ``<prefix>train.h``)."""
     from poet_opt.firmware.torch_zoo import zoo_module
 
     if (model is None) == (torch_model is None):
@@ -168,8 +171,11 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
                         field="--lr")
     # every file this reads, so that -o writes none of them (before the solve, not after it)
     inputs = _input_files(data, device, torch_model)
+    from poet_opt.firmware.library import check_library_prefix
+
+    check_library_prefix(prefix)
     if out_dir is not None:
-        check_not_inputs([("-o", path) for path in output_files(out_dir)], inputs)
+        check_not_inputs([("-o", path) for path in output_files(out_dir, prefix)], inputs)
     profile = load_profile(device)
     target = target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
     most = (target.ram_bytes - STACK_BYTES) // LOSS_BYTES
@@ -191,7 +197,7 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     classes = network.layers[network.output].elements // network.input_shape[0]
     y = check_labels(y, classes)
     return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress,
-                        inputs=inputs)
+                        inputs=inputs, prefix=prefix)
 
 
 def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_limit: Optional[float] = 60.0,
@@ -310,7 +316,7 @@ def _with_strips(network: Network, strips, module, shape, profile, ram, *, train
 
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
                  out_dir=None, progress=None, program: bool | str = "auto", inputs=(),
-                 marks: bool = False) -> EmulatedTraining:
+                 marks: bool = False, prefix: str = "poet_") -> EmulatedTraining:
     """Generate, build and run the training step of a schedule of ``network.graph``: ``plan`` is
     a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here. A tiled network
     (``lower_network(..., tile_bytes=...)``) carries its tiles, so nothing more is needed here.
@@ -324,7 +330,8 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
         plan = FirmwarePlan(plan, arena.plan_arena(doc), arena.plan_flash(doc))
     target = target_from_profile(profile)
     generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps, lr=float(lr),
-                                 x=x, y=y, program=program, marks=marks)
+                                 x=x, y=y, program=program, marks=marks, prefix=prefix,
+                                 storage_defines=target.storage_defines())
     say = progress or (lambda text: None)
     # built in a scratch directory and copied to out_dir only once training ran: a failure leaves
     # nothing half-written there
@@ -339,15 +346,20 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
             # provisioned at its offset (the header of poet_train.c names it) beside the weights
             (work / "poet_program.bin").write_bytes(generated.program)
         if out_dir is not None:
-            result.files = _keep(work, Path(out_dir), inputs)
+            result.files = _keep(work, Path(out_dir), inputs, prefix)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-# what -o DIR receives: the generated step, its image and linker script, the storage image of
-# streamed weights, and everything a board project needs besides its own poet_storage.c
-GENERATED_FILES = ("poet_train.c", "poet_train.elf", "poet_train.ld", "poet_weights.bin", "poet_program.bin")
+# what -o DIR receives: the generated library and the example main() the emulator ran, its image and
+# linker script, the storage image of streamed weights, and everything a board project needs
+# besides its own poet_storage.c
+def generated_files(prefix: str = "poet_") -> tuple[str, ...]:
+    from poet_opt.firmware.library import HARNESS_FILE
+
+    return (f"{prefix}train.c", f"{prefix}train.h", HARNESS_FILE, "poet_train.elf", "poet_train.ld",
+            "poet_weights.bin", "poet_program.bin")
 
 
 def _library_files() -> list[Path]:
@@ -355,16 +367,20 @@ def _library_files() -> list[Path]:
             *(BOARD_DIR / n for n in (*codegen.PAGING_FILES, "poet_paging.h", "poet_storage.h"))]
 
 
-def output_files(out_dir) -> list[Path]:
-    """Every file ``emulate -o out_dir`` may write."""
-    return [Path(out_dir) / name for name in (*GENERATED_FILES, *(p.name for p in _library_files()))]
+def output_files(out_dir, prefix: str = "poet_") -> list[Path]:
+    """Every file ``emulate -o out_dir`` may write (a prefix that is no C name is refused first)."""
+    from poet_opt.firmware.library import check_library_prefix
+
+    check_library_prefix(prefix)
+    return [Path(out_dir) / name for name in (*generated_files(prefix), *(p.name for p in _library_files()))]
 
 
-def _keep(work: Path, out_dir: Path, inputs) -> list[Path]:
-    made = {p.name for p in work.iterdir() if p.suffix in (".c", ".elf", ".ld", ".bin")}
+def _keep(work: Path, out_dir: Path, inputs, prefix: str) -> list[Path]:
+    made = {p.name for p in work.iterdir() if p.suffix in (".c", ".h", ".elf", ".ld", ".bin")}
+    generated = generated_files(prefix)
     # -o was checked against the inputs for exactly these names, before the solve
-    assert made <= set(GENERATED_FILES), f"internal: {sorted(made - set(GENERATED_FILES))} are not in GENERATED_FILES"
-    files = {name: work / name for name in GENERATED_FILES if name in made}
+    assert made <= set(generated), f"internal: {sorted(made - set(generated))} are not in generated_files"
+    files = {name: work / name for name in generated if name in made}
     files.update({path.name: path for path in _library_files()})
     try:
         return write_files(out_dir, files, field="-o", inputs=inputs)
@@ -392,15 +408,22 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
     from poet_opt.firmware.emulator import Emulator, EmulatorError
     from poet_opt.firmware.strip_codegen import scratch_bytes
 
+    from poet_opt.firmware.library import HARNESS_FILE, HARNESS_LOSSES, provenance
+
     work.mkdir(parents=True, exist_ok=True)
-    source = work / "poet_train.c"
+    source, harness = work / f"{generated.prefix}train.c", work / HARNESS_FILE
     source.write_text(generated.source)
-    sources = [source, *(KERNEL_DIR / name for name in codegen.KERNEL_FILES),
+    (work / f"{generated.prefix}train.h").write_text(generated.header)
+    harness.write_text(generated.harness)
+    sources = [source, harness, *(KERNEL_DIR / name for name in codegen.KERNEL_FILES),
                *(BOARD_DIR / name for name in codegen.PAGING_FILES)]
     say("cross-compiling")
     try:
         firmware = build_firmware(sources, target, work, name="poet_train", include_dirs=[KERNEL_DIR, BOARD_DIR],
-                                  defines=target.storage_defines(), min_stack_bytes=STACK_BYTES)
+                                  defines=target.storage_defines(), min_stack_bytes=STACK_BYTES,
+                                  arena_sections=[f".{generated.prefix}arena"],
+                                  linker_heading=provenance(plan.schedule.to_dict(), "poet_train.ld, the linker script "
+                                                            "the emulator linked poet_train.elf with"))
     except FirmwareBuildError as exc:
         if "does not fit in the device's RAM" in str(exc):
             # each with its gradient; streamed weights are in the arena
@@ -432,7 +455,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
             emulator.storage.load(generated.program_offset, np.frombuffer(generated.program, np.uint8))
         result = emulator.run()
         marks = list(emulator.marks)
-        losses = emulator.read_symbol("poet_losses", np.float32).tolist()
+        losses = emulator.read_symbol(HARNESS_LOSSES, np.float32).tolist()
         # torch name -> (parameter, its trained value): one pair per tile of a tiled layer
         trained: dict[str, list] = {}
         if generated.param_layers:

@@ -48,11 +48,14 @@ KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_nor
                 "poet_math.c")
 # the page-out and page-in over a board's three storage functions (firmware/board/)
 PAGING_FILES = ("poet_paging.c",)
+# the step's learning rate, input batch and labels: what the caller of the train step passes in
+# (library.py sets these statics on entry)
+LR = "poet_lr"
 
 
 @dataclass
 class GeneratedStep:
-    source: str  # poet_train.c
+    source: str  # <prefix>train.c
     param_symbols: dict[str, str]  # torch name -> C symbol of each trainable parameter (resident weights)
     steps: int
     # streamed weights: param node -> its layer, whose parameters the node's region holds in order
@@ -61,6 +64,9 @@ class GeneratedStep:
     # lies on the storage device (None: in flash, inside the source)
     program: bytes | None = None
     program_offset: int | None = None
+    header: str = ""  # <prefix>train.h, the library's interface (library.py)
+    harness: str = ""  # poet_harness.c, the example main() the emulator runs
+    prefix: str = "poet_"
 
 
 def streams_weights(doc: dict) -> bool:
@@ -129,12 +135,13 @@ def c_float(v: float) -> str:
     return float_literal(v)
 
 
-def _array(ctype: str, name: str, values: np.ndarray, *, const: bool, used: bool = False) -> str:
+def c_array(ctype: str, name: str, values: np.ndarray, *, const: bool, used: bool = False) -> str:
     flat = values.reshape(-1)
     fmt = c_float if ctype == "float" else (lambda v: str(int(v)))
     body = ",\n".join("    " + ", ".join(fmt(v) for v in flat[k:k + 6]) for k in range(0, len(flat), 6))
+    # used: the emulator reads the trained values back by symbol, which --gc-sections would drop
     attrs = "__attribute__((used)) " if used else ""
-    storage = "static const " if const else ("" if used else "static ")
+    storage = "static const " if const else "static "
     return f"{attrs}{storage}{ctype} {name}[{max(1, len(flat))}] = {{\n{body or '    0'}\n}};\n"
 
 
@@ -199,12 +206,12 @@ class StepWriter:
                     break
                 name = c_ident(k, role)
                 self.decls.append(block_comment(p.torch_name, list(p.value.shape)) + "\n"
-                                  + _array("float", name, p.value, const=not layer.trainable, used=layer.trainable))
+                                  + c_array("float", name, p.value, const=not layer.trainable, used=layer.trainable))
                 if layer.trainable:
                     self.param_symbols[p.torch_name] = name
                     self.decls.append(f"static float {c_ident(k, 'g' + role)}[{p.value.size}];\n")
             for role, b in layer.buffers.items():
-                self.decls.append(_array("float", c_ident(k, role), b.value, const=False, used=True))
+                self.decls.append(c_array("float", c_ident(k, role), b.value, const=False, used=True))
             if layer.op in ("batchnorm", "layernorm"):
                 count = layer.shape[1] if layer.op == "batchnorm" else layer.elements // layer.shape[-1]
                 self.decls.append(f"static float {c_ident(k, 'mean')}[{count}], {c_ident(k, 'invstd')}[{count}];\n")
@@ -361,7 +368,7 @@ class StepWriter:
         g = self.at(ops, "grad:" + layer.name, f"{layer.name}'s update")
         x = self.at(ops, layer.operands[0], f"{layer.name}'s update")
         w, b = self.param(layer, "weight", ops), self.param(layer, "bias", ops)
-        S, lr = "&" + c_ident(k, "shape"), c_float(self.lr)
+        S, lr = "&" + c_ident(k, "shape"), LR
         if layer.op == "linear":
             fi, fo = layer.attrs["features_in"], layer.attrs["features_out"]
             call = f"poet_linear_backward_params_sgd({w}, {b}, {g}, {x}, {layer.elements // fo}u, {fi}u, {fo}u, {lr});"
@@ -380,10 +387,15 @@ class StepWriter:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def step_body(self) -> list[str]:
+    def step_body(self, upto: int | None = None, predict: bool = False) -> list[str]:
+        """The C of the schedule's steps, or of its first ``upto`` steps; ``predict``: a forward pass
+        only, which moves no running statistics (every compute is taken for a recompute)."""
         lines: list[str] = []
         computed: set[int] = set()
-        for s, step in enumerate(self.doc["steps"]):
+        # a forward pass pages out only what it pages back in: the rest is kept for the backward
+        # pass, and writing it would wear the storage for nothing
+        read_back = {step["node"] for step in self.doc["steps"][:upto] if step["op"] == "page_in"}
+        for s, step in enumerate(self.doc["steps"][:upto]):
             node = step["node"]
             info = self.nodes[node]
             name, nbytes = info["name"], int(info["bytes"])
@@ -392,7 +404,9 @@ class StepWriter:
             kind = step["op"]
             if kind == "free":
                 continue
-            if self.marks:
+            if kind == "page_out" and predict and node not in read_back:
+                continue
+            if self.marks and not predict:
                 lines.append(f"poet_mark({s}u);")
             if kind == "page_out":
                 lines += [block_comment(f"{s}: page out", name),
@@ -404,7 +418,7 @@ class StepWriter:
                           f"rc = poet_page_in({self.flash.offsets[node]}u, {out}, {nbytes}u);",
                           "if (rc) return rc;"]
                 continue
-            first = node not in computed
+            first = node not in computed and not predict
             computed.add(node)
             ops = dict(zip(info["deps"], self.plan.operand_offsets[s]))
             lines.append(block_comment(f"{s}: {'compute' if first else 'recompute'}", name))
@@ -413,9 +427,20 @@ class StepWriter:
                 raise PoetError(f"the schedule computes {name!r} again after it updated its weights in place; "
                                 "the firmware cannot reproduce the first result")
             lines += self.compute(node, info, out, ops, first)
-        if self.marks:  # closes the last step
+        if self.marks and not predict:  # closes the last step
             lines.append(f"poet_mark({len(self.doc['steps'])}u);")
         return lines
+
+    def finish(self, lines: list[str]) -> None:
+        """Settle the declarations once every body that uses them (``lines``) is written."""
+
+    def logits_step(self) -> int:
+        """The schedule's first compute of the logits: the end of its forward part."""
+        want = self.by_name.get(self.net.output)
+        for s, step in enumerate(self.doc["steps"]):
+            if step["op"] == "compute" and step["node"] == want:
+                return s
+        raise PoetError(f"internal: the schedule never computes the logits {self.net.output!r}")
 
     def compute(self, node: int, info: dict, out: str, ops: dict[int, int], first: bool) -> list[str]:
         """The C of one compute of ``node`` into ``out`` (its operands at ``ops``), updates included."""
@@ -483,61 +508,6 @@ class StepWriter:
             rows.append(f" * {self.flash.offsets[n]:>12} {int(self.nodes[n]['bytes']):>10}  {comment(names)}; {what}")
         return ["/* Streamed weights on the storage device, provisioned before the first step:",
                 " *       offset      bytes  parameters (float32, in this order)", *rows, " */", ""]
-
-    def render(self, steps: int, x: np.ndarray, y: np.ndarray) -> GeneratedStep:
-        self.declare()
-        zero, sgd = [], []
-        for layer in self.net.layers.values():
-            if not layer.trainable or self.streamed:
-                continue
-            k = self.layer_index[layer.name]
-            for role, p in layer.params.items():
-                zero.append(f"    poet_zero({c_ident(k, 'g' + role)}, {p.value.size}u);")
-                sgd.append(f"    poet_sgd_step({c_ident(k, role)}, {c_ident(k, 'g' + role)}, {p.value.size}u, {c_float(self.lr)});")
-        body = self.step_body()
-        run, interpreter, code, offset = self.as_program(body)
-        arena_words = max(1, -(-self.plan.arena_bytes // 4))
-        text = "\n".join([
-            block_comment(f"Generated by poet-opt: {steps} training step(s) of", self.net.name, "as the schedule says."),
-            "#include <stddef.h>",
-            "#include <stdint.h>",
-            '#include "poet_kernels.h"',
-            '#include "poet_paging.h"',
-            "",
-            f"#define POET_TRAIN_STEPS {steps}u",
-            "",
-            f"static float poet_arena[{arena_words}];",
-            _array("float", "poet_input", x.astype(np.float32), const=True),
-            _array("int32_t", "poet_labels", y.astype(np.int64), const=True),
-            *self.decls,
-            *self.weights_comment(),
-            "__attribute__((used)) float poet_losses[POET_TRAIN_STEPS];",
-            "",
-            *(MARK_FUNCTION if self.marks else []),
-            *interpreter,
-            "static int poet_train_step(float *loss)",
-            "{",
-            "    int rc = 0;",
-            *zero,
-            *("    " + line for line in run),
-            *sgd,
-            "    return rc;",
-            "}",
-            "",
-            "int main(void)",
-            "{",
-            "    uint32_t s;",
-            "    for (s = 0; s < POET_TRAIN_STEPS; ++s) {",
-            "        int rc = poet_train_step(&poet_losses[s]);",
-            "        if (rc) {",
-            "            return rc;",
-            "        }",
-            "    }",
-            "    return 0;",
-            "}",
-            "",
-        ])
-        return GeneratedStep(text, dict(self.param_symbols), steps, dict(self.param_layers), code, offset)
 
     def as_program(self, body: list[str]):
         """(the step's statements, the interpreter's C, the program's bytes, its storage offset): the

@@ -1,0 +1,373 @@
+"""The generated training step is a library: a C harness compiled against ``<prefix>train.h`` alone
+(no generated main) trains on batches it passes in, predicts, and keeps its weights across a reset
+(issue 29, item 1)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("unicorn")
+pytest.importorskip("ziglang")
+
+from poet_opt.device.profiles import load_profile  # noqa: E402
+from poet_opt.errors import PoetError  # noqa: E402
+from poet_opt.examples.torch_models import tiny_cnn  # noqa: E402
+from poet_opt.firmware import codegen  # noqa: E402
+from poet_opt.firmware.build import BOARD_DIR, build_firmware, common_cflags  # noqa: E402
+from poet_opt.firmware.emulator import Emulator  # noqa: E402
+from poet_opt.firmware.fit import solve_for_export  # noqa: E402
+from poet_opt.firmware.targets import target_from_profile  # noqa: E402
+from poet_opt.firmware.toolchain import WARNING_FLAGS, zig_cc  # noqa: E402
+from poet_opt.firmware.trainer import KERNEL_DIR  # noqa: E402
+from poet_opt.model.network import lower_network  # noqa: E402
+
+K, LR, SHAPE = 3, 0.05, (2, 3, 16, 16)
+LIBRARY = [*(KERNEL_DIR / n for n in codegen.KERNEL_FILES), *(BOARD_DIR / n for n in codegen.PAGING_FILES)]
+
+# init, then by test_mode: 0 trains K steps on the K batches the host wrote, saves, predicts batch
+# 0; 1 loads and predicts; 2 predicts with the weights the image starts with; 3 records statuses
+HARNESS = """
+#include <stdint.h>
+#include "poet_train.h"
+
+#define K {k}u
+__attribute__((used)) float test_inputs[K * POET_INPUT_FLOATS];
+__attribute__((used)) int32_t test_labels[K * POET_BATCH];
+__attribute__((used)) float test_losses[K];
+__attribute__((used)) float test_logits[POET_LOGITS_FLOATS];
+__attribute__((used)) int32_t test_mode;
+__attribute__((used)) int32_t test_status[5];
+
+int main(void)
+{{
+    uint32_t k;
+    poet_status rc;
+    if (test_mode == 3) {{
+        int32_t bad[POET_BATCH];
+        for (k = 0u; k < POET_BATCH; ++k) {{
+            bad[k] = (int32_t)POET_CLASSES;
+        }}
+        test_status[0] = poet_train_step(test_inputs, test_labels, {lr}f, &test_losses[0]);
+        test_status[1] = poet_init();
+        test_status[2] = poet_load_weights();
+        test_status[3] = poet_train_step(test_inputs, bad, {lr}f, &test_losses[0]);
+        test_status[4] = poet_train_step(test_inputs, test_labels, 0.0f, &test_losses[0]);
+        return 0;
+    }}
+    rc = poet_init();
+    if (rc != POET_OK) {{
+        return 100;
+    }}
+    if (test_mode == 0) {{
+        for (k = 0u; k < K; ++k) {{
+            rc = poet_train_step(test_inputs + k * POET_INPUT_FLOATS, test_labels + k * POET_BATCH, {lr}f,
+                                 &test_losses[k]);
+            if (rc != POET_OK) {{
+                return 200 + (int)k;
+            }}
+        }}
+        rc = poet_save_weights();
+        if (rc != POET_OK) {{
+            return 300;
+        }}
+    }} else if (test_mode == 1) {{
+        rc = poet_load_weights();
+        if (rc != POET_OK) {{
+            return 400;
+        }}
+    }}
+    return (int)poet_predict(test_inputs, test_logits);
+}}
+""".format(k=K, lr=LR)
+
+
+def _generate(module, device: str, ram: str, out, *, prefix: str = "poet_", mode: str = "joint",
+              weights: str = "resident"):
+    profile = load_profile(device)
+    network = lower_network(module, SHAPE, trainable="all", weights=weights)
+    plan = solve_for_export(network.graph, profile, ram=ram, time_limit=10, mode=mode)
+    x = np.zeros(SHAPE, np.float32)
+    y = np.zeros(SHAPE[0], np.int64)
+    target = target_from_profile(profile)
+    gen = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=1, lr=LR, x=x, y=y,
+                           prefix=prefix, storage_defines=target.storage_defines())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{prefix}train.c").write_text(gen.source)
+    (out / f"{prefix}train.h").write_text(gen.header)
+    return network, plan, gen, target
+
+
+@pytest.fixture(scope="module", params=[("nrf52840", "24KiB", "paging", "resident"),
+                                        ("stm32f746", "20KiB", "joint", "resident"),
+                                        ("nrf52840", "24KiB", "joint", "streamed")],
+                ids=["sd-card", "nor-flash", "streamed"])
+def library(request, tmp_path_factory):
+    device, ram, mode, weights = request.param
+    out = tmp_path_factory.mktemp(f"lib-{device}")
+    module = tiny_cnn()
+    reference = copy.deepcopy(module)
+    network, plan, gen, target = _generate(module, device, ram, out, mode=mode, weights=weights)
+    assert "int main" not in gen.source and "main(" not in gen.header
+    (out / "test_harness.c").write_text(HARNESS)
+    firmware = build_firmware([out / "poet_train.c", out / "test_harness.c", *LIBRARY], target, out,
+                              name="lib_test", include_dirs=[out, KERNEL_DIR, BOARD_DIR],
+                              defines=target.storage_defines(), min_stack_bytes=4096)
+    rng = np.random.default_rng(7)
+    xs = rng.standard_normal((K, *SHAPE)).astype(np.float32)
+    ys = rng.integers(0, 4, size=(K, SHAPE[0])).astype(np.int32)
+    return dict(network=network, plan=plan, gen=gen, firmware=firmware, reference=reference, xs=xs, ys=ys)
+
+
+def _run(lib, mode: int, storage=None):
+    gen, flash = lib["gen"], lib["plan"].flash
+    emulator = Emulator(lib["firmware"], storage=storage)
+    if storage is None:  # streamed weights: the storage provisioned as a board's would be
+        for node, layer in gen.param_layers.items():
+            emulator.storage.load(flash.offsets[node], codegen.packed_params(layer))
+    emulator.write_symbol("test_inputs", lib["xs"])
+    emulator.write_symbol("test_labels", lib["ys"])
+    emulator.write_symbol("test_mode", np.array([mode], np.int32))
+    result = emulator.run()
+    weights = {}
+    for p in lib["network"].trainable_parameters:
+        if gen.param_layers:
+            node, layer = next((n, layer) for n, layer in gen.param_layers.items()
+                               if any(q is p for q in layer.params.values()))
+            packed = np.frombuffer(emulator.storage.dump(flash.offsets[node], 4 * codegen.packed_params(layer).size),
+                                   np.float32)
+            before = 0
+            for q in layer.params.values():
+                if q is p:
+                    break
+                before += q.value.size
+            weights[p.torch_name] = packed[before:before + p.value.size].copy()
+        else:
+            weights[p.torch_name] = emulator.read_symbol(gen.param_symbols[p.torch_name], np.float32)[:p.value.size]
+    out = dict(exit=result.exit_code, logits=emulator.read_symbol("test_logits", np.float32).copy(),
+               losses=emulator.read_symbol("test_losses", np.float32).copy(),
+               status=emulator.read_symbol("test_status", np.int32).copy(), weights=weights,
+               storage=emulator.storage, violations=list(result.storage.violations),
+               written=int(result.storage.bytes_written))
+    emulator.close()
+    return out
+
+
+def _torch_sgd(lib):
+    module = lib["reference"]
+    module.train()
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    losses = []
+    for x, y in zip(lib["xs"], lib["ys"]):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y).long())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits = module(torch.from_numpy(lib["xs"][0])).numpy()
+    return module, losses, logits
+
+
+@pytest.fixture(scope="module")
+def trained(library):
+    return _run(library, 0)
+
+
+def test_k_steps_on_batches_the_harness_passes_equal_torch_sgd_and_predict_gives_torchs_logits(library, trained):
+    assert trained["exit"] == 0 and not trained["violations"]
+    module, losses, logits = _torch_sgd(library)
+    np.testing.assert_allclose(trained["losses"], losses, rtol=1e-5)
+    assert len(set(np.round(losses, 4))) == K  # three batches, three different losses
+    params = dict(module.named_parameters())
+    largest = max(float(p.detach().abs().max()) for p in params.values())
+    for name, value in trained["weights"].items():
+        diff = np.abs(value - params[name].detach().numpy().reshape(-1)).max()
+        assert diff <= 1e-4 * largest, (name, diff)
+    scale = float(np.abs(logits).max())
+    np.testing.assert_allclose(trained["logits"].reshape(logits.shape), logits, rtol=0, atol=1e-4 * scale)
+
+
+def test_saved_weights_survive_a_reset_and_give_the_same_predictions(library, trained):
+    """A fresh emulator on the same storage (a power cycle): load then predict gives the logits the
+    trained run predicted; without the load, the image's initial weights predict something else."""
+    loaded = _run(library, 1, storage=trained["storage"])
+    assert loaded["exit"] == 0 and not loaded["violations"]
+    np.testing.assert_array_equal(loaded["logits"], trained["logits"])
+    for name, value in trained["weights"].items():
+        np.testing.assert_array_equal(loaded["weights"][name], value)
+    fresh = _run(library, 2, storage=trained["storage"])
+    assert fresh["exit"] == 0
+    assert trained["written"] > 0 and fresh["written"] == 0  # predicting pages out nothing it need not
+    if library["gen"].param_layers:  # streamed weights live on the storage: no load needed
+        np.testing.assert_array_equal(fresh["logits"], trained["logits"])
+    else:  # resident weights start from the image's initial values
+        assert np.abs(fresh["logits"] - trained["logits"]).max() > 1e-3
+
+
+def test_statuses_name_what_went_wrong(library):
+    """Before init, loading from a storage no save wrote, a label past the classes, a zero rate."""
+    status = _run(library, 3)["status"]
+    header = library["gen"].header
+    values = {name: int(header.split(f"POET_{name} = ")[1].split(",")[0].split(" ")[0])
+              for name in ("OK", "E_NOT_INITIALIZED", "E_NO_SAVED_WEIGHTS", "E_LABEL", "E_ARGUMENT")}
+    assert status.tolist() == [values["E_NOT_INITIALIZED"], values["OK"], values["E_NO_SAVED_WEIGHTS"],
+                               values["E_LABEL"], values["E_ARGUMENT"]]
+    assert len(set(values.values())) == 5
+
+
+def test_the_arena_is_aligned_in_its_own_section_and_every_file_says_where_it_came_from(library):
+    from poet_opt.firmware.build import ElfImage
+    from poet_opt.firmware.library import schedule_sha256
+
+    gen, plan = library["gen"], library["plan"]
+    image = ElfImage.load(library["firmware"].elf_path)
+    arena = image.symbols["poet_arena"]
+    assert arena.address % max(4, plan.arena.alignment) == 0
+    assert image.sections[".poet_arena"] >= plan.arena.arena_bytes
+    assert f'section(".poet_arena")' in gen.source
+    digest = schedule_sha256(plan.schedule.to_dict())
+    for text in (gen.source, gen.header, gen.harness):
+        head = text[:text.index("*/")]
+        assert "do not edit" in head and digest in head and "poet-opt 0." in head
+        assert plan.schedule.to_dict()["device"]["name"] in head and "budgets: RAM" in head
+    # what a board must define for its storage, as the emulator defined it
+    defines = library["firmware"].target.storage_defines()
+    for key, value in defines.items():
+        assert f"-D{key}={value}" in gen.source
+
+
+def _global_definitions(obj) -> list[str]:
+    from elftools.elf.elffile import ELFFile
+
+    with open(obj, "rb") as fh:
+        symtab = ELFFile(fh).get_section_by_name(".symtab")
+        return [s.name for s in symtab.iter_symbols()
+                if s["st_info"]["bind"] == "STB_GLOBAL" and s["st_shndx"] != "SHN_UNDEF"]
+
+
+def test_two_prefixes_link_into_one_image_and_train_side_by_side(tmp_path):
+    """Each library exports only names with its prefix, so two models share one image."""
+    libs = {}
+    for prefix, ram in (("kws_", "48KiB"), ("vww_", "40KiB")):
+        libs[prefix] = _generate(tiny_cnn(), "nrf52840", ram, tmp_path / prefix, prefix=prefix)
+        target = libs[prefix][3]
+        obj = tmp_path / f"{prefix}.o"
+        done = subprocess.run([*zig_cc(), *common_cflags(target), *WARNING_FLAGS, f"-I{KERNEL_DIR}", "-c",
+                               str(tmp_path / prefix / f"{prefix}train.c"), "-o", str(obj)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        names = _global_definitions(obj)
+        assert names and all(name.startswith(prefix) for name in names), names
+    (tmp_path / "both.c").write_text("""
+#include <stdint.h>
+#include "kws_train.h"
+#include "vww_train.h"
+static float inputs[KWS_INPUT_FLOATS];
+static const int32_t labels[KWS_BATCH];
+__attribute__((used)) float both_losses[2];
+int main(void)
+{
+    int rc = (int)kws_init() | (int)vww_init();
+    rc |= (int)kws_train_step(inputs, labels, 0.05f, &both_losses[0]);
+    rc |= (int)vww_train_step(inputs, labels, 0.05f, &both_losses[1]);
+    return rc;
+}
+""")
+    firmware = build_firmware([tmp_path / "kws_" / "kws_train.c", tmp_path / "vww_" / "vww_train.c",
+                               tmp_path / "both.c", *LIBRARY], target, tmp_path, name="both",
+                              include_dirs=[tmp_path / "kws_", tmp_path / "vww_", KERNEL_DIR, BOARD_DIR],
+                              defines=target.storage_defines(), min_stack_bytes=4096,
+                              arena_sections=[".kws_arena", ".vww_arena"])
+    emulator = Emulator(firmware)
+    result = emulator.run()
+    losses = emulator.read_symbol("both_losses", np.float32)
+    emulator.close()
+    assert result.exit_code == 0
+    # the same module planned at two budgets: both train to torch's loss on the same batch
+    module = tiny_cnn()
+    expected = torch.nn.functional.cross_entropy(module(torch.zeros(SHAPE)), torch.zeros(SHAPE[0]).long()).item()
+    np.testing.assert_allclose(losses, [expected] * 2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefix, why", [("9x_", "C identifier"), ("a-b", "C identifier"), ("", "C identifier"),
+                                         ("POET_STORAGE_", "POET_STORAGE_OK")])
+def test_a_prefix_that_is_no_c_name_or_clashes_with_the_library_is_refused(prefix, why):
+    from poet_opt.firmware.library import check_library_prefix
+
+    with pytest.raises(PoetError, match=why):
+        check_library_prefix(prefix)
+    check_library_prefix("poet_page_")  # poet_page_in and _out are the library's; poet_page_init is not
+
+
+def test_the_application_in_docs_firmware_md_compiles_against_the_header_alone(library, tmp_path):
+    """docs/firmware.md's example main(), as written, strictly, with nothing but a generated header."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "firmware.md").read_text()
+    section = doc[doc.index("## The library"):doc.index("## Taking it to a board")]
+    example = next(block for block in re.findall(r"```c\n(.*?)```", section, re.S) if "int main" in block)
+    (tmp_path / "poet_train.h").write_text(library["gen"].header)
+    (tmp_path / "app.c").write_text(example)
+    target = library["firmware"].target
+    done = subprocess.run([*zig_cc(), *common_cflags(target), *WARNING_FLAGS, f"-I{tmp_path}", "-c",
+                           str(tmp_path / "app.c"), "-o", str(tmp_path / "app.o")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    undefined = _undefined(tmp_path / "app.o")
+    assert {"poet_init", "poet_train_step", "poet_save_weights", "poet_load_weights", "poet_predict",
+            "next_batch"} <= set(undefined)
+
+
+def _undefined(obj) -> list[str]:
+    from elftools.elf.elffile import ELFFile
+
+    with open(obj, "rb") as fh:
+        symtab = ELFFile(fh).get_section_by_name(".symtab")
+        return [s.name for s in symtab.iter_symbols() if s.name and s["st_shndx"] == "SHN_UNDEF"]
+
+
+SMALL = "import torch\nfrom torch import nn\n\ndef make():\n    torch.manual_seed(0)\n    " \
+        "return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))\n"
+
+
+def _emulate_small(tmp_path, *extra):
+    import json
+
+    from test_cli import cli
+
+    (tmp_path / "small.py").write_text(SMALL)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "b.npz", x=rng.standard_normal((2, 16)).astype(np.float32), y=np.array([1, 3]))
+    result = cli("emulate", "--torch", f"{tmp_path / 'small.py'}:make", "--input-shape", "2,16", "--device",
+                 "stm32f746", "--ram", "16KiB", "--steps", 2, "--lr", 0.05, "--data", tmp_path / "b.npz", "--json",
+                 "-q", *extra)
+    return result, (json.loads(result.stdout) if result.exit_code == 0 else None)
+
+
+def test_emulate_prefix_names_the_library_and_trains_the_same(tmp_path):
+    plain, plain_summary = _emulate_small(tmp_path, "-o", tmp_path / "plain")
+    named, named_summary = _emulate_small(tmp_path, "--prefix", "kws_", "-o", tmp_path / "kws")
+    assert plain.exit_code == 0 and named.exit_code == 0, named.stderr
+    assert named_summary["loss"] == plain_summary["loss"]
+    made = {p.name for p in (tmp_path / "kws").iterdir()}
+    assert {"kws_train.c", "kws_train.h", "poet_harness.c", "poet_train.elf", "poet_train.ld"} <= made
+    assert "poet_train.c" not in made
+    harness = (tmp_path / "kws" / "poet_harness.c").read_text()
+    assert '#include "kws_train.h"' in harness and "kws_train_step(" in harness
+    script = (tmp_path / "kws" / "poet_train.ld").read_text()
+    assert "KEEP(*(.kws_arena))" in script
+    assert script.startswith("/*\n * poet_train.ld") and "do not edit" in script[:script.index("*/")]
+
+
+def test_emulate_refuses_a_prefix_that_is_no_c_name_before_solving(tmp_path):
+    from test_cli import assert_one_line_error
+
+    result, _ = _emulate_small(tmp_path, "--prefix", "9lives", "-o", tmp_path / "out")
+    assert_one_line_error(result, "--prefix", "9lives")
+    assert not (tmp_path / "out").exists()
