@@ -129,7 +129,7 @@ class EmulatedTraining:
             *(["  tiles    " + ", ".join(f"{layer} in {k}" for layer, k in summary["tiles"].items())]
               if summary.get("tiles") else []),
             *([f"  wrote    {weights_out}"] if weights_out else []),
-            *([f"  kept     {out_dir}/ (the library, its header, the example main(), poet_train.elf)"]
+            *([f"  kept     {out_dir}/ (the library, its header, the example main(), poet_train.elf, a CMake project)"]
               if out_dir else []),
         ])
 
@@ -346,7 +346,12 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
             # provisioned at its offset (the header of poet_train.c names it) beside the weights
             (work / "poet_program.bin").write_bytes(generated.program)
         if out_dir is not None:
+            from poet_opt.firmware.board_project import write_board_project
+
             result.files = _keep(work, Path(out_dir), inputs, prefix)
+            result.files += write_board_project(out_dir, target=target, device=profile.name, prefix=prefix,
+                                                doc=plan.schedule.to_dict(), steps=steps, lr=float(lr), x=x, y=y,
+                                                has_weights_image=bool(generated.param_layers), inputs=inputs)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -371,8 +376,11 @@ def output_files(out_dir, prefix: str = "poet_") -> list[Path]:
     """Every file ``emulate -o out_dir`` may write (a prefix that is no C name is refused first)."""
     from poet_opt.firmware.library import check_library_prefix
 
+    from poet_opt.firmware.board_project import project_paths
+
     check_library_prefix(prefix)
-    return [Path(out_dir) / name for name in (*generated_files(prefix), *(p.name for p in _library_files()))]
+    return [*(Path(out_dir) / name for name in (*generated_files(prefix), *(p.name for p in _library_files()))),
+            *project_paths(out_dir)]
 
 
 def _keep(work: Path, out_dir: Path, inputs, prefix: str) -> list[Path]:
