@@ -13,6 +13,7 @@ executable as its compiler and zig runs as ``python -m ziglang cc``.
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 import sys
 from pathlib import Path
@@ -220,7 +221,8 @@ def gcc_toolchain(target: Target, *, heading: str) -> str:
 def _wrapper(tool: str) -> str:
     # the Python that wrote the project has ziglang; POET_PYTHON names another one
     return (f'#!/bin/sh\n# runs zig {tool} from the pip package ziglang\n'
-            f'exec "${{POET_PYTHON:-{sys.executable}}}" -m ziglang {tool} "$@"\n')
+            f'if [ -n "$POET_PYTHON" ]; then exec "$POET_PYTHON" -m ziglang {tool} "$@"; fi\n'
+            f'exec {shlex.quote(sys.executable)} -m ziglang {tool} "$@"\n')
 
 
 def readme(prefix: str, target: Target, device: str, *, has_weights_image: bool) -> str:
