@@ -86,16 +86,20 @@ def test_the_board_project_in_docs_firmware_md_builds_and_trains_as_emulate_did(
     assert built.storage.bytes_written > 0 and emulated.storage.bytes_written == 0
 
 
-def test_an_mlp_project_for_the_stm32f746_builds_with_the_stub_port_which_stops_at_save(tmp_path):
+def _emulate_mlp(tmp_path, board):
     from test_cli import cli
 
     (tmp_path / "small.py").write_text(SMALL)
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "b.npz", x=rng.standard_normal((2, 16)).astype(np.float32), y=np.array([1, 3]))
+    return cli("emulate", "--torch", f"{tmp_path / 'small.py'}:make", "--input-shape", "2,16", "--device",
+               "stm32f746", "--ram", "16KiB", "--steps", 3, "--lr", 0.05, "--data", tmp_path / "b.npz", "-q",
+               "--prefix", "kws_", "-o", board)
+
+
+def test_an_mlp_project_for_the_stm32f746_builds_with_the_stub_port_which_stops_at_save(tmp_path):
     board = tmp_path / "mlp"
-    result = cli("emulate", "--torch", f"{tmp_path / 'small.py'}:make", "--input-shape", "2,16", "--device",
-                 "stm32f746", "--ram", "16KiB", "--steps", 3, "--lr", 0.05, "--data", tmp_path / "b.npz", "-q",
-                 "--prefix", "kws_", "-o", board)
+    result = _emulate_mlp(tmp_path, board)
     assert result.exit_code == 0, result.stderr
 
     gcc = (board / "cmake" / "arm-none-eabi.cmake").read_text()
@@ -118,3 +122,21 @@ def test_an_mlp_project_for_the_stm32f746_builds_with_the_stub_port_which_stops_
     # the stub fails every storage call: training and predict ran, save_weights reports the port's error
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     assert int(status[0]) == -4 == built.exit_code
+
+    # a rerun regenerates the project but keeps the driver the user filled in
+    port = board / "poet_storage_port.c"
+    port.write_text(port.read_text() + "/* my driver */\n")
+    (board / "CMakeLists.txt").write_text("# poet-opt's, stale\n")
+    rerun = _emulate_mlp(tmp_path, board)
+    assert rerun.exit_code == 0, rerun.stderr
+    assert port.read_text().endswith("/* my driver */\n") and "kws_train.c" in (board / "CMakeLists.txt").read_text()
+
+
+def test_a_directory_whose_project_files_are_someone_elses_is_refused_before_solving(tmp_path):
+    from test_cli import assert_one_line_error
+
+    board = tmp_path / "mine"
+    board.mkdir()
+    (board / "CMakeLists.txt").write_text("project(mine C)\n")
+    assert_one_line_error(_emulate_mlp(tmp_path, board), "-o", "CMakeLists.txt", "not written by poet-opt")
+    assert (board / "CMakeLists.txt").read_text() == "project(mine C)\n" and not (board / "kws_train.c").exists()

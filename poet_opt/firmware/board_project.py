@@ -39,6 +39,26 @@ EXAMPLE_LOGITS = "example_logits"
 EXAMPLE_STATUS = "example_status"
 
 
+# the user's once written: a rerun of `emulate -o` into the same directory keeps them, so that a
+# storage driver filled in (or an application) survives regenerating the library
+USER_FILES = ("main.c", "poet_storage_port.c")
+MARK = "poet-opt"  # in the opening lines of every project file poet-opt writes over
+
+
+def check_project_dir(out_dir) -> None:
+    """Refuse, before anything is solved, a directory whose CMakeLists.txt, README.md or toolchain
+    files poet-opt did not write: the project would replace them."""
+    for path in project_paths(out_dir):
+        if path.name in USER_FILES or not path.is_file():
+            continue
+        with open(path, "rb") as fh:
+            head = fh.read(1000)
+        packaged = BOARD_DIR / path.name  # startup.c, poet_storage_emu.c: copies, unmarked
+        if MARK.encode() not in head and not (packaged.is_file() and packaged.read_bytes() == path.read_bytes()):
+            raise PoetError(f"{path} was not written by poet-opt and the board project would replace it; give -o a "
+                            "directory of its own", field="-o")
+
+
 def project_paths(out_dir) -> list[Path]:
     """Every file the project adds to ``out_dir`` (checked against the command's inputs first)."""
     out = Path(out_dir)
@@ -161,7 +181,7 @@ def cmakelists(prefix: str, target: Target, *, heading: str) -> str:
         f"set(POET_LIBRARY_SOURCES {_cmake_list(sources)})",
         "",
         f"add_executable(poet_board main.c startup.c ${{POET_STORAGE_PORT}} ${{POET_LIBRARY_SOURCES}})",
-        f'set_target_properties(poet_board PROPERTIES SUFFIX ".elf")',
+        'set_target_properties(poet_board PROPERTIES SUFFIX ".elf")',
         "target_include_directories(poet_board PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})",
         "set(POET_GEOMETRY_DEFINES)",
         f"foreach(key {_cmake_list(target.storage_defines())})",
@@ -220,7 +240,7 @@ def gcc_toolchain(target: Target, *, heading: str) -> str:
 
 def _wrapper(tool: str) -> str:
     # the Python that wrote the project has ziglang; POET_PYTHON names another one
-    return (f'#!/bin/sh\n# runs zig {tool} from the pip package ziglang\n'
+    return (f'#!/bin/sh\n# written by {MARK}: runs zig {tool} from the pip package ziglang\n'
             f'if [ -n "$POET_PYTHON" ]; then exec "$POET_PYTHON" -m ziglang {tool} "$@"; fi\n'
             f'exec {shlex.quote(sys.executable)} -m ziglang {tool} "$@"\n')
 
@@ -247,7 +267,8 @@ def readme(prefix: str, target: Target, device: str, *, has_weights_image: bool)
         geometry,
         "",
         "   `-DPOET_STORAGE_PORT=poet_storage_emu.c` builds the emulator's port instead, for an image "
-        "that runs on the emulated core.",
+        "that runs on the emulated core. `poet-opt emulate -o` into this directory again regenerates "
+        "everything else but keeps your `poet_storage_port.c` and `main.c`.",
         "3. **The memory map.** `poet_train.ld` places flash at 0x00000000 and RAM at 0x20000000 with the "
         "profile's sizes (right for an nRF52840; an STM32 maps its flash at 0x08000000). Keep "
         f"`KEEP(*(.{prefix}arena))` in a RAM region if you use your own script.",
@@ -276,7 +297,8 @@ def readme(prefix: str, target: Target, device: str, *, has_weights_image: bool)
 
 def write_board_project(out_dir, *, target: Target, device: str, prefix: str, doc: dict, steps: int, lr: float,
                         x: np.ndarray, y: np.ndarray, has_weights_image: bool, inputs=()) -> list[Path]:
-    """Write the CMake project into ``out_dir`` (beside the library ``_keep`` wrote there)."""
+    """Write the CMake project into ``out_dir`` (beside the library ``_keep`` wrote there); a
+    ``main.c`` or ``poet_storage_port.c`` already there is the user's and stays."""
     from poet_opt.firmware.library import provenance
 
     def hash_heading(what: str) -> str:  # provenance as a CMake comment
@@ -300,6 +322,8 @@ def write_board_project(out_dir, *, target: Target, device: str, prefix: str, do
         "zig-cc": _wrapper("cc").encode(),
         "zig-ar": _wrapper("ar").encode(),
     }
+    files = {name: content for name, content in files.items()
+             if name not in USER_FILES or not (Path(out_dir) / name).exists()}
     try:
         written = write_files(out_dir, files, field="-o", inputs=inputs)
         written += write_files(Path(out_dir) / TOOLCHAIN_DIR, tools, field="-o", inputs=inputs)

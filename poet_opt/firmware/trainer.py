@@ -175,7 +175,10 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
 
     check_library_prefix(prefix)
     if out_dir is not None:
+        from poet_opt.firmware.board_project import check_project_dir
+
         check_not_inputs([("-o", path) for path in output_files(out_dir, prefix)], inputs)
+        check_project_dir(out_dir)
     profile = load_profile(device)
     target = target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
     most = (target.ram_bytes - STACK_BYTES) // LOSS_BYTES
