@@ -245,7 +245,7 @@ def _wrapper(tool: str) -> str:
             f'exec {shlex.quote(sys.executable)} -m ziglang {tool} "$@"\n')
 
 
-def readme(prefix: str, target: Target, device: str, *, has_weights_image: bool) -> str:
+def readme(prefix: str, target: Target, device: str, *, storage_images=()) -> str:
     geometry = "\n".join(f"   - `{k}` = `{v}`" for k, v in target.storage_defines().items())
     gcc = " ".join(GCC_CPU_FLAGS[target.core])
     lines = [
@@ -277,9 +277,11 @@ def readme(prefix: str, target: Target, device: str, *, has_weights_image: bool)
         "(clocks, interrupts) instead when you have one. Replace `main.c`'s built-in batch with your "
         f"data and learning rate; `{prefix}load_weights()` after `{prefix}init()` resumes from saved weights.",
     ]
-    if has_weights_image:
-        lines += ["5. **The weights.** Write `poet_weights.bin` to the storage at offset 0 before the "
-                  "first run (streamed weights live there)."]
+    if storage_images:
+        where = {"poet_weights.bin": "at offset 0 (the streamed weights live there)",
+                 "poet_program.bin": "at `POET_PROGRAM_OFFSET` (`poet_train.c`; the step's program of kernel calls)"}
+        lines += ["5. **The storage's contents.** Before the first run, write "
+                  + " and ".join(f"`{name}` {where[name]}" for name in storage_images) + "."]
     lines += [
         "",
         "Build (CMake and Ninja: `pip install cmake ninja`):",
@@ -289,6 +291,9 @@ def readme(prefix: str, target: Target, device: str, *, has_weights_image: bool)
         "cmake --build build",
         "```",
         "",
+        "With pip's zig instead (`pip install ziglang cmake ninja`, no system compiler): "
+        "`-DCMAKE_TOOLCHAIN_FILE=cmake/zig-cc.cmake`.",
+        "",
         f"The image is `build/{ELF_NAME}`.",
         "",
     ]
@@ -296,9 +301,10 @@ def readme(prefix: str, target: Target, device: str, *, has_weights_image: bool)
 
 
 def write_board_project(out_dir, *, target: Target, device: str, prefix: str, doc: dict, steps: int, lr: float,
-                        x: np.ndarray, y: np.ndarray, has_weights_image: bool, inputs=()) -> list[Path]:
+                        x: np.ndarray, y: np.ndarray, storage_images=(), inputs=()) -> list[Path]:
     """Write the CMake project into ``out_dir`` (beside the library ``_keep`` wrote there); a
-    ``main.c`` or ``poet_storage_port.c`` already there is the user's and stays."""
+    ``main.c`` or ``poet_storage_port.c`` already there is the user's and stays. ``storage_images``:
+    the files of ``-o`` a board's storage is provisioned with (poet_weights.bin, poet_program.bin)."""
     from poet_opt.firmware.library import provenance
 
     def hash_heading(what: str) -> str:  # provenance as a CMake comment
@@ -309,7 +315,7 @@ def write_board_project(out_dir, *, target: Target, device: str, prefix: str, do
     geometry = "".join(f" *   {k} = {v}\n" for k, v in target.storage_defines().items())
     files = {
         "CMakeLists.txt": cmakelists(prefix, target, heading=hash_heading("CMakeLists.txt")).encode(),
-        "README.md": readme(prefix, target, device, has_weights_image=has_weights_image).encode(),
+        "README.md": readme(prefix, target, device, storage_images=storage_images).encode(),
         "main.c": example_main(prefix, steps=steps, lr=lr, x=x, y=y,
                                heading=provenance(doc, "main.c, an example application")).encode(),
         "poet_storage_port.c": STORAGE_STUB.replace("@GEOMETRY@", geometry).encode(),

@@ -354,7 +354,8 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
             result.files = _keep(work, Path(out_dir), inputs, prefix)
             result.files += write_board_project(out_dir, target=target, device=profile.name, prefix=prefix,
                                                 doc=plan.schedule.to_dict(), steps=steps, lr=float(lr), x=x, y=y,
-                                                has_weights_image=bool(generated.param_layers), inputs=inputs)
+                                                storage_images=[p.name for p in result.files if p.suffix == ".bin"],
+                                                inputs=inputs)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
