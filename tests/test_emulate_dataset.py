@@ -110,8 +110,8 @@ def test_steps_run_on_into_the_next_epoch_with_a_bar_on_stderr(tmp_path, capsys)
     np.savez(tmp_path / "d.npz", x=x, y=y)
     np.savez(tmp_path / "e.npz", x=ex, y=ey)
     result = emulate_training(torch_model=CNN, input_shape="4,3,16,16", batch_size=BATCH, device="stm32f746",
-                              ram="20KiB", steps=4, seed=7, lr=LR, data=tmp_path / "d.npz", eval_data=tmp_path / "e.npz",
-                              time_limit=10, bar=True)
+                              ram="20KiB", steps=4, seed=7, lr=LR, data=tmp_path / "d.npz",
+                              eval_data=tmp_path / "e.npz", time_limit=10, bar=True)
     reference = _torch_reference(x, y, 4, 7, ex, ey)
     _assert_equal_to_torch(result.weights, result.losses, reference)
     summary = result.summary()
@@ -143,6 +143,6 @@ def test_labels_outside_the_classes_are_refused_naming_the_file_they_are_in(tmp_
     np.savez(tmp_path / "bad.npz", x=np.zeros((6, 3, 16, 16), np.float32), y=bad)
     for data, eval_data, option in (("bad", "good", "--data"), ("good", "bad", "--eval")):
         result = cli("emulate", "--torch", CNN, "--input-shape", "2,3,16,16", "--device", "stm32f746", "--ram", "20KiB",
-                     "--lr", LR, "--epochs", 1, "--data", tmp_path / f"{data}.npz", "--eval", tmp_path / f"{eval_data}.npz",
-                     "--time-limit", 5, "-q")
+                     "--lr", LR, "--epochs", 1, "--data", tmp_path / f"{data}.npz",
+                     "--eval", tmp_path / f"{eval_data}.npz", "--time-limit", 5, "-q")
         assert_one_line_error(result, option, "label 4", "[0, 4)")

@@ -164,7 +164,8 @@ class Feeder:
                 self.losses.append(float(emu.read_symbol("harness_loss", np.float32)[0]))
                 if self._progress is not None:
                     step = len(self.losses)
-                    self._progress.set_description(f"epoch {(step - 1) // self.per_epoch + 1}/{self.epochs}")
+                    epoch = (step - 1) // self.per_epoch + 1
+                    self._progress.set_description(f"epoch {epoch}/{self.epochs}", refresh=False)
                     self._progress.set_postfix(loss=f"{self.losses[-1]:.4g}", refresh=False)
                     self._progress.update(1)
                     if step == self.steps:  # the last step shown before the bar clears, whatever the rate limit
