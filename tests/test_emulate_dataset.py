@@ -120,6 +120,10 @@ def test_steps_run_on_into_the_next_epoch_with_a_bar_on_stderr(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "epoch 2/2" in err and "4/4" in err and "loss=" in err
     assert "accuracy" in result.text("stm32f746")
+    from dataclasses import replace
+
+    long = replace(result, losses=result.losses * 300).summary()  # 1,200 steps: the means only
+    assert long["loss"] is None and long["epoch_loss"] == summary["epoch_loss"]
 
 
 @pytest.mark.parametrize("extra, option, words", [
@@ -146,3 +150,45 @@ def test_labels_outside_the_classes_are_refused_naming_the_file_they_are_in(tmp_
                      "--lr", LR, "--epochs", 1, "--data", tmp_path / f"{data}.npz",
                      "--eval", tmp_path / f"{eval_data}.npz", "--time-limit", 5, "-q")
         assert_one_line_error(result, option, "label 4", "[0, 4)")
+
+
+def test_an_output_onto_the_eval_set_is_refused_before_the_solve(tmp_path):
+    np.savez(tmp_path / "d.npz", x=np.zeros((6, 3, 16, 16), np.float32), y=np.zeros(6, np.int64))
+    np.savez(tmp_path / "e.npz", x=np.zeros((2, 3, 16, 16), np.float32), y=np.zeros(2, np.int64))
+    before = (tmp_path / "e.npz").read_bytes()
+    result = cli("emulate", "--torch", CNN, "--input-shape", "2,3,16,16", "--device", "stm32f746", "--ram", "20KiB",
+                 "--lr", LR, "--epochs", 1, "--data", tmp_path / "d.npz", "--eval", tmp_path / "e.npz", "-q",
+                 "--weights-out", tmp_path / "e.npz")
+    assert_one_line_error(result, "--weights-out", "--eval")
+    assert (tmp_path / "e.npz").read_bytes() == before
+
+
+def test_ctrl_c_while_the_host_hands_over_batches_stops_at_once(tmp_path):
+    """The host's turns run on the emulator's thread: a Ctrl-C still ends the run within a moment."""
+    import signal
+    import time
+
+    from conftest import default_sigint
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((6, 3, 16, 16)).astype(np.float32), y=rng.integers(0, 4, 6))
+    out = tmp_path / "kept"
+    proc = subprocess.Popen([sys.executable, "-m", "poet_opt.cli", "emulate", "--torch", CNN, "--input-shape",
+                             "2,3,16,16", "--device", "stm32f746", "--ram", "20KiB", "--epochs", "100000", "--lr",
+                             "0.01", "--data", str(tmp_path / "d.npz"), "--time-limit", "10", "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    try:
+        deadline, seen = time.monotonic() + 120, ""
+        while "training" not in seen and time.monotonic() < deadline:
+            seen += proc.stderr.readline()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert waited < 3, f"took {waited:.1f} s to stop"
+    assert "interrupted; nothing was written" in stderr and stdout == ""
+    assert not out.exists()
