@@ -25,12 +25,15 @@ SPEC = "poet_opt.examples.torch_models:resnet18"
 COMMON = ["--device", "nrf52840", "--steps", "1", "--lr", "0.01"]
 
 
-def torch_step(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+def torch_step(source: str, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """One torch.optim.SGD step on the module the source's run builds: for --torch, the factory
+    itself (the seeded twin only equals it because the factory seeds torch's generator)."""
     import torch
 
+    from poet_opt.examples.torch_models import resnet18
     from poet_opt.firmware.torch_zoo import zoo_module
 
-    module = zoo_module("resnet18-cifar")  # the seeded twin both sources train
+    module = resnet18() if source == "torch" else zoo_module("resnet18-cifar")
     module.train()
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
     loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y))
@@ -48,11 +51,11 @@ def main() -> int:
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((1, 3, 32, 32)).astype(np.float32), np.array([3])
     np.savez(work / "B.npz", x=x, y=y)
-    want = torch_step(x, y)
-    largest = max(float(np.abs(w).max()) for w in want.values())
     failed = False
     sources = {"torch": ["--torch", SPEC, "--input-shape", "1,3,32,32"], "model": ["--model", "resnet18-cifar"]}
     for name in (("torch", "model") if args.source == "both" else (args.source,)):
+        want = torch_step(name, x, y)
+        largest = max(float(np.abs(w).max()) for w in want.values())
         out = work / name
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "poet_opt.cli", "emulate", *sources[name], *COMMON, "--ram", args.ram, "--data",

@@ -49,6 +49,19 @@ CPU_FLAGS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The same cores for arm-none-eabi-gcc, which a board's own project builds with (board_project.py).
+GCC_CPU_FLAGS: dict[str, tuple[str, ...]] = {
+    "cortex-m0plus": ("-mcpu=cortex-m0plus", "-mthumb", "-mfloat-abi=soft"),
+    "cortex-m0": ("-mcpu=cortex-m0", "-mthumb", "-mfloat-abi=soft"),
+    "cortex-m3": ("-mcpu=cortex-m3", "-mthumb", "-mfloat-abi=soft"),
+    "cortex-m4": ("-mcpu=cortex-m4", "-mthumb", "-mfloat-abi=soft"),
+    "cortex-m4f": ("-mcpu=cortex-m4", "-mthumb", "-mfpu=fpv4-sp-d16", "-mfloat-abi=hard"),
+    "cortex-m7": ("-mcpu=cortex-m7", "-mthumb", "-mfloat-abi=soft"),
+    "cortex-m7f": ("-mcpu=cortex-m7", "-mthumb", "-mfpu=fpv5-sp-d16", "-mfloat-abi=hard"),
+    "cortex-m7fd": ("-mcpu=cortex-m7", "-mthumb", "-mfpu=fpv5-d16", "-mfloat-abi=hard"),
+}
+
+
 def zig_cc() -> list[str]:
     """The command that runs zig's C compiler from the current Python environment."""
     if importlib.util.find_spec("ziglang") is None:

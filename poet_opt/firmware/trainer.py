@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,10 @@ BOARD_DIR = Path(__file__).resolve().parent / "board"
 STACK_BYTES = 4096  # the kernels keep a few words each; the emulator measures the real depth
 LOSS_BYTES = 4  # harness_losses: one float per step, kept in RAM for the host to read back
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+EXAMPLE_STEPS_ON_A_DATA_SET = 16  # the board project's main.c, after emulate on a data set
+# re-solves with a tighter arena when the firmware's statics beside it would not fit the device
+MAX_DEVICE_FITS = 4
+LIBRARY_STATE_BYTES = 16  # firmware/library.py: ready flag, input and label pointers, learning rate
 
 
 @dataclass
@@ -150,7 +155,7 @@ class EmulatedTraining:
             *(["  tiles    " + ", ".join(f"{layer} in {k}" for layer, k in summary["tiles"].items())]
               if summary.get("tiles") else []),
             *([f"  wrote    {weights_out}"] if weights_out else []),
-            *([f"  kept     {out_dir}/ (the library, its header, the example main(), poet_train.elf)"]
+            *([f"  kept     {out_dir}/ (the library, its header, the example main(), poet_train.elf, a CMake project)"]
               if out_dir else []),
         ])
 
@@ -209,7 +214,10 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
 
     check_library_prefix(prefix)
     if out_dir is not None:
+        from poet_opt.firmware.board_project import check_project_dir
+
         check_not_inputs([("-o", path) for path in output_files(out_dir, prefix)], inputs)
+        check_project_dir(out_dir)
     profile = load_profile(device)
     target = target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
     x, y = load_set(data, "--data")
@@ -240,7 +248,8 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
                         f"{most:,} steps, fewer beside the model", field="--steps")
     network, plan = solve_plan(module, shape, profile, ram=ram, name=model, trainable=trainable,
                                time_limit=time_limit, mode=mode, progress=progress, weights=weights,
-                               tile_bytes=tile_bytes, strips=strips, costs=costs)
+                               tile_bytes=tile_bytes, strips=strips, costs=costs, steps=steps,
+                               data_set=on_data_set)
     classes = network.layers[network.output].elements // network.input_shape[0]
     feed = None
     if on_data_set:
@@ -256,10 +265,12 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
 
 def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_limit: Optional[float] = 60.0,
                mode: str = "joint", progress=None, weights: str = "resident", tile_bytes=None, strips="auto",
-               costs=None):
+               costs=None, steps: int = 1, data_set: bool = False):
     """(the network as lowered, the FirmwarePlan that ``poet-opt solve --export`` gives it): what
-    `emulate` and `measure --device` run. ``costs``: a measured-costs file or MeasuredCosts
-    (``solve --costs``), put on the graph before the solve."""
+    `emulate` and `measure --device` run, its arena solved again, smaller, where the firmware's
+    other statics (for ``steps`` steps' losses) and its stack leave too little of the device beside it. ``costs``: a measured-costs file or MeasuredCosts
+    (``solve --costs``), put on the graph before the solve. ``data_set``: the harness keeps one
+    batch, its logits and one loss (firmware/dataset.py) instead of every step's loss."""
     from poet_opt.model.measured_costs import MeasuredCosts, apply_costs, load_costs
 
     def say(text: str) -> None:
@@ -314,11 +325,82 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
     # strips fit to the budget may leave a node too large for the tighter budget an arena's
     # fragmentation calls for: auto strips are then fit to that budget
     refit = strips == "auto" and network.graph.meta.get("strips")
+    graph_for = (lambda budget: striped(budget).graph) if refit else None
     with ctrl_c_ends_everything():
-        plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode,
-                                graph_for=(lambda budget: striped(budget).graph) if refit else None)
-    network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
+        plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode, graph_for=graph_for)
+        network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
+        # --ram bounds the arena; the firmware's other statics and its stack come on top of it, and
+        # with them the arena of ResNet-18 at 200 KiB left no room on the nRF52840's 256 KiB: the
+        # arena is then solved again within the RAM they leave
+        target = target_from_profile(profile)
+        batch = np.zeros(network.input_shape, np.float32), np.zeros(network.input_shape[0], np.int64)
+        for _ in range(MAX_DEVICE_FITS):
+            generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps,
+                                         lr=0.1, x=batch[0], y=batch[1])
+            # a data set's harness: a batch, its labels, its logits, the loss and the command, a word each
+            words = (int(np.prod(network.input_shape)) + network.input_shape[0] + network.layers[network.output].elements
+                     + 2) if data_set else steps
+            beside = static_beside_arena(generated.source, words, target) + STACK_BYTES
+            room = target.ram_bytes - beside
+            if plan.arena.arena_bytes <= room:
+                break
+            needed = plan.arena.arena_bytes + beside - LOSS_BYTES * words
+            if not data_set and needed + LOSS_BYTES * 64 <= target.ram_bytes:  # the losses are what does not fit
+                raise _too_many_steps(steps, needed, target, profile)
+            budget = room - room % max(4, plan.arena.alignment)
+            say(f"solving again for an arena of {budget:,} B: the firmware's other statics and its stack take "
+                f"{beside:,} B of {profile.name}'s {target.ram_bytes:,} B")
+            graph = network.graph
+            if refit and graph.min_working_set_bytes() > budget:
+                graph = striped(budget).graph
+            try:
+                plan = solve_for_export(graph, profile, ram=budget, time_limit=time_limit, mode=mode,
+                                        graph_for=graph_for)
+            except PoetError as exc:
+                raise PoetError(f"{_no_room(ram_bytes, beside, target, profile)}, and no plan fits it: {exc.message}",
+                                field="--ram") from None
+            network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
+        else:
+            raise PoetError(_no_room(ram_bytes, beside, target, profile), field="--ram")
     return network, plan
+
+
+def _too_many_steps(steps: int, needed: int, target, profile) -> PoetError:
+    return PoetError(f"the firmware keeps each step's loss in RAM ({LOSS_BYTES} B a step): {steps:,} steps need "
+                     f"{LOSS_BYTES * steps / 1024:,.1f} KiB beside the {needed / 1024:,.1f} KiB or more the plan, the "
+                     f"weights and the stack take, and {profile.name} has {target.ram_bytes / 1024:,.0f} KiB; at most "
+                     f"about {(target.ram_bytes - needed) // LOSS_BYTES:,} steps fit", field="--steps")
+
+
+def _no_room(ram_bytes: int, beside: int, target, profile) -> str:
+    return (f"the arena cannot have all of --ram ({ram_bytes:,} B): the firmware's other statics and its stack "
+            f"({beside:,} B) leave {max(0, target.ram_bytes - beside):,} B of {profile.name}'s {target.ram_bytes:,} B")
+
+
+# statics a generated step declares in RAM, one or more a line: "static float poet_scratch[6560];",
+# "__attribute__((used)) float poet_running_mean_3[64] = {", "static float poet_mean_2[8], poet_invstd_2[8];"
+_RAM_DECLARATION = re.compile(r"^(?:static |__attribute__\(\(used\)\) )*(float|int32_t|uint32_t|uint8_t) "
+                              r"(poet_\w+\[\w+\](?:, poet_\w+\[\w+\])*)(?:;| = \{)$", re.M)
+_DECLARATOR = re.compile(r"(poet_\w+)\[(\w+)\]")
+
+
+def static_beside_arena(source: str, steps: int, target) -> int:
+    """The bytes of RAM a generated step's firmware takes beside its arena and stack: what the step
+    declares (the strips' scratch, the norms' statistics, resident weights and their gradients, the
+    losses) and, when it pages, the board's two write-block buffers (poet_paging.c's tail of a
+    block, poet_storage_emu.c's bounce buffer), each rounded up to a word as the linker places them;
+    and the library's own state (its ready flag, the caller's batch pointers and learning rate) and
+    the harness's losses, one float a step. The buffers count whenever the library can page (its
+    save_weights does): emulate's harness never saves and the linker drops them there, but a board's
+    application may, so the figure errs by at most those two blocks, on the safe side."""
+    total = 2 * -(-target.write_block_bytes // 4) * 4 if "poet_page_" in source else 0
+    total += LIBRARY_STATE_BYTES + LOSS_BYTES * steps
+    for ctype, declarators in _RAM_DECLARATION.findall(source):
+        for name, count in _DECLARATOR.findall(declarators):
+            if name != "poet_arena":
+                n = steps if count == "POET_TRAIN_STEPS" else int(count)
+                total += -(-n * (1 if ctype == "uint8_t" else 4) // 4) * 4
+    return total
 
 
 def _input_files(data, device, torch_model, eval_data=None) -> list[tuple[str, Path]]:
@@ -409,7 +491,16 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
             # provisioned at its offset (the header of poet_train.c names it) beside the weights
             (work / "poet_program.bin").write_bytes(generated.program)
         if out_dir is not None:
+            from poet_opt.firmware.board_project import write_board_project
+
             result.files = _keep(work, Path(out_dir), inputs, prefix)
+            # the example main.c trains on its one built-in batch and keeps every loss in RAM: a data
+            # set's thousands of steps would not fit there, and would show nothing more
+            shown = steps if feed is None else min(steps, EXAMPLE_STEPS_ON_A_DATA_SET)
+            result.files += write_board_project(out_dir, target=target, device=profile.name, prefix=prefix,
+                                                doc=plan.schedule.to_dict(), steps=shown, lr=float(lr), x=x, y=y,
+                                                storage_images=[p.name for p in result.files if p.suffix == ".bin"],
+                                                inputs=inputs)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -434,8 +525,11 @@ def output_files(out_dir, prefix: str = "poet_") -> list[Path]:
     """Every file ``emulate -o out_dir`` may write (a prefix that is no C name is refused first)."""
     from poet_opt.firmware.library import check_library_prefix
 
+    from poet_opt.firmware.board_project import project_paths
+
     check_library_prefix(prefix)
-    return [Path(out_dir) / name for name in (*generated_files(prefix), *(p.name for p in _library_files()))]
+    return [*(Path(out_dir) / name for name in (*generated_files(prefix), *(p.name for p in _library_files()))),
+            *project_paths(out_dir)]
 
 
 def _keep(work: Path, out_dir: Path, inputs, prefix: str) -> list[Path]:
@@ -496,11 +590,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say, f
             needed = plan.arena.arena_bytes + weights + scratch + STACK_BYTES
             losses = LOSS_BYTES * generated.steps
             if feed is None and needed + losses > target.ram_bytes and needed + LOSS_BYTES * 64 <= target.ram_bytes:
-                raise PoetError(f"the firmware keeps each step's loss in RAM ({LOSS_BYTES} B a step): "
-                                f"{generated.steps:,} steps need {losses / 1024:,.1f} KiB beside the "
-                                f"{needed / 1024:,.1f} KiB or more the plan, the weights and the stack take, and "
-                                f"{profile.name} has {target.ram_bytes / 1024:,.0f} KiB; at most about "
-                                f"{(target.ram_bytes - needed) // LOSS_BYTES:,} steps fit", field="--steps") from None
+                raise _too_many_steps(generated.steps, needed, target, profile) from None
             raise PoetError(f"the firmware needs {needed / 1024:,.1f} KiB of RAM or more (arena "
                             f"{plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and their gradients "
                             f"{weights / 1024:,.1f} KiB{halo}, a {STACK_BYTES // 1024} KiB stack, norm statistics) "
