@@ -353,7 +353,7 @@ def _check_not_inputs(outputs, *, device=(), torch_spec=None, **inputs) -> None:
     from poet_opt.files import check_not_inputs
 
     named = {"graph_file": "--graph", "onnx_file": "--onnx", "costs_file": "--costs", "schedule_file": "SCHEDULE_FILE",
-             "data": "--data"}
+             "data": "--data", "eval_data": "--eval"}
     given = [(named[k], v) for k, v in inputs.items() if v is not None]
     given += [("--device", d) for d in ([device] if isinstance(device, str) else device) if Path(d).is_file()]
     if torch_spec and Path(torch_spec.rsplit(":", 1)[0]).is_file():

@@ -28,10 +28,16 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
     @click.option("--input-shape", default=None, help="--torch: the whole input, batch first, e.g. 2,3,32,32")
     @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
     @click.option("--ram", required=True, help="RAM budget, as for `poet-opt solve`")
-    @click.option("--steps", type=int, required=True, help="training steps to run on the emulated board")
+    @click.option("--steps", type=int, default=None, help="training steps to run on the emulated board (or --epochs)")
+    @click.option("--epochs", type=int, default=None, help="passes over the --data set (or --steps)")
+    @click.option("--batch-size", type=int, default=None,
+                  help="samples per step (default: --input-shape's batch; with --model, all of --data)")
+    @click.option("--seed", type=int, default=0, show_default=True, help="the shuffle of a data set's samples")
+    @click.option("--eval", "eval_data", default=None, type=click.Path(dir_okay=False),
+                  help="DATA.npz (x, y): accuracy before and after training, from the firmware's predict")
     @click.option("--lr", type=float, required=True, help="SGD learning rate")
     @click.option("--data", required=True, type=click.Path(dir_okay=False),
-                  help="BATCH.npz with x (float32, batch first) and y (int64 class labels)")
+                  help="BATCH.npz or a data set: x (float32, samples first) and y (integer class labels)")
     @click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
     @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
                   help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
@@ -49,11 +55,14 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
     @WEIGHTS_OPTION
     @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
     @_one_line_errors
-    def emulate(model, torch_spec, input_shape, device, ram, steps, lr, data, trainable, weights_out, costs_file,
-                time_limit, as_json, out_dir, prefix, weights, weight_tile, strips, quiet):
-        """Solve, export, generate C, cross-compile and train N steps on an emulated Cortex-M.
+    def emulate(model, torch_spec, input_shape, device, ram, steps, epochs, batch_size, seed, eval_data, lr, data,
+                trainable, weights_out, costs_file, time_limit, as_json, out_dir, prefix, weights, weight_tile, strips,
+                quiet):
+        """Solve, export, generate C, cross-compile and train N steps or epochs on an emulated Cortex-M.
 
         Exits 4 when training diverges: the result printed (NaN as null), no --weights-out written."""
+        import sys
+
         import numpy as np
 
         from poet_opt.files import write_atomic
@@ -65,12 +74,14 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
             _check_writable(weights_out, field="--weights-out")
         kept = [("-o", path) for path in output_files(out_dir, prefix)] if out_dir is not None else []
         _check_not_inputs([*kept, ("--weights-out", weights_out)], device=device, torch_spec=torch_spec, data=data,
-                          costs_file=costs_file)
+                          costs_file=costs_file, eval_data=eval_data)
         say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
         result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                                   steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
                                   time_limit=parse_time_limit(time_limit), progress=say, weights=weights,
-                                  tile_bytes=weight_tile, strips=strips, costs=costs_file, prefix=prefix)
+                                  tile_bytes=weight_tile, strips=strips, costs=costs_file, prefix=prefix,
+                                  epochs=epochs, batch_size=batch_size, seed=seed, eval_data=eval_data,
+                                  bar=sys.stderr.isatty() and not as_json and not quiet)
         if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
             write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
         click.echo(json.dumps(result.summary(), indent=1, allow_nan=False) if as_json

@@ -186,6 +186,7 @@ class Emulator:
         self._uc = None
         self._fault: EmulatorFault | None = None
         self._stop_reason: tuple | None = None
+        self._reach: list[tuple[int, Any]] = []  # on_reach's, installed again at every power-on
         self._power_on()
 
     # -- host access to symbols ---------------------------------------------------------------
@@ -259,17 +260,8 @@ class Emulator:
     # -- machine --------------------------------------------------------------------------------
 
     def _power_on(self) -> None:
-        from unicorn import (
-            UC_ARCH_ARM,
-            UC_HOOK_INTR,
-            UC_HOOK_MEM_INVALID,
-            UC_MODE_MCLASS,
-            UC_MODE_THUMB,
-            UC_PROT_ALL,
-            UC_PROT_EXEC,
-            UC_PROT_READ,
-            Uc,
-        )
+        from unicorn import (UC_ARCH_ARM, UC_HOOK_INTR, UC_HOOK_MEM_INVALID, UC_MODE_MCLASS, UC_MODE_THUMB,
+                             UC_PROT_ALL, UC_PROT_EXEC, UC_PROT_READ, Uc)
 
         uc = Uc(UC_ARCH_ARM, UC_MODE_THUMB | UC_MODE_MCLASS)
         uc.ctl_set_cpu_model(self._uc_model)
@@ -289,9 +281,23 @@ class Emulator:
         uc.hook_add(UC_HOOK_INTR, self._on_interrupt)
         uc.hook_add(UC_HOOK_MEM_INVALID, self._on_invalid_memory)
         self._uc = uc
+        for address, callback in self._reach:
+            self._hook_reach(address, callback)
         self._icount = None
         if self.count_instructions:
             self._install_counter(uc)
+
+    def on_reach(self, address: int, callback) -> None:
+        """Call ``callback()`` each time the core is about to execute ``address`` (a function's entry),
+        in every run: the host's turn mid-run, to fill RAM the program reads next (``memory_at``) as a
+        peripheral's DMA would, without stopping the run or building the image again."""
+        self._reach.append((address, callback))
+        self._hook_reach(address, callback)
+
+    def _hook_reach(self, address: int, callback) -> None:
+        from unicorn import UC_HOOK_CODE
+
+        self._uc.hook_add(UC_HOOK_CODE, lambda uc, at, size, data: callback(), begin=address, end=address)
 
     def _install_counter(self, uc) -> None:
         self._icount = icount.install(
@@ -327,14 +333,8 @@ class Emulator:
         return "unmapped: the emulated board has no memory or peripheral there"
 
     def _on_invalid_memory(self, uc, access, address, size, value, user_data) -> bool:
-        from unicorn import (
-            UC_MEM_FETCH_PROT,
-            UC_MEM_FETCH_UNMAPPED,
-            UC_MEM_READ_PROT,
-            UC_MEM_READ_UNMAPPED,
-            UC_MEM_WRITE_PROT,
-            UC_MEM_WRITE_UNMAPPED,
-        )
+        from unicorn import (UC_MEM_FETCH_PROT, UC_MEM_FETCH_UNMAPPED, UC_MEM_READ_PROT, UC_MEM_READ_UNMAPPED,
+                             UC_MEM_WRITE_PROT, UC_MEM_WRITE_UNMAPPED)
         from unicorn.arm_const import UC_ARM_REG_SP
 
         pc = self._pc(uc)

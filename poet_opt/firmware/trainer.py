@@ -22,7 +22,7 @@ from poet_opt.files import check_not_inputs, write_files
 from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
 from poet_opt.firmware.targets import target_from_profile
-from poet_opt.model.batch import check_labels, divergence, finite_or_none, load_batch
+from poet_opt.model.batch import check_labels, divergence, finite_or_none
 from poet_opt.model.load import default_tile_bytes, needs_streaming, strips_value
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
@@ -34,6 +34,7 @@ BOARD_DIR = Path(__file__).resolve().parent / "board"
 STACK_BYTES = 4096  # the kernels keep a few words each; the emulator measures the real depth
 LOSS_BYTES = 4  # harness_losses: one float per step, kept in RAM for the host to read back
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+EXAMPLE_STEPS_ON_A_DATA_SET = 16  # the board project's main.c, after emulate on a data set
 # re-solves with a tighter arena when the firmware's statics beside it would not fit the device
 MAX_DEVICE_FITS = 4
 LIBRARY_STATE_BYTES = 16  # firmware/library.py: ready flag, input and label pointers, learning rate
@@ -72,6 +73,8 @@ class EmulatedTraining:
     # a profiling build (run_schedule(marks=True)): (schedule step, or len(steps) at the end of a
     # training step; estimated cycles when it began), every training step's in turn
     marks: list[tuple[int, int]] = field(default_factory=list)
+    # a data set's run (firmware/dataset.py): batch size, epochs, each epoch's mean loss, accuracy
+    dataset: Optional[dict] = None
 
     @property
     def instructions_per_step(self) -> float:
@@ -107,9 +110,28 @@ class EmulatedTraining:
             strips = self.network.graph.meta.get("strips")
             if strips:
                 out.update(strips=dict(strips["per_height"]), scratch_bytes=self.scratch_bytes)
+        if self.dataset is not None:
+            from poet_opt.firmware.dataset import MAX_LISTED_LOSSES
+
+            out.update(self.dataset)
+            if len(self.losses) > MAX_LISTED_LOSSES:
+                out["loss"] = None  # epoch_loss has the means
         if self.diverged:
             out["diverged"] = True
         return out
+
+    def _loss_lines(self, summary: dict) -> list[str]:
+        if self.dataset is None:
+            return [f"  loss     {', '.join(f'{v:.6g}' for v in self.losses)}"]
+        shown = ", ".join("null" if v is None else f"{v:.6g}" for v in summary["epoch_loss"])
+        lines = [f"  data     {summary['epochs']:g} epoch(s) of {summary['batches_per_epoch']} batch(es) of "
+                 f"{summary['batch_size']}, shuffled with seed {summary['seed']}",
+                 f"  loss     {self.losses[0]:.6g} at the first step, {self.losses[-1]:.6g} at the last; each "
+                 f"epoch's mean {shown}"]
+        if "accuracy_before" in summary:
+            lines.append(f"  accuracy {summary['accuracy_before']:.2%} before, {summary['accuracy_after']:.2%} after "
+                         f"(the firmware's predict on {summary['eval_samples']} eval samples)")
+        return lines
 
     def text(self, device: str, weights_out=None, out_dir=None) -> str:
         """What `poet-opt emulate` prints: ``weights_out`` and ``out_dir`` as written."""
@@ -117,7 +139,7 @@ class EmulatedTraining:
         return "\n".join([
             f"{self.network.name} on the emulated {device}: {summary['steps']} SGD step(s), schedule "
             f"{self.schedule.solver['status']}",
-            f"  loss     {', '.join(f'{v:.6g}' for v in self.losses)}",
+            *self._loss_lines(summary),
             f"  RAM      {summary['ram_used_bytes'] / 1024:.1f} KiB used of {summary['ram_device_bytes'] / 1024:.0f} "
             f"KiB (arena {self.arena_bytes / 1024:.1f} KiB, stack {self.stack_bytes} B)",
             f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
@@ -138,11 +160,12 @@ class EmulatedTraining:
         ])
 
 
-def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optional[str] = None,
+def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, model: Optional[str] = None,
                      torch_model=None, input_shape=None, trainable="all", out_dir=None,
                      time_limit: Optional[float] = 60.0, mode: str = "joint", progress=None,
                      weights: str = "resident", tile_bytes=None, strips="auto", costs=None,
-                     prefix: str = "poet_") -> EmulatedTraining:
+                     prefix: str = "poet_", epochs: Optional[int] = None, batch_size: Optional[int] = None,
+                     seed: int = 0, eval_data=None, bar: bool = False) -> EmulatedTraining:
     """Train ``steps`` SGD steps on the batch in ``data`` in firmware generated from the schedule
     that ``poet-opt solve --export`` would give, on the emulated ``device``.
 
@@ -161,20 +184,32 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
     every node within ``ram``; N: N strips at every height; "off": never. ``costs``: measured
     per-node costs the plan is solved with, as for `poet-opt solve --costs` (`poet-opt measure`
     writes them from this firmware). ``prefix`` starts every name the generated library exports
-    (``<prefix>train_step``, ``<prefix>train.h``)."""
+    (``<prefix>train_step``, ``<prefix>train.h``).
+
+    ``data`` may hold more samples than one batch: a data set, cut into batches of ``batch_size``
+    (default: ``input_shape``'s batch; a zoo model's, all of ``data``) and trained ``steps`` steps or
+    ``epochs`` epochs (one of the two), shuffled by ``seed``; ``eval_data``: a data set whose accuracy
+    the firmware's predict gives before and after training; ``bar``: a progress bar on stderr
+    (firmware/dataset.py)."""
+    from poet_opt.firmware.dataset import Feeder, check_set, load_set
     from poet_opt.firmware.torch_zoo import zoo_module
 
     if (model is None) == (torch_model is None):
         raise PoetError("give a zoo model or a torch model, not both or neither", field="--model")
-    if not isinstance(steps, int) or steps < 1:
-        raise PoetError(f"expected a positive whole number of steps, got {steps!r}", field="--steps")
+    if (steps is None) == (epochs is None):
+        raise PoetError("give the training's length as --steps N or --epochs N, one of the two", field="--epochs")
+    for value, option in ((steps, "--steps"), (epochs, "--epochs"), (batch_size, "--batch-size")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PoetError(f"expected a positive whole number, got {value!r}", field=option)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise PoetError(f"expected a whole number 0 or more, got {seed!r}", field="--seed")
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
         raise PoetError(f"expected a positive finite learning rate, got {lr!r}", field="--lr")
     if not lr <= FLOAT32_MAX:
         raise PoetError(f"{lr:g} is beyond float32, the firmware's number type (at most {FLOAT32_MAX:.4g})",
                         field="--lr")
     # every file this reads, so that -o writes none of them (before the solve, not after it)
-    inputs = _input_files(data, device, torch_model)
+    inputs = _input_files(data, device, torch_model, eval_data)
     from poet_opt.firmware.library import check_library_prefix
 
     check_library_prefix(prefix)
@@ -185,35 +220,57 @@ def emulate_training(*, device, ram, steps: int, lr: float, data, model: Optiona
         check_project_dir(out_dir)
     profile = load_profile(device)
     target = target_from_profile(profile)  # a core the emulator lacks fails now, not after the solve
-    most = (target.ram_bytes - STACK_BYTES) // LOSS_BYTES
-    if steps > most:  # before the batch is read or any C generated
-        raise PoetError(f"the firmware keeps each step's loss in RAM ({LOSS_BYTES} B a step): {steps:,} steps need "
-                        f"{LOSS_BYTES * steps:,} B and {profile.name} has {target.ram_bytes:,} B; at most "
-                        f"{most:,} steps, fewer beside the model", field="--steps")
-    if model is not None:  # a zoo model takes the batch's shape
-        x, y = load_batch(data)
-        module, shape = zoo_module(model), x.shape
+    x, y = load_set(data, "--data")
+    if model is not None:  # a zoo model takes the data's sample shape, and by default all of it as one batch
+        module, shape = zoo_module(model), (batch_size or x.shape[0], *x.shape[1:])
     else:
         if input_shape is None:
             raise PoetError("--torch needs --input-shape", field="--input-shape")
         module, shape = torch_model, parse_full_shape(input_shape)
-        x, y = load_batch(data, shape)  # the traced network takes exactly this shape
+        shape = (batch_size or shape[0], *shape[1:])
+    batch = shape[0]
+    if tuple(x.shape[1:]) != tuple(shape[1:]) or x.shape[0] < batch:
+        check_set(x, y, shape[1:], None, batch, "--data")  # says which, before the solve
+    if x.shape[0] % batch:
+        raise PoetError(f"--data holds {x.shape[0]} samples, not a whole number of batches of {batch}; give a "
+                        "--batch-size that divides it, or trim the data set",
+                        field="--batch-size" if batch_size else "--data")
+    per_epoch = x.shape[0] // batch
+    steps = steps if steps is not None else epochs * per_epoch
+    eval_x = eval_y = None
+    if eval_data is not None:
+        eval_x, eval_y = load_set(eval_data, "--eval")
+    on_data_set = per_epoch > 1 or eval_x is not None  # else the single-batch harness, as before
+    most = (target.ram_bytes - STACK_BYTES) // LOSS_BYTES
+    if steps > most and not on_data_set:  # before any C is generated
+        raise PoetError(f"the firmware keeps each step's loss in RAM ({LOSS_BYTES} B a step): {steps:,} steps need "
+                        f"{LOSS_BYTES * steps:,} B and {profile.name} has {target.ram_bytes:,} B; at most "
+                        f"{most:,} steps, fewer beside the model", field="--steps")
     network, plan = solve_plan(module, shape, profile, ram=ram, name=model, trainable=trainable,
                                time_limit=time_limit, mode=mode, progress=progress, weights=weights,
-                               tile_bytes=tile_bytes, strips=strips, costs=costs, steps=steps)
+                               tile_bytes=tile_bytes, strips=strips, costs=costs, steps=steps,
+                               data_set=on_data_set)
     classes = network.layers[network.output].elements // network.input_shape[0]
+    feed = None
+    if on_data_set:
+        check_set(x, y, shape[1:], classes, batch, "--data")
+        if eval_x is not None:
+            check_set(eval_x, eval_y, shape[1:], classes, batch, "--eval")
+        feed = Feeder(x, y, batch, steps, seed, eval_x, eval_y, bar=bar)
+        x, y = x[:batch], y[:batch]
     y = check_labels(y, classes)
     return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress,
-                        inputs=inputs, prefix=prefix)
+                        inputs=inputs, prefix=prefix, feed=feed)
 
 
 def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_limit: Optional[float] = 60.0,
                mode: str = "joint", progress=None, weights: str = "resident", tile_bytes=None, strips="auto",
-               costs=None, steps: int = 1):
+               costs=None, steps: int = 1, data_set: bool = False):
     """(the network as lowered, the FirmwarePlan that ``poet-opt solve --export`` gives it): what
     `emulate` and `measure --device` run, its arena solved again, smaller, where the firmware's
     other statics (for ``steps`` steps' losses) and its stack leave too little of the device beside it. ``costs``: a measured-costs file or MeasuredCosts
-    (``solve --costs``), put on the graph before the solve."""
+    (``solve --costs``), put on the graph before the solve. ``data_set``: the harness keeps one
+    batch, its logits and one loss (firmware/dataset.py) instead of every step's loss."""
     from poet_opt.model.measured_costs import MeasuredCosts, apply_costs, load_costs
 
     def say(text: str) -> None:
@@ -280,12 +337,15 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
         for _ in range(MAX_DEVICE_FITS):
             generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps,
                                          lr=0.1, x=batch[0], y=batch[1])
-            beside = static_beside_arena(generated.source, steps, target) + STACK_BYTES
+            # a data set's harness: a batch, its labels, its logits, the loss and the command, a word each
+            words = (int(np.prod(network.input_shape)) + network.input_shape[0] + network.layers[network.output].elements
+                     + 2) if data_set else steps
+            beside = static_beside_arena(generated.source, words, target) + STACK_BYTES
             room = target.ram_bytes - beside
             if plan.arena.arena_bytes <= room:
                 break
-            needed = plan.arena.arena_bytes + beside - LOSS_BYTES * steps
-            if needed + LOSS_BYTES * 64 <= target.ram_bytes:  # the losses are what does not fit
+            needed = plan.arena.arena_bytes + beside - LOSS_BYTES * words
+            if not data_set and needed + LOSS_BYTES * 64 <= target.ram_bytes:  # the losses are what does not fit
                 raise _too_many_steps(steps, needed, target, profile)
             budget = room - room % max(4, plan.arena.alignment)
             say(f"solving again for an arena of {budget:,} B: the firmware's other statics and its stack take "
@@ -343,9 +403,9 @@ def static_beside_arena(source: str, steps: int, target) -> int:
     return total
 
 
-def _input_files(data, device, torch_model) -> list[tuple[str, Path]]:
+def _input_files(data, device, torch_model, eval_data=None) -> list[tuple[str, Path]]:
     """The files emulate reads, by option: a device or torch module given by name is no file."""
-    given = [("--data", data), ("--device", device)]
+    given = [("--data", data), ("--device", device), ("--eval", eval_data)]
     if isinstance(torch_model, str):
         given.append(("--torch", torch_model.rsplit(":", 1)[0]))
     return [(option, Path(path)) for option, path in given if isinstance(path, (str, Path)) and Path(path).is_file()]
@@ -392,12 +452,13 @@ def _with_strips(network: Network, strips, module, shape, profile, ram, *, train
 
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,
                  out_dir=None, progress=None, program: bool | str = "auto", inputs=(),
-                 marks: bool = False, prefix: str = "poet_") -> EmulatedTraining:
+                 marks: bool = False, prefix: str = "poet_", feed=None) -> EmulatedTraining:
     """Generate, build and run the training step of a schedule of ``network.graph``: ``plan`` is
     a FirmwarePlan, or a Schedule (a baseline's, say) whose arena is laid out here. A tiled network
     (``lower_network(..., tile_bytes=...)``) carries its tiles, so nothing more is needed here.
     ``out_dir`` gets ``output_files``, none of which may be one of ``inputs`` ((option, path) pairs).
-    ``marks``: a profiling build, each schedule step marked with its cycle estimate (``.marks``)."""
+    ``marks``: a profiling build, each schedule step marked with its cycle estimate (``.marks``).
+    ``feed``: a dataset.Feeder, whose harness hands the firmware its batches in one run."""
     from poet_opt.firmware import arena
     from poet_opt.firmware.fit import FirmwarePlan
 
@@ -408,12 +469,20 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
     generated = codegen.generate(network, plan.schedule.to_dict(), plan.arena, plan.flash, steps=steps, lr=float(lr),
                                  x=x, y=y, program=program, marks=marks, prefix=prefix,
                                  storage_defines=target.storage_defines())
+    if feed is not None:
+        from poet_opt.firmware.c_text import float_literal
+        from poet_opt.firmware.dataset import harness
+        from poet_opt.firmware.library import HARNESS_FILE, provenance
+
+        heading = provenance(plan.schedule.to_dict(), f"{HARNESS_FILE}, the example main() the emulator runs on a "
+                                                      "data set")
+        generated = replace(generated, harness=heading + harness(prefix, float_literal(float(lr), field="--lr")))
     say = progress or (lambda text: None)
     # built in a scratch directory and copied to out_dir only once training ran: a failure leaves
     # nothing half-written there
     work = Path(tempfile.mkdtemp(prefix="poet-emulate-"))
     try:
-        result = _build_and_run(network, plan, generated, target, profile, work, say)
+        result = _build_and_run(network, plan, generated, target, profile, work, say, feed)
         if out_dir is not None and generated.param_layers:
             # what a board's storage is provisioned with (dd it to the card, or program it to flash)
             image = weights_image(generated.param_layers, plan.flash, target.erased_byte)
@@ -425,8 +494,11 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
             from poet_opt.firmware.board_project import write_board_project
 
             result.files = _keep(work, Path(out_dir), inputs, prefix)
+            # the example main.c trains on its one built-in batch and keeps every loss in RAM: a data
+            # set's thousands of steps would not fit there, and would show nothing more
+            shown = steps if feed is None else min(steps, EXAMPLE_STEPS_ON_A_DATA_SET)
             result.files += write_board_project(out_dir, target=target, device=profile.name, prefix=prefix,
-                                                doc=plan.schedule.to_dict(), steps=steps, lr=float(lr), x=x, y=y,
+                                                doc=plan.schedule.to_dict(), steps=shown, lr=float(lr), x=x, y=y,
                                                 storage_images=[p.name for p in result.files if p.suffix == ".bin"],
                                                 inputs=inputs)
         return result
@@ -488,7 +560,7 @@ def layer_bytes(layer) -> int:
     return 4 * sum(p.value.size for p in layer.params.values())
 
 
-def _build_and_run(network, plan, generated, target, profile, work: Path, say) -> EmulatedTraining:
+def _build_and_run(network, plan, generated, target, profile, work: Path, say, feed=None) -> EmulatedTraining:
     from poet_opt.firmware.build import FirmwareBuildError, build_firmware
     from poet_opt.firmware.emulator import Emulator, EmulatorError
     from poet_opt.firmware.strip_codegen import scratch_bytes
@@ -517,7 +589,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
             halo = f", the strips' scratch {scratch / 1024:,.1f} KiB" if scratch else ""
             needed = plan.arena.arena_bytes + weights + scratch + STACK_BYTES
             losses = LOSS_BYTES * generated.steps
-            if needed + losses > target.ram_bytes and needed + LOSS_BYTES * 64 <= target.ram_bytes:
+            if feed is None and needed + losses > target.ram_bytes and needed + LOSS_BYTES * 64 <= target.ram_bytes:
                 raise _too_many_steps(generated.steps, needed, target, profile) from None
             raise PoetError(f"the firmware needs {needed / 1024:,.1f} KiB of RAM or more (arena "
                             f"{plan.arena.arena_bytes / 1024:,.1f} KiB, trainable weights and their gradients "
@@ -527,16 +599,19 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         if "does not fit in flash" in str(exc):
             raise PoetError(f"the firmware image exceeds {profile.name}'s flash", field="--device") from None
         raise
-    say(f"training {generated.steps} step(s) on the emulated {profile.name}")
+    say(f"training {generated.steps} step(s)" + (f" ({feed.epochs} epoch(s) of {feed.per_epoch} batch(es))"
+                                                 if feed is not None else "") + f" on the emulated {profile.name}")
     emulator = Emulator(firmware)
     try:
         for node, layer in generated.param_layers.items():  # the board's storage, provisioned
             emulator.storage.load(plan.flash.offsets[node], codegen.packed_params(layer))
         if generated.program_offset is not None:  # and the step program beside the weights
             emulator.storage.load(generated.program_offset, np.frombuffer(generated.program, np.uint8))
+        if feed is not None:
+            feed.attach(emulator)
         result = emulator.run()
         marks = list(emulator.marks)
-        losses = emulator.read_symbol(HARNESS_LOSSES, np.float32).tolist()
+        losses = list(feed.losses) if feed is not None else emulator.read_symbol(HARNESS_LOSSES, np.float32).tolist()
         # torch name -> (parameter, its trained value): one pair per tile of a tiled layer
         trained: dict[str, list] = {}
         if generated.param_layers:
@@ -556,6 +631,11 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         raise PoetError(f"the firmware failed on the emulated {profile.name}: {str(exc).splitlines()[0]}") from None
     finally:
         emulator.close()
+        if feed is not None:
+            feed.close()
+    if result.exit_code == -20 and feed is not None:  # the library's E_UNSUPPORTED
+        raise PoetError("the firmware's predict cannot run this plan's forward part (too long for straight-line C); "
+                        "train without --eval", field="--eval")
     if result.exit_code != 0:
         raise PoetError(f"the firmware stopped with storage error {result.exit_code} (poet_storage.h)")
     weights = network.assemble(trained)
@@ -580,4 +660,5 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say) -
         flash_bytes_read=int(storage.bytes_read), flash_bytes_written_per_step=int(flash.bytes_written_per_step),
         flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions,
         flash_wear_events=int(storage.erases_total), cycles=int(result.cycles or 0),
-        clock_hz=getattr(profile.compute, "clock_hz", None), marks=marks)
+        clock_hz=getattr(profile.compute, "clock_hz", None), marks=marks,
+        dataset=feed.summary() if feed is not None else None)
