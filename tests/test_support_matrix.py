@@ -313,6 +313,22 @@ CHAIN_OPS = {"whole": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "con
              "slices": {"conv2d", "linear", "concat"}}
 
 
+def _worst_against_sgd(factory, data, weights) -> tuple[float, float]:
+    """(the largest weight, the largest difference from it) after one torch.optim.SGD step of a
+    fresh ``factory()`` on the batch in ``data``, against ``weights`` by PyTorch's names."""
+    module = factory()
+    with np.load(data) as d:
+        x, yy = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    module.train()
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    F.cross_entropy(module(x), yy).backward()
+    opt.step()
+    reference = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    assert set(weights) == set(reference)
+    largest = max(float(np.abs(w).max()) for w in reference.values())
+    return largest, max(float(np.abs(weights[n] - w).max()) for n, w in reference.items())
+
+
 def _emulate(factory, shape, tmp_path, **kw):
     pytest.importorskip("unicorn")
     pytest.importorskip("ziglang")
@@ -323,17 +339,7 @@ def _emulate(factory, shape, tmp_path, **kw):
     np.savez(data, x=rng.standard_normal(shape).astype(np.float32), y=rng.integers(0, 3, shape[0]))
     result = emulate_training(torch_model=factory, input_shape=",".join(map(str, shape)), device="nrf52840",
                               ram="200KiB", steps=1, lr=LR, data=data, **kw)
-    module = factory()
-    with np.load(data) as d:
-        x, yy = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
-    module.train()
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
-    F.cross_entropy(module(x), yy).backward()
-    opt.step()
-    reference = {n: p.detach().numpy() for n, p in module.named_parameters()}
-    assert set(result.weights) == set(reference)
-    largest = max(float(np.abs(w).max()) for w in reference.values())
-    worst = max(float(np.abs(result.weights[n] - w).max()) for n, w in reference.items())
+    largest, worst = _worst_against_sgd(factory, data, result.weights)
     assert worst <= 1e-4 * largest, worst
     mark = {"strips": "@s", "tile_bytes": "#"}
     for option, text in mark.items():  # the plan really is in that tiling
@@ -375,17 +381,7 @@ def _run(factory, shape, tmp_path, **kw):
     np.savez(data, x=rng.standard_normal(shape).astype(np.float32), y=rng.integers(0, 3, shape[0]))
     result = run_training(torch_model=factory, input_shape=",".join(map(str, shape)), device="nrf52840",
                           ram="200KiB", steps=1, lr=LR, data=data, **kw)
-    module = factory()
-    with np.load(data) as d:
-        x, yy = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
-    module.train()
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
-    F.cross_entropy(module(x), yy).backward()
-    opt.step()
-    reference = {n: p.detach().numpy() for n, p in module.named_parameters()}
-    assert set(result.weights) == set(reference)
-    largest = max(float(np.abs(w).max()) for w in reference.values())
-    worst = max(float(np.abs(result.weights[n] - w).max()) for n, w in reference.items())
+    largest, worst = _worst_against_sgd(factory, data, result.weights)
     assert worst <= 1e-6 * max(1.0, largest), worst
     return result.schedule
 
