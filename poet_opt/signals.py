@@ -66,11 +66,24 @@ def signals_held():
     """SIGINT and SIGTERM wait for the end of the block, and are then raised as usual. For a block
     that runs finalizers (a garbage collection): a signal raised inside a __del__ or a weakref
     callback is printed as "Exception ignored" and lost, and the command would run on to exit 0."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    # Python-level handlers that only note the signal, not a blocked mask: the kernel hands a
+    # process-directed signal to any thread that does not block it (torch's, a solver's), and the
+    # interpreter then runs the handler in the main thread inside the block after all (seen in CI)
+    pending: list[int] = []
+
+    def note(signum, frame):
+        pending.append(signum)
+
+    held = (signal.SIGINT, signal.SIGTERM)
+    saved = {s: signal.signal(s, note) for s in held}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for s, handler in saved.items():
+            signal.signal(s, handler if handler is not None else
+                          (signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL))
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)  # now, to the handlers the block found
