@@ -196,26 +196,9 @@ def test_run_refuses_to_stream_a_transformer_it_would_not_tile_naming_strips(bat
 def test_the_commands_of_docs_executor_md_on_row_tiles_run(tmp_path, monkeypatch):
     """The sh block of docs/executor.md's "Row tiles of a transformer", line by line in a scratch
     directory, and what the text around it says of the result."""
-    import re
-    import shlex
-    import subprocess
-    import sys
-    from pathlib import Path
+    from test_run_tiles import run_executor_md_section
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "executor.md").read_text()
-    section = doc[doc.index("## Row tiles of a transformer"):]
-    commands = [line for line in re.search(r"```sh\n(.*?)```", section, re.S).group(1).splitlines() if line.strip()]
-    assert [c.split()[0] for c in commands] == ["python", "poet-opt", "poet-opt"]
-    monkeypatch.chdir(tmp_path)
-    for command in commands:
-        argv = shlex.split(command)
-        if argv[0] == "python":
-            done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0, done.stderr
-            continue
-        result = cli(*argv[1:])
-        assert result.exit_code == 0, (command, result.stderr)
-    summary = json.loads(result.stdout)
+    section, summary = run_executor_md_section("## Row tiles of a transformer", tmp_path, monkeypatch)
     plan = json.loads((tmp_path / "rows_plan.json").read_text())
     names = [n["name"] for n in plan["graph"]["nodes"]]
     assert "The plan has 128 nodes (2 row blocks of 16 tokens)" in section and len(names) == 128

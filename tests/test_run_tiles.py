@@ -174,15 +174,15 @@ def test_run_refuses_what_its_strip_replay_cannot_run_in_one_line(tmp_path):
     assert err.value.field == "--strips"
 
 
-def test_the_commands_of_docs_executor_md_on_strips_run(tmp_path, monkeypatch):
-    """The sh block of docs/executor.md's "Streamed weights, strips and slices", line by line in a
-    scratch directory, and what the text around it says of the result."""
+def run_executor_md_section(heading: str, tmp_path, monkeypatch) -> tuple[str, dict]:
+    """The sh block of docs/executor.md's section ``heading`` (a python line, then two poet-opt
+    lines), line by line in ``tmp_path``: (the section's text, the last command's JSON summary)."""
     import subprocess
     import sys
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "executor.md").read_text()
-    section = doc[doc.index("## Streamed weights, strips and slices"):]
+    section = doc[doc.index(heading):]
     commands = [line for line in re.search(r"```sh\n(.*?)```", section, re.S).group(1).splitlines() if line.strip()]
     assert [c.split()[0] for c in commands] == ["python", "poet-opt", "poet-opt"]
     monkeypatch.chdir(tmp_path)
@@ -194,7 +194,13 @@ def test_the_commands_of_docs_executor_md_on_strips_run(tmp_path, monkeypatch):
             continue
         result = cli(*argv[1:])
         assert result.exit_code == 0, (command, result.stderr)
-    summary = json.loads(result.stdout)
+    return section, json.loads(result.stdout)
+
+
+def test_the_commands_of_docs_executor_md_on_strips_run(tmp_path, monkeypatch):
+    """The sh block of docs/executor.md's "Streamed weights, strips and slices", line by line in a
+    scratch directory, and what the text around it says of the result."""
+    section, summary = run_executor_md_section("## Streamed weights, strips and slices", tmp_path, monkeypatch)
     assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] == 162_736
     assert "(162,736 B here)" in section
     assert summary["storage_bytes_read"] == summary["planned_storage_bytes_read"] > 0
