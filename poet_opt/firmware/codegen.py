@@ -1,6 +1,7 @@
 """C sources that perform training steps exactly as a validated schedule says: ``generate`` picks
 the writer for the network's graph, poet_opt/firmware/writer.py for whole tensors (its docstring
-says what each node computes) or poet_opt/firmware/strip_codegen.py for activation strips."""
+says what each node computes), poet_opt/firmware/strip_codegen.py for activation strips or
+poet_opt/firmware/row_codegen.py for a transformer's row tiles."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.firmware.arena import ArenaPlan, FlashPlan
+from poet_opt.firmware.row_codegen import RowWriter
 from poet_opt.firmware.strip_codegen import StripWriter
 from poet_opt.firmware.writer import (  # noqa: F401 (the names firmware callers use)
     KERNEL_FILES,
@@ -34,7 +36,10 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
-    refuse_rows(doc["graph"]["nodes"], "the firmware generator", "--model")
+    rows = bool(network.graph.meta.get("rows"))
+    if not rows:  # a row plan needs the network lowered with its row tiles (model/torch_rows.py)
+        refuse_rows(doc["graph"]["nodes"], "the firmware generator for a network lowered without row tiles",
+                    "--model")
     if not network.graph.meta.get("strips"):  # a strip plan needs the network lowered with its strips
         refuse_strips(doc["graph"]["nodes"], "the firmware generator for a network lowered without strips",
                       "--model")
@@ -51,6 +56,6 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
     from poet_opt.firmware import library
 
     library.check_library_prefix(prefix)
-    writer = (StripWriter if network.graph.meta.get("strips") else StepWriter)(network, doc, plan, flash, lr, program,
-                                                                                marks)
+    kind = RowWriter if rows else StripWriter if network.graph.meta.get("strips") else StepWriter
+    writer = kind(network, doc, plan, flash, lr, program, marks)
     return library.render(writer, steps=steps, lr=lr, x=x, y=y, prefix=prefix, storage_defines=storage_defines)

@@ -296,17 +296,18 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
         whole = lower_network(module, shape, trainable=trainable, name=model,
                               weights="resident" if weights == "auto" else weights,
                               tile_bytes=tile if weights == "streamed" else None)
-    except PoetError:  # a written-out attention has views the firmware cannot lower; say rows are why first
+    except PoetError:  # a written-out attention has views the firmware runs in row tiles only
         from poet_opt.model.torch_import import import_torch
 
         try:
             planned = import_torch(module, shape, trainable=trainable, weights="streamed", tile_bytes=tile)
         except PoetError:
             planned = None
-        if planned is not None:
-            _refuse_rows(planned, profile, strips)
-        raise
-    if weights == "auto" and needs_streaming(whole.graph, profile.memory.ram_bytes, STACK_BYTES, ram_bytes):
+        if planned is None or not _wants_rows(planned, profile, strips):
+            raise
+        whole = None
+    if whole is not None and weights == "auto" and \
+            needs_streaming(whole.graph, profile.memory.ram_bytes, STACK_BYTES, ram_bytes):
         whole = lower_network(module, shape, trainable=trainable, name=model, weights="streamed", tile_bytes=tile)
     lowered = {}  # the network of the graph each (re-)solve plans, by its strip budget
 
@@ -315,7 +316,8 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
             # a default slice is a share of the budget the graph is fit to, as solve's is of --ram
             fit_tile = default_tile_bytes([budget]) if tile_bytes is None and tile is not None else tile
             net = _with_strips(whole, strips, module, shape, profile, budget, trainable=trainable, name=model,
-                               weights=weights, tile=fit_tile)
+                               weights=weights, tile=fit_tile) if whole is not None else \
+                _with_rows(module, shape, profile, budget, strips, trainable=trainable, name=model, weights=weights)
             # the file names this graph's nodes: a file for another model or lowering fails here
             lowered[budget] = net if table is None else replace(net, graph=apply_costs(net.graph, table))
         return lowered[budget]
@@ -324,7 +326,7 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
     say("solving")
     # strips fit to the budget may leave a node too large for the tighter budget an arena's
     # fragmentation calls for: auto strips are then fit to that budget
-    refit = strips == "auto" and network.graph.meta.get("strips")
+    refit = strips == "auto" and (network.graph.meta.get("strips") or network.graph.meta.get("rows"))
     graph_for = (lambda budget: striped(budget).graph) if refit else None
     with ctrl_c_ends_everything():
         plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode, graph_for=graph_for)
@@ -411,19 +413,31 @@ def _input_files(data, device, torch_model, eval_data=None) -> list[tuple[str, P
     return [(option, Path(path)) for option, path in given if isinstance(path, (str, Path)) and Path(path).is_file()]
 
 
-def _refuse_rows(graph, profile, strips) -> None:
-    """A transformer that `solve` would plan in row tiles (model/load.py) is refused in one line:
-    the firmware generator has no row kernels."""
-    from poet_opt.units import format_bytes
-
-    working, node = graph.largest_working_set()
+def _wants_rows(graph, profile, strips) -> bool:
+    """Whether `solve` would plan this transformer in row tiles (model/load.py): --strips N, or some
+    node too large for the device whole."""
     nodes = graph.nodes
-    if working + STACK_BYTES > profile.memory.ram_bytes and strips != "off" and \
-            not any(n.op == "conv2d" for n in nodes) and any(n.op == "matmul" for n in nodes):
-        raise PoetError(f"computing {node.name} holds {format_bytes(working)} at once, more than {profile.name}'s "
-                        f"{format_bytes(profile.memory.ram_bytes)} of RAM with the stack: this transformer fits only "
-                        "with its tokens in row tiles, which `poet-opt solve` plans and `poet-opt run` trains, but the "
-                        "firmware generator has no row kernels yet", field="--strips")
+    too_big = graph.largest_working_set()[0] + STACK_BYTES > profile.memory.ram_bytes
+    return strips != "off" and (too_big or strips != "auto") and not any(n.op == "conv2d" for n in nodes) and \
+        any(n.op == "matmul" for n in nodes)
+
+
+def _with_rows(module, shape, profile, ram, strips, *, trainable, name, weights) -> Network:
+    """The transformer with its tokens in row tiles (model/torch_rows.py), every node within ``ram``
+    ("auto": the tiling with the fewest nodes; N: N row blocks), refused before any solve when the
+    firmware has no row kernel for one of its operators (firmware/row_codegen.py)."""
+    from poet_opt.firmware.row_codegen import check_rows
+
+    if weights == "resident":
+        raise PoetError("row tiles cut a transformer's weights into tiles streamed from storage: they need "
+                        "streamed weights (--weights auto or streamed)", field="--weights")
+    budget = min(parse_size(ram, field="--ram"), profile.memory.ram_bytes - STACK_BYTES)
+    network = lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=strips,
+                            strip_budget=budget)
+    if network.graph is None:
+        raise PoetError(f"no row tiling of the transformer brings every node within {budget:,} B", field="--ram")
+    check_rows(network)
+    return network
 
 
 def _with_strips(network: Network, strips, module, shape, profile, ram, *, trainable, name, weights, tile) -> Network:
@@ -432,7 +446,8 @@ def _with_strips(network: Network, strips, module, shape, profile, ram, *, train
     from poet_opt.units import format_bytes
 
     working, node = network.graph.largest_working_set()
-    _refuse_rows(network.graph, profile, strips)
+    if _wants_rows(network.graph, profile, strips):
+        return _with_rows(module, shape, profile, ram, strips, trainable=trainable, name=name, weights=weights)
     too_big = working + STACK_BYTES > profile.memory.ram_bytes and any(n.op == "conv2d" for n in network.graph.nodes)
     if strips not in ("auto", "off") and (isinstance(strips, bool) or not isinstance(strips, int) or strips < 1):
         raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")

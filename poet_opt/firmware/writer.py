@@ -45,7 +45,7 @@ from poet_opt.model import ops as registry
 from poet_opt.model.network import Layer, Network
 
 KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_kernels_strips.c",
-                "poet_math.c")
+                "poet_kernels_rows.c", "poet_math.c")
 # the page-out and page-in over a board's three storage functions (firmware/board/)
 PAGING_FILES = ("poet_paging.c",)
 # the step's learning rate, input batch and labels: what the caller of the train step passes in
@@ -167,8 +167,13 @@ class StepWriter:
         self.decls: list[str] = []
         self.param_symbols: dict[str, str] = {}
         self.streamed = streams_weights(doc)
-        self.param_layers = param_layers(network, doc) if self.streamed else {}
+        self.param_layers = self.weight_regions() if self.streamed else {}
         self.param_node = {layer.name: n for n, layer in self.param_layers.items()}
+
+    def weight_regions(self) -> dict[int, Layer]:
+        """The layer whose parameters each streamed ``param:`` node's region holds (row tiles cut
+        them otherwise: row_codegen.py)."""
+        return param_layers(self.net, self.doc)
 
     # -- operands --------------------------------------------------------------------------------
 
@@ -502,8 +507,7 @@ class StepWriter:
             return []
         rows = []
         for n, layer in self.param_layers.items():
-            names = ", ".join(f"{p.torch_name}{'' if p.rows is None else '[%d:%d]' % p.rows} {list(p.value.shape)}"
-                              for p in layer.params.values())
+            names = ", ".join(f"{p.torch_name}{p.where()} {list(p.value.shape)}" for p in layer.params.values())
             what = "read and rewritten each step" if layer.trainable else "read only (frozen)"
             rows.append(f" * {self.flash.offsets[n]:>12} {int(self.nodes[n]['bytes']):>10}  {comment(names)}; {what}")
         return ["/* Streamed weights on the storage device, provisioned before the first step:",

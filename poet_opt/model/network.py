@@ -43,6 +43,18 @@ class Parameter:
     # a tiled layer's slice: rows lo..hi of the torch parameter, whose whole shape is full_shape
     rows: tuple[int, int] | None = None
     full_shape: tuple[int, ...] | None = None
+    # a row tile's block of a weight matrix: its columns lo..hi as well (the input features it reads)
+    cols: tuple[int, int] | None = None
+
+    def where(self) -> str:
+        """The part of the torch parameter this one is, as a slice ("" for the whole)."""
+        if self.rows is None:
+            return ""
+        cols = "" if self.cols is None else f", {self.cols[0]}:{self.cols[1]}"
+        return f"[{self.rows[0]}:{self.rows[1]}{cols}]"
+
+    def index(self) -> tuple:
+        return (slice(*self.rows),) if self.cols is None else (slice(*self.rows), slice(*self.cols))
 
 
 @dataclass
@@ -82,7 +94,8 @@ class Network:
         return [p for layer in self.layers.values() if layer.trainable for p in layer.params.values()]
 
     def assemble(self, values: dict[str, list[tuple[Parameter, np.ndarray]]]) -> dict[str, np.ndarray]:
-        """torch name -> whole value, from (parameter, value) pairs of whole parameters or of tiles' rows."""
+        """torch name -> whole value, from (parameter, value) pairs of whole parameters or of tiles'
+        rows (or blocks of rows and columns)."""
         out: dict[str, np.ndarray] = {}
         for name, parts in values.items():
             first = parts[0][0]
@@ -92,10 +105,10 @@ class Network:
             whole = np.zeros(first.full_shape, np.float32)
             covered = 0
             for p, v in parts:
-                whole[p.rows[0]:p.rows[1]] = v.reshape(p.value.shape)
-                covered += p.rows[1] - p.rows[0]
-            if covered != first.full_shape[0]:
-                raise PoetError(f"internal: the tiles of {name!r} cover {covered} of its {first.full_shape[0]} rows")
+                whole[p.index()] = v.reshape(p.value.shape)
+                covered += p.value.size
+            if covered != whole.size:
+                raise PoetError(f"internal: the tiles of {name!r} cover {covered} of its {whole.size} elements")
             out[name] = whole
         return out
 
@@ -196,6 +209,8 @@ def _row_network(name: str, module, ops, output: int, trainable, meta: dict, str
             layer.params = {role: Parameter(names[id(t)], _array(t)) for role, t in (("weight", m.weight),
                                                                                     ("bias", m.bias))}
             layer.trainable = o.name in trained
+            if o.op == "layernorm":  # the firmware normalises with the module's own (torch_rows checks it)
+                layer.attrs["eps"] = float(m.eps)
         layers[o.name] = layer
     return Network(name, module, tuple(ops.ops[0].shape), layers, graph, kept[-1].name)
 

@@ -282,6 +282,35 @@ void poet_silu_backward(float *dx, const float *dy, const float *x, uint32_t n);
 void poet_hardswish_forward(float *y, const float *x, uint32_t n);
 void poet_hardswish_backward(float *dx, const float *dy, const float *x, uint32_t n);
 
+/* ---- row tiles of a transformer (poet_kernels_rows.c): a tile holds a block of tokens by a piece
+ * of features, [n][block][piece]; `rows` counts the block's rows of every sample ---- */
+
+/* c[i][j] += alpha * sum_p A(i, p) B(p, j), A(i, p) = a[i * a_row + p * a_col] and B(p, j) =
+ * b[p * b_row + j * b_col], c's rows ldc apart: a sub-matrix of a tile, transposed or not, in place */
+void poet_gemm(float *c, uint32_t ldc, const float *a, uint32_t a_row, uint32_t a_col, const float *b,
+               uint32_t b_row, uint32_t b_col, uint32_t m, uint32_t n, uint32_t k, float alpha);
+/* stats [2][rows]: each row's mean and sum of squared deviations over the pieces so far; prev (NULL
+ * for a token's first piece) holds them for the `before` features of the pieces before */
+void poet_layernorm_rows_stats(float *stats, const float *prev, const float *x, uint32_t rows, uint32_t piece,
+                               uint32_t before);
+/* y = (x - mean) / sqrt(m2 / d + eps) * gamma + beta over one piece, from a token's whole stats */
+void poet_layernorm_rows_forward(float *y, const float *x, const float *stats, const float *gamma, const float *beta,
+                                 uint32_t rows, uint32_t piece, uint32_t d, float eps);
+/* sums [2][rows]: sum dy * gamma and sum dy * gamma * xhat over the pieces so far (prev as above) */
+void poet_layernorm_rows_grad_stats(float *sums, const float *prev, const float *dy, const float *x,
+                                    const float *stats, const float *gamma, uint32_t rows, uint32_t piece,
+                                    uint32_t d, float eps);
+/* dx += (dy * gamma - sum1 / d - xhat * sum2 / d) / std over one piece, from a token's whole sums */
+void poet_layernorm_rows_backward(float *dx, const float *dy, const float *x, const float *stats, const float *sums,
+                                  const float *gamma, uint32_t rows, uint32_t piece, uint32_t d, float eps);
+/* dgamma += sum over rows of dy * xhat, dbeta += sum over rows of dy, one piece's */
+void poet_layernorm_rows_backward_params(float *dgamma, float *dbeta, const float *dy, const float *x,
+                                         const float *stats, uint32_t rows, uint32_t piece, uint32_t d, float eps);
+/* y[s][c] += (sum of x[s][.][c] over the block's rows) / whole: a mean over tokens, block by block */
+void poet_rows_mean_forward(float *y, const float *x, uint32_t n, uint32_t rows, uint32_t cols, uint32_t whole);
+/* dx[s][r][c] += dy[s][c] / whole */
+void poet_rows_mean_backward(float *dx, const float *dy, uint32_t n, uint32_t rows, uint32_t cols, uint32_t whole);
+
 #ifdef __cplusplus
 }
 #endif

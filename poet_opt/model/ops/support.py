@@ -30,8 +30,9 @@ TILINGS_CHECKED = ("whole", "strips", "rows", "slices")
 def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
     if tiling not in ("whole", "strips", "rows"):
         return False
-    if backend == "firmware":
-        return tiling != "rows" and spec.c_convention == "elementwise" and spec.c_forward is not None
+    if backend == "firmware":  # over row tiles too, where the row replay runs it (torch_rows lowers it)
+        kernels = spec.c_convention == "elementwise" and spec.c_forward is not None
+        return kernels and (tiling != "rows" or _elementwise(spec, "rows", "executor"))
     from_what_is_kept = spec.saves != "out" or spec.torch_backward is not None
     if tiling == "whole":
         return from_what_is_kept and bool(spec.torch_modules or spec.torch_functions)
@@ -41,12 +42,12 @@ def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
 
 
 # Every other operator: the facts of today's backends. The firmware: what network.py lowers from a
-# torch module and writer.py / strip_codegen.py have C kernels for.
+# torch module and writer.py / strip_codegen.py / row_codegen.py have C kernels for.
 FIRMWARE = {
     "whole": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
               "softmax"},
     "strips": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "concat"},
-    "rows": set(),  # the generator refuses row-tiled plans (issue 27, item 5)
+    "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool"},  # a torch transformer's (model/torch_rows.py)
     "slices": {"conv2d", "linear", "concat"},
 }
 # The PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
