@@ -175,12 +175,6 @@ def test_the_row_lowering_refuses_what_it_cannot_see_through_naming_the_node(fau
     assert f"node {node!r}" in str(err.value) and what in str(err.value)
 
 
-def test_emulate_says_in_one_line_that_the_firmware_has_no_row_kernels(batch):
-    result = cli("emulate", "--torch", SPEC, "--input-shape", SHAPE, "--device", "mkr1000", "--ram", "16KiB",
-                 "--steps", "1", "--lr", LR, "--data", batch, "-q")
-    assert_one_line_error(result, "--strips", "row tiles", "no row kernels")
-
-
 def test_run_refuses_to_stream_a_transformer_it_would_not_tile_naming_strips(batch):
     """On the nRF52840 the small block fits whole: auto tiles nothing, and the executor streams a
     transformer's weights only in row tiles; --strips N asks for them."""

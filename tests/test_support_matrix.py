@@ -306,14 +306,27 @@ class SeqChain(nn.Module):
         return self.head(torch.flatten(self.sm(torch.matmul(self.q(x), self.k(x))), 1))
 
 
+def _row_chain():
+    """The hand-written encoder block (examples/torch_models.py), tiny, its FFN activation every
+    elementwise operator with C kernels in turn: the firmware's row operators, all in one block."""
+    from poet_opt.examples.torch_models import EncoderClassifier
+
+    torch.manual_seed(13)
+    module = EncoderClassifier(d=16, h=2, ff=32, classes=3)
+    module.act = nn.Sequential(nn.GELU(), nn.ReLU(), nn.ReLU6(), nn.SiLU(), nn.Hardswish())
+    return module
+
+
 CHAIN_OPS = {"whole": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
                        "global_avgpool", "batchnorm", "linear", "layernorm", "matmul", "softmax"},
              "strips": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
                         "global_avgpool", "batchnorm", "concat"},
+             "rows": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "linear", "layernorm", "matmul", "softmax",
+                      "avgpool"},
              "slices": {"conv2d", "linear", "concat"}}
 
 
-def _worst_against_sgd(factory, data, weights) -> tuple[float, float]:
+def worst_against_sgd(factory, data, weights) -> tuple[float, float]:
     """(the largest weight, the largest difference from it) after one torch.optim.SGD step of a
     fresh ``factory()`` on the batch in ``data``, against ``weights`` by PyTorch's names."""
     module = factory()
@@ -329,6 +342,26 @@ def _worst_against_sgd(factory, data, weights) -> tuple[float, float]:
     return largest, max(float(np.abs(weights[n] - w).max()) for n, w in reference.items())
 
 
+def emulate_rows(factory, data, *, tile_budget: int, blocks: int = 2):
+    """One step of ``factory()`` in the firmware, its row tiles fit to ``tile_budget`` bytes (small
+    enough to cut the features into pieces) and planned at 200 KiB: with RAM to spare the arena
+    needs no long placement search, which a plan as tight as its tiles takes a minute over."""
+    pytest.importorskip("unicorn")
+    pytest.importorskip("ziglang")
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.firmware.fit import solve_for_export
+    from poet_opt.firmware.row_codegen import check_rows
+    from poet_opt.firmware.trainer import run_schedule
+
+    with np.load(data) as d:
+        x, y = d["x"], d["y"]
+    network = lower_network(factory(), x.shape, weights="streamed", strips=blocks, strip_budget=tile_budget)
+    check_rows(network)
+    profile = load_profile("nrf52840")
+    plan = solve_for_export(network.graph, profile, ram=200 * 1024, time_limit=5)
+    return run_schedule(network, plan, profile, steps=1, lr=LR, x=x, y=y)
+
+
 def _emulate(factory, shape, tmp_path, **kw):
     pytest.importorskip("unicorn")
     pytest.importorskip("ziglang")
@@ -337,11 +370,16 @@ def _emulate(factory, shape, tmp_path, **kw):
     rng = np.random.default_rng(2)
     data = tmp_path / "batch.npz"
     np.savez(data, x=rng.standard_normal(shape).astype(np.float32), y=rng.integers(0, 3, shape[0]))
-    result = emulate_training(torch_model=factory, input_shape=",".join(map(str, shape)), device="nrf52840",
-                              ram="200KiB", steps=1, lr=LR, data=data, **kw)
-    largest, worst = _worst_against_sgd(factory, data, result.weights)
+    if "tile_budget" in kw:
+        result = emulate_rows(factory, data, tile_budget=kw.pop("tile_budget"), blocks=kw.pop("strips"))
+    else:
+        result = emulate_training(torch_model=factory, input_shape=",".join(map(str, shape)), device="nrf52840",
+                                  ram="200KiB", steps=1, lr=LR, data=data, **kw)
+    largest, worst = worst_against_sgd(factory, data, result.weights)
     assert worst <= 1e-4 * largest, worst
-    mark = {"strips": "@s", "tile_bytes": "#"}
+    rows = bool(result.network.graph.meta.get("rows"))  # --strips N tiles a transformer's tokens
+    mark = {"strips": "@r" if rows else "@s", "tile_bytes": "#"}
+    kw.setdefault("strips", 2 if rows else None)
     for option, text in mark.items():  # the plan really is in that tiling
         if kw.get(option) not in (None, "off"):
             assert any(text in n["name"] for n in result.schedule.to_dict()["graph"]["nodes"]), option
@@ -358,12 +396,17 @@ def _seq_chain():
     return SeqChain()
 
 
-@pytest.mark.parametrize("tiling", ["whole", "strips", "slices"])
+@pytest.mark.parametrize("tiling", ["whole", "strips", "rows", "slices"])
 def test_firmware_chain_equals_torch(tiling, tmp_path):
     kw = {"whole": {"weights": "resident", "strips": "off"},
           "strips": {"weights": "streamed", "strips": 2, "tile_bytes": 512},  # strips of weight slices too
+          # two row blocks of 3 tokens, tiles small enough to cut the features into pieces
+          "rows": {"strips": 2, "tile_budget": 3 * 1024},
           "slices": {"weights": "streamed", "tile_bytes": 256, "strips": "off"}}[tiling]
-    ran = _emulate(_chain, (2, 3, 8, 8), tmp_path, **kw)
+    if tiling == "rows":
+        ran = _emulate(_row_chain, (2, 6, 16), tmp_path, **kw)
+    else:
+        ran = _emulate(_chain, (2, 3, 8, 8), tmp_path, **kw)
     if tiling == "whole":
         (tmp_path / "seq").mkdir()
         ran |= _emulate(_seq_chain, (2, 6, 6), tmp_path / "seq", **kw)
@@ -381,7 +424,7 @@ def _run(factory, shape, tmp_path, **kw):
     np.savez(data, x=rng.standard_normal(shape).astype(np.float32), y=rng.integers(0, 3, shape[0]))
     result = run_training(torch_model=factory, input_shape=",".join(map(str, shape)), device="nrf52840",
                           ram="200KiB", steps=1, lr=LR, data=data, **kw)
-    largest, worst = _worst_against_sgd(factory, data, result.weights)
+    largest, worst = worst_against_sgd(factory, data, result.weights)
     assert worst <= 1e-6 * max(1.0, largest), worst
     return result.schedule
 
@@ -560,7 +603,8 @@ def _row_run_equals_torch(name: str, module) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_rows(name):
     """Row tiles: in the zoo's encoder block, the FFN's activation swapped for each operator, the row
-    builder splits it or refuses it naming it. The firmware refuses row plans; the PyTorch
+    builder splits it or refuses it naming it. The firmware runs what the support table says (the
+    rows chain above shows it), and refuses the rest before solving, naming the node; the PyTorch
     executor (`poet-opt run`) runs what the support table says, in a torch module's row tiles, equal
     to torch, and the torch row lowering refuses the rest naming the node."""
     from dataclasses import replace
@@ -589,16 +633,24 @@ def test_rows(name):
     assert support.graph_runs(spec, "rows"), f"{name}: the row builder splits it; the registry says not"
     assert any(n.op == name and "@r" in n.name for n in graph.nodes), name
     _graph_backends(graph, name)
-    with pytest.raises(PoetError, match="row"):
+    with pytest.raises(PoetError, match="row"):  # a network lowered without its row tiles
         refuse_rows([{"name": n.name, "op": n.op} for n in graph.nodes], "the firmware generator", "--model")
-    assert not support.runs(spec, "rows", "firmware")
+    assert (name in CHAIN_OPS["rows"]) == support.runs(spec, "rows", "firmware")
     if name == "embedding":  # a torch module's input is features, not token ids: run has no embedding rows
-        assert not support.runs(spec, "rows", "executor")
+        assert not support.runs(spec, "rows", "executor") and not support.runs(spec, "rows", "firmware")
         return
     module = _row_module(name, spec)
     if support.runs(spec, "rows", "executor"):
         assert module is not None, f"{name}: said to run in rows, with no probe to show it"
         _row_run_equals_torch(name, module)
+        if not support.runs(spec, "rows", "firmware"):  # emulate refuses it before solving, naming the node
+            from poet_opt.firmware.row_codegen import check_rows
+
+            network = lower_network(module, (1, 8, 16), weights="streamed", strips=2, strip_budget=10 ** 9)
+            with pytest.raises(PoetError) as refused:
+                check_rows(network)
+            assert refused.value.field == "--strips"
+            _refusal(refused.value, name, spec)
     elif module is not None:
         with pytest.raises(PoetError) as refused:
             lower_network(module, (1, 8, 16), weights="streamed", strips=2, strip_budget=10 ** 9)

@@ -107,9 +107,11 @@ class EmulatedTraining:
             tiles = self.network.graph.meta.get("tiles") or {}
             if tiles:
                 out["tiles"] = {layer: len(names) for layer, names in tiles.items()}
-            strips = self.network.graph.meta.get("strips")
+            strips, rows = self.network.graph.meta.get("strips"), self.network.graph.meta.get("rows")
             if strips:
                 out.update(strips=dict(strips["per_height"]), scratch_bytes=self.scratch_bytes)
+            if rows:
+                out["rows"] = {"blocks": len(rows["blocks"]), "piece": rows["piece"]}
         if self.dataset is not None:
             from poet_opt.firmware.dataset import MAX_LISTED_LOSSES
 
@@ -303,6 +305,9 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
             planned = import_torch(module, shape, trainable=trainable, weights="streamed", tile_bytes=tile)
         except PoetError:
             planned = None
+        if planned is not None and strips == "off" and _wants_rows(planned, profile, "auto"):
+            raise PoetError(f"this transformer fits {profile.name} only with its tokens in row tiles, which "
+                            "--strips off turns off; give --strips auto or N", field="--strips") from None
         if planned is None or not _wants_rows(planned, profile, strips):
             raise
         whole = None
