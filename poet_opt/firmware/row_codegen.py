@@ -44,11 +44,12 @@ def check_rows(network) -> None:
     graph = network.graph
     if graph is None:
         return
-    for name, lay in graph.meta["rows"]["layers"].items():
-        op = lay["op"]
-        if op != "input" and not support.runs(registry.spec(op), "rows", "firmware"):
-            raise PoetError(f"node {name!r} ({op}): the firmware has no row-tile kernel for it; it runs "
-                            f"{', '.join(sorted(firmware_row_ops()))} in row tiles", field=FIELD)
+    missing = [f"node {name!r} ({lay['op']})" for name, lay in graph.meta["rows"]["layers"].items()
+               if lay["op"] != "input" and not support.runs(registry.spec(lay["op"]), "rows", "firmware")]
+    if missing:  # every one at once, so that a fix is not followed by the next refusal
+        them = "them" if len(missing) > 1 else "it"
+        raise PoetError(f"{', '.join(missing)}: the firmware has no row-tile kernel for {them}; it runs "
+                        f"{', '.join(sorted(firmware_row_ops()))} in row tiles", field=FIELD)
     layers = graph.meta["rows"]["layers"]
     logits = list(layers)[-1]
     if len(layers[logits]["shape"]) != 1 or len(graph.meta["rows"]["cols"][logits]) != 1:
