@@ -82,6 +82,14 @@ PROTOTYPES = {
     "poet_batchnorm_backward": (None, [F, F, F, F, F, F, F, F, BN]),
     "poet_layernorm_forward": (None, [F, F, F, F, F, F, U, U, FL]),
     "poet_layernorm_backward": (None, [F, F, F, F, F, F, F, F, U, U]),
+    "poet_gemm": (None, [F, U, F, U, U, F, U, U, U, U, U, FL]),
+    "poet_layernorm_rows_stats": (None, [F, F, F, U, U, U]),
+    "poet_layernorm_rows_forward": (None, [F, F, F, F, F, U, U, U, FL]),
+    "poet_layernorm_rows_grad_stats": (None, [F, F, F, F, F, F, U, U, U, FL]),
+    "poet_layernorm_rows_backward": (None, [F, F, F, F, F, F, U, U, U, FL]),
+    "poet_layernorm_rows_backward_params": (None, [F, F, F, F, F, U, U, U, FL]),
+    "poet_rows_mean_forward": (None, [F, F, U, U, U, U]),
+    "poet_rows_mean_backward": (None, [F, F, U, U, U, U]),
 }
 
 
