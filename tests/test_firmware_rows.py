@@ -76,3 +76,11 @@ def test_emulate_says_a_transformer_fits_only_in_row_tiles_when_they_are_turned_
     result = cli("emulate", "--torch", SPEC, "--input-shape", "1,32,32", "--device", "mkr1000", "--ram", "16KiB",
                  "--strips", "off", "--steps", "1", "--lr", LR, "--data", big, "-q")
     assert_one_line_error(result, "--strips", "row tiles")
+
+
+def test_a_transformer_that_fits_whole_but_has_views_the_firmware_cannot_move_is_pointed_to_strips(batch):
+    """Whole, the block's head split is a transposing view no kernel runs; in row tiles the maths is
+    the row operators'. Defaults fit it whole on the nRF52840, so the refusal says --strips N."""
+    result = cli("emulate", "--torch", SPEC, "--input-shape", "1,16,32", "--device", "nrf52840", "--ram", "200KiB",
+                 "--steps", "1", "--lr", LR, "--data", batch, "-q")
+    assert_one_line_error(result, "--strips", "transpose", "give --strips N")

@@ -298,7 +298,7 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
         whole = lower_network(module, shape, trainable=trainable, name=model,
                               weights="resident" if weights == "auto" else weights,
                               tile_bytes=tile if weights == "streamed" else None)
-    except PoetError:  # a written-out attention has views the firmware runs in row tiles only
+    except PoetError as exc:  # a written-out attention has views the firmware runs in row tiles only
         from poet_opt.model.torch_import import import_torch
 
         try:
@@ -308,6 +308,9 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
         if planned is not None and strips == "off" and _wants_rows(planned, profile, "auto"):
             raise PoetError(f"this transformer fits {profile.name} only with its tokens in row tiles, which "
                             "--strips off turns off; give --strips auto or N", field="--strips") from None
+        if planned is not None and strips == "auto" and _wants_rows(planned, profile, 1):
+            raise PoetError(f"{exc.message}; in row tiles it does: give --strips N for N row blocks of tokens",
+                            field="--strips") from None
         if planned is None or not _wants_rows(planned, profile, strips):
             raise
         whole = None
