@@ -49,10 +49,12 @@ def test_emulate_trains_the_encoder_in_row_tiles_equal_to_torch_sgd(batch, tmp_p
     assert worst <= 1e-4 * largest, worst
 
 
-def test_features_in_pieces_and_heads_across_them_train_equal_to_torch_sgd(batch):
+@pytest.mark.parametrize("program", [False, True])
+def test_features_in_pieces_and_heads_across_them_train_equal_to_torch_sgd(batch, program):
     """Tiles fit to 3 KiB cut the 32 features into 4 pieces of 8: each head (16 features) spans two
-    pieces, each linear layer is 16 tiles and each token's layer-norm statistics chain over 4."""
-    result = emulate_rows(small_encoder_classifier, batch, tile_budget=3 * 1024)
+    pieces, each linear layer is 16 tiles and each token's layer-norm statistics chain over 4; as
+    straight-line C and as a step program (firmware/program.py), which a large plan's step becomes."""
+    result = emulate_rows(small_encoder_classifier, batch, tile_budget=3 * 1024, program=program)
     assert [tuple(c) for c in result.network.graph.meta["rows"]["cols"]["q"]] == [(0, 8), (8, 16), (16, 24), (24, 32)]
     largest, worst = worst_against_sgd(small_encoder_classifier, batch, result.weights)
     assert worst <= 1e-4 * largest, worst

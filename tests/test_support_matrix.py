@@ -342,7 +342,7 @@ def worst_against_sgd(factory, data, weights) -> tuple[float, float]:
     return largest, max(float(np.abs(weights[n] - w).max()) for n, w in reference.items())
 
 
-def emulate_rows(factory, data, *, tile_budget: int, blocks: int = 2):
+def emulate_rows(factory, data, *, tile_budget: int, blocks: int = 2, program: bool | str = "auto"):
     """One step of ``factory()`` in the firmware, its row tiles fit to ``tile_budget`` bytes (small
     enough to cut the features into pieces) and planned at 200 KiB: with RAM to spare the arena
     needs no long placement search, which a plan as tight as its tiles takes a minute over."""
@@ -359,7 +359,7 @@ def emulate_rows(factory, data, *, tile_budget: int, blocks: int = 2):
     check_rows(network)
     profile = load_profile("nrf52840")
     plan = solve_for_export(network.graph, profile, ram=200 * 1024, time_limit=5)
-    return run_schedule(network, plan, profile, steps=1, lr=LR, x=x, y=y)
+    return run_schedule(network, plan, profile, steps=1, lr=LR, x=x, y=y, program=program)
 
 
 def _emulate(factory, shape, tmp_path, **kw):
