@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from poet_opt.errors import PoetError
+from poet_opt.files import write_atomic
 
 WEIGHTS_FILE = "digits-cnn.npz"
 TRAIN_FILE = "digits-train.npz"
@@ -39,8 +40,9 @@ EVAL_SAMPLES = 256  # of the 896 images of 5-9: held out from fine-tuning, 16 wh
 PRETRAIN_HELD_OUT = 0.2  # of the 901 images of 0-4: held out from pretraining, to report its accuracy
 PRETRAIN_BATCH, PRETRAIN_LR = 32, 0.05
 # Without it the pretrained head pushes the logits of 5-9, never seen, so far down that the first
-# fine-tuning loss is about 30 and its gradients silence most ReLUs for good (accuracy stuck near
-# one class); with it the first loss is about 4
+# fine-tuning loss was 16 to 33 (SGD and Adam pretraining tried), and the first steps' large
+# gradients left the network predicting one class for tens of steps: 200 steps at 0.1 reached 88 %
+# on the held-out 5-9. With it the first loss is 3.8 and the same 200 steps reach 95 %.
 LABEL_SMOOTHING = 0.1
 
 
@@ -94,7 +96,7 @@ def images() -> tuple[np.ndarray, np.ndarray]:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise PoetError("scikit-learn is not installed; pip install 'poet-opt[examples]'", field="digits") from None
+        raise PoetError("scikit-learn is not installed; pip install 'poet-opt[examples]'") from None
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[:, None]  # pixel values are 0..16
     return x, digits.target.astype(np.int64)
@@ -148,9 +150,10 @@ def write(epochs: int, batch_size: int, seed: int, out=".") -> list[str]:
     parts = split(seed, batch_size)
     module = pretrain(*parts["pretrain"], epochs=epochs, seed=seed)
     out = Path(out)
-    np.savez(out / WEIGHTS_FILE, **{n: p.detach().numpy() for n, p in module.named_parameters()})
-    np.savez(out / TRAIN_FILE, x=parts["train"][0], y=parts["train"][1])
-    np.savez(out / EVAL_FILE, x=parts["eval"][0], y=parts["eval"][1])
+    arrays = {WEIGHTS_FILE: {n: p.detach().numpy() for n, p in module.named_parameters()},
+              TRAIN_FILE: dict(zip("xy", parts["train"])), EVAL_FILE: dict(zip("xy", parts["eval"]))}
+    for name, values in arrays.items():  # an interrupted run leaves no half-written file to be read later
+        write_atomic(out / name, lambda fh, values=values: np.savez(fh, **values), field=name, binary=True)
     return [
         f"pretrained DigitsCnn on {len(parts['pretrain'][1])} images of 0-4, {epochs} epoch(s): "
         f"{accuracy(module, *parts['pretrain_test']):.2%} right on {len(parts['pretrain_test'][1])} held-out ones; "
@@ -202,6 +205,9 @@ def main(argv=None) -> int:
     except PoetError as exc:
         print(f"{parser.prog}: error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # the files are written last, after the pretraining
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
     finally:  # main() may run inside another program (a test, a notebook)
         torch.set_num_threads(threads)
     print("\n".join(lines))
