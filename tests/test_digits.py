@@ -138,3 +138,37 @@ def test_the_factory_without_the_pretrained_weights_says_which_command_makes_the
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "--torch" in done.stderr and "digits-cnn.npz" in done.stderr
     assert "python -m poet_opt.examples.digits" in done.stderr
+
+
+def test_fine_tuning_the_last_two_layers_only_equals_torch_sgd_on_them(tmp_path, monkeypatch):
+    """`--trainable last:2`, the walkthrough's other choice: the linear layers move as
+    torch.optim.SGD moves them with the convolutions frozen, and the convolutions stay as pretrained."""
+    from poet_opt.examples import digits
+    from poet_opt.firmware.trainer import emulate_training
+
+    monkeypatch.chdir(tmp_path)
+    digits.write(epochs=10, batch_size=16, seed=0)
+    steps, lr = 12, 0.1
+    result = emulate_training(torch_model="poet_opt.examples.digits:pretrained_cnn", input_shape="16,1,8,8",
+                              batch_size=16, device="nrf52840", ram="64KiB", steps=steps, lr=lr, seed=3,
+                              trainable="last:2", data=digits.TRAIN_FILE, eval_data=digits.EVAL_FILE, time_limit=10)
+    with np.load(digits.TRAIN_FILE) as d:
+        x, y = d["x"], d["y"]
+    module = _pretrained(tmp_path / digits.WEIGHTS_FILE)
+    module.train()
+    frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not n.startswith(("fc1.", "fc2."))}
+    for name, p in module.named_parameters():
+        p.requires_grad_(name not in frozen)
+    opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=lr)
+    for ix in _documented_order(x.shape[0], 16, steps, 3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(module(torch.from_numpy(x[ix])), torch.from_numpy(y[ix])).backward()
+        opt.step()
+    reference = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    largest = max(float(np.abs(w).max()) for w in reference.values())
+    assert set(result.weights) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    for name, w in result.weights.items():
+        assert np.abs(np.asarray(w) - reference[name]).max() <= 1e-4 * largest, name
+    assert all(torch.equal(frozen[n], torch.from_numpy(reference[n])) for n in frozen)
+    summary = result.summary()
+    assert summary["accuracy_after"] > summary["accuracy_before"]

@@ -129,19 +129,26 @@ def accuracy(module: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
 def pretrain(x: np.ndarray, y: np.ndarray, epochs: int, seed: int) -> DigitsCnn:
     """DigitsCnn trained with torch.optim.SGD (momentum 0.9, smoothed labels) on (x, y), shuffled each
     epoch by ``seed``."""
-    torch.manual_seed(seed)
-    module = DigitsCnn()
-    module.train()
-    opt = torch.optim.SGD(module.parameters(), lr=PRETRAIN_LR, momentum=0.9)
-    rng = np.random.default_rng(seed)
-    for _ in range(epochs):
-        order = rng.permutation(len(y))
-        for k in range(0, len(y), PRETRAIN_BATCH):
-            ix = order[k:k + PRETRAIN_BATCH]
-            opt.zero_grad()
-            nn.functional.cross_entropy(module(torch.from_numpy(x[ix])), torch.from_numpy(y[ix]),
-                                       label_smoothing=LABEL_SMOOTHING).backward()
-            opt.step()
+    threads = torch.get_num_threads()
+    # one thread: at this size torch's thread pool costs more than it saves (3.5 s an epoch with
+    # two threads on a busy two-core machine, 1 s with one)
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        module = DigitsCnn()
+        module.train()
+        opt = torch.optim.SGD(module.parameters(), lr=PRETRAIN_LR, momentum=0.9)
+        rng = np.random.default_rng(seed)
+        for _ in range(epochs):
+            order = rng.permutation(len(y))
+            for k in range(0, len(y), PRETRAIN_BATCH):
+                ix = order[k:k + PRETRAIN_BATCH]
+                opt.zero_grad()
+                nn.functional.cross_entropy(module(torch.from_numpy(x[ix])), torch.from_numpy(y[ix]),
+                                            label_smoothing=LABEL_SMOOTHING).backward()
+                opt.step()
+    finally:  # it may run inside another program (a test, a notebook) with threads of its own
+        torch.set_num_threads(threads)
     return module
 
 
@@ -196,10 +203,6 @@ def main(argv=None) -> int:
                         help="the fine-tuning batch: digits-train.npz holds whole batches of it (default 16)")
     parser.add_argument("--seed", type=_seed, default=0, help="the split, shuffle and initial weights (default 0)")
     args = parser.parse_args(argv)
-    # one thread: at this size torch's thread pool costs more than it saves (3.5 s an epoch with
-    # two threads on a busy two-core machine, 1 s with one)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         lines = write(args.epochs, args.batch_size, args.seed)
     except PoetError as exc:
@@ -208,8 +211,6 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # the files are written last, after the pretraining
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
-    finally:  # main() may run inside another program (a test, a notebook)
-        torch.set_num_threads(threads)
     print("\n".join(lines))
     return 0
 
