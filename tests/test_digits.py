@@ -71,17 +71,23 @@ def test_the_digits_walkthrough_fine_tunes_on_the_emulated_core_as_torch_sgd_doe
         done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, (command, done.stderr)
         printed.append(done.stdout)
-    assert "right on 180 held-out ones" in printed[0]
+    section = (ROOT / "docs" / "firmware.md").read_text().split(SECTION)[1].split("\n## ")[0]
+    pretrained = re.search(r"(\d+\.\d+)% right on 180 held-out ones", printed[0]).group(1)
+    assert f"({float(pretrained):.1f} %)" in section, "docs/firmware.md's pretraining accuracy is stale"
 
     # the budget is below plain training's peak, and the plan meets it by recomputing
     plan = json.loads(printed[1])
     assert plan["plain"]["peak_ram_bytes"] > plan["budgets"]["ram_bytes"] and plan["totals"]["recomputes"] > 0
+    assert f"{plan['totals']['recomputes']} recomputations of {len(plan['recomputed'])} nodes" in section
+    assert plan["totals"]["page_outs"] == 0
 
     tune = commands[2]
     lr, steps, batch = float(_option(tune, "--lr")), int(_option(tune, "--steps")), int(_option(tune, "--batch-size"))
     summary = json.loads(printed[2])
     assert summary["steps"] == steps and summary["batch_size"] == batch and summary["eval_samples"] == 256
     assert summary["accuracy_after"] > summary["accuracy_before"]
+    assert f"{summary['accuracy_before'] * 100:.0f} % before, {summary['accuracy_after'] * 100:.1f} % after" in section
+    assert summary["flash_bytes_written"] == 0
 
     with np.load(tmp_path / "digits-train.npz") as d:
         x, y = d["x"], d["y"]
