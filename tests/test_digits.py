@@ -72,8 +72,10 @@ def test_the_digits_walkthrough_fine_tunes_on_the_emulated_core_as_torch_sgd_doe
         assert done.returncode == 0, (command, done.stderr)
         printed.append(done.stdout)
     section = (ROOT / "docs" / "firmware.md").read_text().split(SECTION)[1].split("\n## ")[0]
-    pretrained = re.search(r"(\d+\.\d+)% right on 180 held-out ones", printed[0]).group(1)
-    assert f"({float(pretrained):.1f} %)" in section, "docs/firmware.md's pretraining accuracy is stale"
+    # the docs' figures, within two images: float sums in another order (another CPU's torch kernels)
+    # may move a borderline image over 10 epochs of pretraining, and a stale figure moves more
+    pretrained = float(re.search(r"(\d+\.\d+)% right on 180 held-out ones", printed[0]).group(1))
+    assert abs(pretrained - float(re.search(r"images of 0-4 \((\d+\.\d) %\)", section).group(1))) <= 200 / 180
 
     # the budget is below plain training's peak, and the plan meets it by recomputing
     plan = json.loads(printed[1])
@@ -86,7 +88,9 @@ def test_the_digits_walkthrough_fine_tunes_on_the_emulated_core_as_torch_sgd_doe
     summary = json.loads(printed[2])
     assert summary["steps"] == steps and summary["batch_size"] == batch and summary["eval_samples"] == 256
     assert summary["accuracy_after"] > summary["accuracy_before"]
-    assert f"{summary['accuracy_before'] * 100:.0f} % before, {summary['accuracy_after'] * 100:.1f} % after" in section
+    before_doc, after_doc = map(float, re.search(r"(\d+) % before, (\d+\.\d) % after", section).groups())
+    assert abs(summary["accuracy_before"] * 100 - before_doc) <= 200 / 256
+    assert abs(summary["accuracy_after"] * 100 - after_doc) <= 200 / 256
     assert summary["flash_bytes_written"] == 0
 
     with np.load(tmp_path / "digits-train.npz") as d:
