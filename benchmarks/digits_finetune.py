@@ -7,7 +7,7 @@ PyTorch, the largest weight difference over the largest weight, the plan (recomp
 energy and time per step the profile predicts beside the emulator's cycle estimate, and the storage
 the run wrote (its wear). The figures are in benchmarks/FIRMWARE.md, "Fine-tuning on digits".
 
-    python benchmarks/digits_finetune.py          # about 5 minutes on 2 cores
+    python benchmarks/digits_finetune.py          # about 70 s on 2 busy cores
 """
 
 from __future__ import annotations
@@ -92,10 +92,12 @@ def main() -> None:
                     f"{s['predicted_energy_j_per_step'] * 1e3:>8.2f} {s['predicted_runtime_s_per_step'] * 1e3:>8.1f} "
                     f"{s['estimated_runtime_s_per_step'] * 1e3:>7.1f} {s['estimated_over_predicted']:>8.2f} "
                     f"{s['flash_bytes_written']:>9,} {s['ram_used_bytes'] / 1024:>7.1f} {ref['low_after']:>9.2%}")
+        loss_diff = max(abs(a - b) for a, b in zip(fw.losses, ref["losses"]))
+        lifetime = ("unlimited (nothing written)" if fw.flash_lifetime_steps is None
+                    else f"{fw.flash_lifetime_steps:,} steps")
         rows.append(f"{'':8} loss: firmware {fw.losses[0]:.4f} -> {fw.losses[-1]:.4f}, torch {ref['losses'][0]:.4f} -> "
-                    f"{ref['losses'][-1]:.4f}; max |loss diff| {max(abs(a - b) for a, b in zip(fw.losses, ref['losses'])):.1e}; "
-                    f"{fw.instructions_per_step / 1e6:.2f} M instructions a step; storage lifetime "
-                    f"{'unlimited (nothing written)' if fw.flash_lifetime_steps is None else f'{fw.flash_lifetime_steps:,} steps'}")
+                    f"{ref['losses'][-1]:.4f}; max |loss diff| {loss_diff:.1e}; "
+                    f"{fw.instructions_per_step / 1e6:.2f} M instructions a step; storage lifetime {lifetime}")
     print(head)
     print("-" * len(head))
     print("\n".join(rows))

@@ -142,9 +142,9 @@ def test_bad_options_of_the_pretraining_command_are_one_line_naming_the_option(t
 
 
 def test_the_factory_without_the_pretrained_weights_says_which_command_makes_them(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "poet_opt.cli", "solve", "--torch", "poet_opt.examples.digits:pretrained_cnn",
-                           "--input-shape", "16,1,8,8", "--device", "nrf52840", "--ram", "64KiB"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "poet_opt.cli", "solve", "--torch",
+                           "poet_opt.examples.digits:pretrained_cnn", "--input-shape", "16,1,8,8", "--device", "nrf52840",
+                           "--ram", "64KiB"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "--torch" in done.stderr and "digits-cnn.npz" in done.stderr
     assert "python -m poet_opt.examples.digits" in done.stderr
