@@ -263,8 +263,8 @@ def test_the_commands_in_docs_firmware_md_run(tmp_path):
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "firmware.md").read_text()
-    # the first block, and that of "Costs from the firmware itself" (the strips' block and "Training on
-    # a data set" have their own tests)
+    # the first block, and that of "Costs from the firmware itself" (the strips' block, "Training on a
+    # data set" and "Fine-tuning on digits", tests/test_digits.py, have their own tests)
     costs = doc[doc.index("## Costs from the firmware itself"):]
     blocks = [re.search(r"```sh\n(.*?)```", text, re.S).group(1) for text in (doc, costs)]
     commands = [line for block in blocks for line in block.splitlines() if line.strip()]
