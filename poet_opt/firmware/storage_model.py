@@ -15,9 +15,9 @@ operation the storage controller carries out, with traffic and wear counted.
   rewrites the allocation unit it falls in; this is the conservative model (a card that merges
   sequential writes wears less). A card that appends sequential writes (the profile's
   ``sequential_writes: true``, the SD spec's Speed Class model: docs/wear.md) keeps one unit open
-  for appending instead (the rule of device/media.py's ``au_rewrites``): a write that starts where the previous one ended
-  inside the unit it left open wears nothing more, and every other unit a write reaches is
-  rewritten once. ``erase_counts`` holds these wear events for block devices.
+  for appending instead (the rule of device/media.py's ``au_rewrites``): a write that starts where
+  the previous one ended inside the unit it left open wears nothing more, and every other unit a
+  write reaches is rewritten once. ``erase_counts`` holds these wear events for block devices.
 
 Loading into storage from the host (``Storage.load``) models a programmer or a PC writing the card
 before it goes into the board: no wear, no checks.
