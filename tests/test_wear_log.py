@@ -112,7 +112,8 @@ def _small_card_case(**storage):
 
     from poet_opt.model.random_graph import random_training_graph
 
-    device = make_test_device(capacity_bytes=16 * 65536, erase_block_bytes=65536, endurance_cycles=10_000, **storage)
+    device = make_test_device(**{"capacity_bytes": 16 * 65536, "erase_block_bytes": 65536, "endurance_cycles": 10_000,
+                                 **storage})
     graph = random_training_graph(40, 7)
     ram = int(graph.min_working_set_bytes() + 0.1 * (graph.plain_peak_bytes() - graph.min_working_set_bytes()))
     return device, graph, ram
@@ -162,3 +163,13 @@ def test_the_validator_counts_a_sequential_log_in_whole_units():
     doc["budgets"]["min_lifetime_steps"] = lifetime + 1
     with pytest.raises(ScheduleInvalid, match="min_lifetime_steps"):
         validate(doc)
+
+
+def test_a_wear_budget_no_plan_meets_names_the_plan_without_it():
+    from poet_opt.errors import PoetError
+    from poet_opt.solver.driver import solve
+
+    device, graph, ram = _small_card_case(kind="spi-flash", erase_block_bytes=4096)
+    # beyond raw flash's endurance: no page-out at all, and paging mode cannot do without
+    with pytest.raises(PoetError, match=r"without --min-lifetime-steps the plan uses .* and lasts 10,000 steps"):
+        solve(graph, device, ram=ram, mode="paging", time_limit=3, order="given", min_lifetime_steps=20_000)

@@ -17,8 +17,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from poet_opt.device.costs import NodeCosts
+from poet_opt.errors import PoetError
 from poet_opt.schedule.decisions import Budgets, step_wear_bytes
 from poet_opt.schedule.document import Schedule
+from poet_opt.units import format_joules
 
 PAGING_MODES = ("joint", "paging")
 
@@ -58,7 +60,13 @@ def solve_within_wear(solve_with: Callable[[Budgets, Optional[float]], Schedule]
                                        "energy_without_j": energy_without, "cost_j": 0.0,
                                        "lifetime_without": lifetime}
         return first
-    schedule = solve_with(budgets, time_limit)
+    try:
+        schedule = solve_with(budgets, time_limit)
+    except PoetError as exc:  # say what the user can have instead
+        exc.message += (f" (without --min-lifetime-steps the plan uses {format_joules(energy_without)} and lasts "
+                        f"{lifetime:,} steps)")
+        exc.args = (exc.one_line(),)
+        raise
     schedule.solver["wear_budget"] = {
         "min_lifetime_steps": steps, "binds": True, "solves": 2, "energy_without_j": energy_without,
         "cost_j": schedule.totals["energy_j"] - energy_without, "lifetime_without": lifetime}
