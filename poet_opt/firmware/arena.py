@@ -373,9 +373,11 @@ def plan_flash(doc: dict) -> FlashPlan:
     updated = list(dict.fromkeys(p for s in doc["steps"] if s["op"] == "compute"
                                  for p in nodes[s["node"]].get("updates", ())))
     log: list[int] = []  # every write of a step, in order
+    first = params
     if sequential:  # the updated weights are placed in the step's order below, after an AU boundary
-        params = [n for n in params if n not in set(updated)] + updated
-    for n in params[:len(params) - len(updated) if sequential else None]:
+        first = [n for n in params if n not in set(updated)]
+        params = first + updated
+    for n in first:
         place(n, unit)
     if sequential:
         end = align_up(end, block)
