@@ -215,7 +215,8 @@ def WEIGHTS_OPTION(command):
 @click.option("--allow-oversize", is_flag=True,
               help="keep a plan whose weights, gradients, working peak and stack reserve exceed the device's RAM")
 @click.option("--min-lifetime-steps", type=click.IntRange(min=1), default=None,
-              help="training steps the storage must survive: caps the bytes paged out per step by its endurance")
+              help="training steps the storage must survive: the least-energy plan that lasts them; the summary "
+                   "says what that costs beside the plan without it (docs/wear.md)")
 @WEIGHTS_OPTION
 @click.option("--export", "export_file", type=click.Path(dir_okay=False), default=None,
               help="also write the schedule as a C header for firmware (see `poet-opt export`)")

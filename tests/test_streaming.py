@@ -126,7 +126,9 @@ def test_frozen_layers_save_energy_and_wear():
     last_one = solve(deep_mlp(trainable="last:1"), "nrf52840", ram="200KiB", time_limit=60)
     assert last_one.totals["storage_written_bytes"] < all_layers.totals["storage_written_bytes"]
     assert last_one.totals["energy_j"] < all_layers.totals["energy_j"]
-    assert last_one.erased_bytes_per_step() < all_layers.erased_bytes_per_step()
+    # the nRF52840's card takes a step's writes as one log of whole 4 MiB units (docs/wear.md):
+    # less written wears no more
+    assert last_one.erased_bytes_per_step() <= all_layers.erased_bytes_per_step()
 
 
 def test_auto_streams_only_when_resident_weights_do_not_fit(tmp_path):

@@ -36,7 +36,9 @@ def test_frozen_layers_write_nothing_and_fewer_trained_layers_wear_less(streamin
     written = [r["written_bytes"] for r in rows]
     lifetime = [r["lifetime_steps"] for r in rows]
     assert written[0] > written[1] > written[2] > 0
-    assert lifetime[0] < lifetime[1] < lifetime[2]  # the nRF52840's SD card levels wear over its capacity
+    # the nRF52840's SD card levels wear over its capacity, and takes a step's writes as one log of
+    # whole 4 MiB units: less written wears no more (here every step fits one unit)
+    assert lifetime[0] <= lifetime[1] <= lifetime[2]
     assert rows[2]["energy_j"] < rows[0]["energy_j"]
 
 

@@ -132,6 +132,10 @@ class Storage(_Strict):
     erase_block_bytes: Bytes
     endurance_cycles: Count
     write_cache: bool = False
+    # the card appends a write that continues the last one within an allocation unit to that unit,
+    # without rewriting it (the SD spec's Speed Class model, docs/wear.md); false: each write
+    # command may rewrite every unit it touches
+    sequential_writes: bool = False
     # None: by kind (SD cards, eMMC, SSDs and USB sticks level wear; raw NOR flash does not)
     wear_levelling: Optional[bool] = None
     read: Transfer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from poet_opt.device.media import SECTOR_BYTES, packs_sectors
+from poet_opt.device.media import SECTOR_BYTES, au_rewrites, logs_sequentially, packs_sectors
 from poet_opt.errors import PoetError, shown
 
 
@@ -315,6 +315,9 @@ class FlashPlan:
     # paged tensors packed in 512-byte sectors (a wear-levelled block device) rather than whole erase blocks
     packed: bool = False
     write_cache: bool = False  # writes reach the medium gathered: a packed region wears its own sectors
+    # a card that appends sequential writes: the regions written each step form one log, in the order
+    # of the step's writes (nodes here), from an allocation-unit boundary (device/media.py)
+    log: list[int] = field(default_factory=list)  # every write of a step, in order (repeats too)
 
     @property
     def param_bytes(self) -> int:
@@ -341,6 +344,11 @@ def plan_flash(doc: dict) -> FlashPlan:
     that optimistic figure is endurance * flash_bytes / (erased bytes per step), reported beside it.
     On a packed medium a page-out wears every allocation unit its write commands touch (whole
     sectors in one command, a partial last sector in another), as the emulated card counts.
+
+    On a card that appends sequential writes (``device.sequential_writes``) the frozen weights come
+    first and the regions written every step (paged tensors, updated weights) follow as a log from
+    an allocation-unit boundary, in the order the step writes them: each write then starts where the
+    previous one ended, and a step wears the units the log fills, no more (docs/wear.md).
     """
     block = device_int(doc, "erase_block_bytes")
     endurance = device_int(doc, "endurance_cycles", minimum=0)
@@ -360,14 +368,28 @@ def plan_flash(doc: dict) -> FlashPlan:
 
     params = [n for n, node in enumerate(nodes) if node.get("op") == "param"]
     unit = SECTOR_BYTES if packed else block
-    for n in params:
+    sequential = logs_sequentially(str(device.get("storage_kind")), levelled, device.get("write_cache") is True,
+                                   device.get("sequential_writes") is True) and packed
+    updated = list(dict.fromkeys(p for s in doc["steps"] if s["op"] == "compute"
+                                 for p in nodes[s["node"]].get("updates", ())))
+    log: list[int] = []  # every write of a step, in order
+    first = params
+    if sequential:  # the updated weights are placed in the step's order below, after an AU boundary
+        first = [n for n in params if n not in set(updated)]
+        params = first + updated
+    for n in first:
         place(n, unit)
+    if sequential:
+        end = align_up(end, block)
     for step in doc["steps"]:
         n = step["node"]
         if step["op"] == "compute":
             for p in nodes[n].get("updates", ()):
                 written += int(nodes[p]["bytes"])
                 writes[p] = writes.get(p, 0) + 1
+                if p not in offsets:
+                    place(p, unit)
+                log.append(p)
             continue
         if step["op"] != "page_out":
             continue
@@ -375,9 +397,10 @@ def plan_flash(doc: dict) -> FlashPlan:
         writes[n] = writes.get(n, 0) + 1
         if n not in offsets:
             place(n, unit)
+        log.append(n)
     lifetime = min(endurance // w for w in writes.values()) if writes else None
     flash = FlashPlan(block, endurance, offsets, regions, writes, end, written, lifetime, levelled, params, packed,
-                      device.get("write_cache") is True)
+                      device.get("write_cache") is True, log if sequential else [])
     if levelled and writes:
         # a flash translation layer spreads the erases over the whole medium (the schedule's own
         # lifetime_steps says the same, docs/schedule-format.md)
@@ -391,6 +414,8 @@ def erased_per_step(flash: FlashPlan, nodes: list[dict]) -> int:
     def touched(offset: int, nbytes: int) -> int:
         return (offset + nbytes - 1) // flash.erase_block - offset // flash.erase_block + 1 if nbytes else 0
 
+    if flash.log:
+        return logged_per_step(flash, [int(nodes[n]["bytes"]) for n in flash.log])
     erased = 0
     for n, w in flash.writes_per_step.items():
         if flash.packed and not flash.write_cache:
@@ -400,6 +425,24 @@ def erased_per_step(flash: FlashPlan, nodes: list[dict]) -> int:
         else:
             erased += w * flash.region_bytes[n]
     return erased
+
+
+def logged_per_step(flash: FlashPlan, sizes: list[int]) -> int:
+    """Bytes of allocation units a step's writes wear on a sequential card: the card's rule
+    (device/media.py) over the commands poet_page_out issues for each region of the log, in order
+    (the whole sectors, then the partial last one), from the card as the previous step left it."""
+    worn, open_unit = 0, None
+    for _ in range(2):  # the second step's count is every later step's
+        worn = 0
+        for n, nbytes in zip(flash.log, sizes):
+            whole = nbytes // SECTOR_BYTES * SECTOR_BYTES
+            commands = [(flash.offsets[n], whole)] if whole else []
+            if nbytes > whole:
+                commands.append((flash.offsets[n] + whole, SECTOR_BYTES))
+            for offset, length in commands:
+                units, open_unit = au_rewrites(offset, length, flash.erase_block, open_unit)
+                worn += units
+    return worn * flash.erase_block
 
 
 def wear_levelled_lifetime(flash: FlashPlan) -> int | None:

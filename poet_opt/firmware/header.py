@@ -172,7 +172,9 @@ def _streamed_weights(P: str, unused: str, nodes: list, flash: FlashPlan, node_t
     return [
         f"/* streamed weights: the first {P}WEIGHTS_BYTES of the flash partition hold every layer's weights",
         " * (weight, then bias, fp32), one erase-block-aligned region per weights node, provisioned before",
-        " * the first step; a COMPUTE of a weights node reads its region into the arena */",
+        " * the first step; a COMPUTE of a weights node reads its region into the arena"
+        + (" (the trained ones lie in the step's write log, between paged tensors: docs/wear.md)"
+           if flash.log else "") + " */",
         f"#define {P}WEIGHTS_BYTES {end}u",
         f"#define {P}NUM_WEIGHT_NODES {len(flash.params)}u",
         f"static const uint32_t {P}NODE_FLASH_OFFSETS[{len(nodes)}] {unused} = {{  /* 0xFFFFFFFF: no region */",

@@ -13,7 +13,11 @@ operation the storage controller carries out, with traffic and wear counted.
   (allocation unit) it touches, because a card without a write cache (the profiles' bare-metal
   ``write_cache: false``) commits each write command separately and its flash translation layer
   rewrites the allocation unit it falls in; this is the conservative model (a card that merges
-  sequential writes wears less). ``erase_counts`` holds these wear events for block devices.
+  sequential writes wears less). A card that appends sequential writes (the profile's
+  ``sequential_writes: true``, the SD spec's Speed Class model: docs/wear.md) keeps one unit open
+  for appending instead (the rule of device/media.py's ``au_rewrites``): a write that starts where
+  the previous one ended inside the unit it left open wears nothing more, and every other unit a
+  write reaches is rewritten once. ``erase_counts`` holds these wear events for block devices.
 
 Loading into storage from the host (``Storage.load``) models a programmer or a PC writing the card
 before it goes into the board: no wear, no checks.
@@ -116,6 +120,7 @@ class Storage:
         self.erase_counts: Counter[int] = Counter()
         self.written_at: Counter[int] = Counter()
         self.violations: list[StorageViolation] = []
+        self._open_unit: tuple | None = None  # a sequential card's unit open for appending, and where
 
     # -- host side: no wear, no checks ------------------------------------------------------
 
@@ -234,8 +239,16 @@ class Storage:
             self._put(offset, data)
             first_au = offset // self.erase_block_bytes
             last_au = (offset + length - 1) // self.erase_block_bytes
-            for au in range(first_au, last_au + 1):
-                self.erase_counts[au] += 1
+            if self.target.sequential_writes:
+                # the units a write reaches past the first are entered at their start: rewritten
+                # once each; the first only when the write does not continue the open unit
+                for au in range(first_au, last_au + 1):
+                    if au > first_au or self._open_unit != (first_au, offset):
+                        self.erase_counts[au] += 1
+                self._open_unit = (last_au, offset + length)
+            else:
+                for au in range(first_au, last_au + 1):
+                    self.erase_counts[au] += 1
         self.write_ops += 1
         self.bytes_written += length
         self.written_at[offset] += length
@@ -251,4 +264,5 @@ class Storage:
         self._fill(start, min(self.erase_block_bytes, self.capacity_bytes - start), self.erased_byte)
         self.erase_ops += 1
         self.erase_counts[block] += 1
+        self._open_unit = None
         return STORAGE_OK

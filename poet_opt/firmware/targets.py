@@ -136,6 +136,9 @@ class Target:
     flash_bytes: int | None = None  # None: as much as the image needs (mapped in 1 MiB steps)
     name: str = ""
     flash_wait_states: int = 0  # cycles a non-sequential instruction fetch waits (cycles.py)
+    # a block device that appends a write continuing the previous one in an allocation unit
+    # (storage_model.py counts its wear so; the profile's storage.sequential_writes)
+    sequential_writes: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "core", core_for_cpu(self.core))
@@ -205,4 +208,7 @@ def target_from_profile(profile: Any, *, flash_bytes: int | None = None) -> Targ
                   storage_kind=str(storage.kind), storage_capacity_bytes=int(storage.capacity_bytes),
                   erase_block_bytes=int(storage.erase_block_bytes), flash_bytes=flash_bytes,
                   name=str(getattr(profile, "name", "") or ""),
-                  flash_wait_states=int(getattr(getattr(profile, "compute", None), "flash_wait_states", 0) or 0))
+                  flash_wait_states=int(getattr(getattr(profile, "compute", None), "flash_wait_states", 0) or 0),
+                  # behind a write cache the emulated card still sees each command as the port issues it
+                  sequential_writes=bool(getattr(storage, "sequential_writes", False))
+                  and str(storage.kind) in BLOCK_KINDS)

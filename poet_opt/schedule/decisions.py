@@ -17,7 +17,8 @@ from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
 from poet_opt.errors import DeadlinePassed
-from poet_opt.device.media import packs_sectors, storage_erased, storage_occupied, wear_levelled
+from poet_opt.device.media import (packs_sectors, step_erased_bytes, storage_erased, storage_logs, storage_occupied,
+                                   wear_levelled)
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.tiling import TILE_MARK
 
@@ -191,6 +192,12 @@ def lifetime_steps(storage, erased_bytes_per_step: int) -> Optional[int]:
     if wear_levelled(storage):
         return int(storage.endurance_cycles * storage.capacity_bytes // erased_bytes_per_step)
     return int(storage.endurance_cycles)
+
+
+def step_wear_bytes(storage, summed: float) -> int:
+    """What a step wears whose page-outs and updates wear ``summed`` bytes each on its own: on a
+    card written as a sequential log, the whole allocation units the log fills (device/media.py)."""
+    return step_erased_bytes(summed, storage.erase_block_bytes, storage_logs(storage))
 
 
 def paged_region_bytes(costs: NodeCosts, decisions: Decisions) -> float:

@@ -12,7 +12,8 @@ from poet_opt.device.costs import NodeCosts
 from poet_opt.device.profiles import DeviceProfile
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import (Budgets, Decisions, lifetime_steps, paged_erased_bytes, paged_region_bytes,
-                                         resident_at_peak, stored_param_bytes, update_region_bytes, wear_levelled)
+                                         resident_at_peak, step_wear_bytes, stored_param_bytes, update_region_bytes,
+                                         wear_levelled)
 
 FORMAT = "poet-opt/schedule@1"
 
@@ -75,9 +76,10 @@ class Schedule:
 
     def erased_bytes_per_step(self) -> int:
         """Each page-out wears its tensor's erase blocks (at worst, device/media.py) once per step, and
-        each update the regions of the weights it rewrites."""
-        return int(paged_erased_bytes(self.costs, self.decisions)
-                   + update_region_bytes(self.graph, self.profile.storage))
+        each update the regions of the weights it rewrites; a sequential log wears the whole units
+        it fills."""
+        return step_wear_bytes(self.profile.storage, paged_erased_bytes(self.costs, self.decisions)
+                               + update_region_bytes(self.graph, self.profile.storage))
 
     def lifetime_steps(self) -> Optional[int]:
         """Training steps the storage survives under this plan (None: nothing is written)."""
@@ -122,6 +124,7 @@ class Schedule:
                 "storage_kind": p.storage.kind, "storage_capacity_bytes": p.storage.capacity_bytes,
                 "erase_block_bytes": p.storage.erase_block_bytes, "endurance_cycles": p.storage.endurance_cycles,
                 "wear_levelling": wear_levelled(p.storage), "write_cache": bool(p.storage.write_cache),
+                "sequential_writes": bool(p.storage.sequential_writes),
                 "stack_reserve_bytes": p.memory.stack_reserve_bytes,
             },
             "graph": {"name": self.graph.name, "nodes": nodes,

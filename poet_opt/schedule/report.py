@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
-from poet_opt.device.media import packs_sectors, wear_levelled
+from poet_opt.device.media import packs_sectors, storage_logs, wear_levelled
 from poet_opt.schedule.decisions import lifetime_steps
 from poet_opt.schedule.document import Schedule
 from poet_opt.units import format_bytes, format_joules, format_seconds
@@ -88,15 +89,20 @@ def summary_text(s: Schedule) -> str:
         block = format_bytes(s.profile.storage.erase_block_bytes)
         packed = packs_sectors(s.profile.storage.kind, wear_levelled(s.profile.storage))
         cache = bool(s.profile.storage.write_cache)
+        log = storage_logs(s.profile.storage)
         lines.append(f"  wear     {format_bytes(s.erased_bytes_per_step())} erased per step ("
                      + ("the sectors written, gathered by the write cache" if packed and cache
+                        else f"the {block} allocation units the step's sequential log fills" if log
                         else f"every {block} allocation unit each write can touch, a worst case" if packed
                         else f"each written region in whole {block} erase blocks") + "): the "
                      f"{s.profile.storage.kind} lasts "
                      + ("forever (nothing written)" if lifetime is None else f"{lifetime:,} training steps")
                      + f" ({levelled} wear levelling, {s.profile.storage.endurance_cycles:,} cycles)"
                      + (f", at least {want:,} asked" if want else "")
-                     + (_merged_lifetime(s) if packed and not cache and lifetime is not None else ""))
+                     + (_merged_lifetime(s) if packed and not cache and not log and lifetime is not None else ""))
+        cost = _wear_cost(s.solver)
+        if cost:
+            lines.append(cost)
     if not mem.get("fits_storage", True):
         lines.append(f"  storage  DOES NOT FIT: {format_bytes(mem['stored_bytes'])} stored, the device has "
                      f"{format_bytes(mem['storage_capacity_bytes'])}")
@@ -147,6 +153,27 @@ def claim(s: Schedule) -> str:
         within = "in memory" if status == "stopped" else "and solve within the time limit"
         reason = f"the best heuristic schedule: the full MILP is too large to build {within}"
     return f"not proven optimal ({reason}); within {gap_text} of the least energy {where} {model}"
+
+
+def _wear_cost(solver: dict) -> Optional[str]:
+    """The summary's line on what the wear budget cost (solver/wear_budget.py), or None without one."""
+    wear = solver.get("wear_budget")
+    if not wear:
+        return None
+    steps = f"{wear['min_lifetime_steps']:,} steps"
+    if wear.get("most_worn_bytes") is not None:
+        return (f"  wear cost none: the budget of {steps} cannot bind (paging every tensor once a step would "
+                f"wear {format_bytes(wear['most_worn_bytes'])}, and still last that long); one solve")
+    if not wear["binds"]:
+        lasts = wear.get("lifetime_without")
+        return (f"  wear cost none: the plan without the budget already lasts "
+                + ("forever" if lasts is None else f"{lasts:,} steps") + f", at least {steps}; "
+                "one solve, in half the time limit (the other half was kept for a budgeted solve)")
+    without = wear["energy_without_j"]
+    share = wear["cost_j"] / without if without else math.nan
+    return (f"  wear cost {format_joules(wear['cost_j'])} ({100 * share:+.3g}%) for {steps}: the plan without the "
+            f"budget uses {format_joules(without)} and lasts {wear['lifetime_without']:,} steps; two solves "
+            "sharing the time limit")
 
 
 def _merged_lifetime(s: Schedule) -> str:

@@ -189,7 +189,7 @@ def _read_device(doc: dict, source) -> None:
     if kind is not None and kind not in STORAGE_KINDS:
         raise PoetError(f"device.storage_kind is {_shown(kind)}; expected one of {', '.join(STORAGE_KINDS)}",
                         source=source)
-    for key in ("wear_levelling", "write_cache"):
+    for key in ("wear_levelling", "write_cache", "sequential_writes"):
         if device.get(key) is not None and not isinstance(device[key], bool):
             raise PoetError(f"device.{key} is {_shown(device[key])}; expected true or false", source=source)
 
@@ -329,11 +329,14 @@ def _check_wear(doc: dict, source: str | None) -> None:
     # sectors (at most ceil((W - 512) / block) + 1 blocks touched, wherever it lies) and one for a
     # partial last sector; raw flash erases the tensor's own blocks (docs/schedule-format.md)
     packed = levelled and device.get("storage_kind") not in ("spi-flash", "qspi-flash", "internal-flash")
+    # a card that appends sequential writes takes a step's writes as one log from an aligned start,
+    # which wears the whole units it fills (docs/wear.md)
+    log = packed and device.get("write_cache") is not True and device.get("sequential_writes") is True
 
     def worn(nbytes: int) -> int:
         if not packed:
             return -(-nbytes // block) * block
-        if device.get("write_cache") is True:  # gathered into sequential runs: the sectors written
+        if device.get("write_cache") is True or log:  # gathered, or appended to the log: its sectors
             return -(-nbytes // 512) * 512
         whole = nbytes // 512 * 512
         units = (-(-max(whole - 512, 0) // block) + 1 if whole else 0) + (nbytes > whole)
@@ -357,6 +360,8 @@ def _check_wear(doc: dict, source: str | None) -> None:
         erased += sum(-(-region[k] // block) * block for k in rewritten if k in region)
     if not erased:
         return
+    if log:
+        erased = -(-erased // block) * block
     lifetime = endurance * capacity // erased if device.get("wear_levelling") is True else endurance
     if lifetime < want:
         raise ScheduleInvalid(f"the page-outs erase {_b(erased)} per step: the storage lasts {lifetime:,} training "

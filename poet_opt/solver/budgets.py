@@ -6,11 +6,12 @@ import math
 from typing import Optional
 
 from poet_opt.device.costs import NodeCosts
+from poet_opt.device.media import log_allowance, storage_logs
 from poet_opt.device.profiles import DeviceProfile
 from poet_opt.errors import PoetError
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.schedule.decisions import (Budgets, lifetime_steps, stored_param_bytes, update_region_bytes,
-                                         wear_levelled, wear_storage_cap)
+from poet_opt.schedule.decisions import (Budgets, lifetime_steps, step_wear_bytes, stored_param_bytes,
+                                         update_region_bytes, wear_levelled, wear_storage_cap)
 from poet_opt.units import format_bytes, format_seconds, parse_runtime, parse_size
 
 
@@ -43,12 +44,15 @@ def resolve_budgets(graph: TrainingGraph, profile: DeviceProfile, costs: NodeCos
             raise PoetError(f"must be a positive whole number of training steps, got {min_lifetime_steps!r}",
                             field="--min-lifetime-steps")
         # the updates rewrite the weights every step whatever the plan: paging gets what wear is left
-        cap = wear_storage_cap(profile.storage, min_lifetime_steps)
+        # a sequential log wears whole units: its sectors get the whole units the cap holds
+        cap = log_allowance(wear_storage_cap(profile.storage, min_lifetime_steps),
+                            profile.storage.erase_block_bytes, storage_logs(profile.storage))
         updates = update_region_bytes(graph, profile.storage)
         if updates and (cap < updates if wear_levelled(profile.storage)
                         else profile.storage.endurance_cycles < min_lifetime_steps):
             raise PoetError(f"updating the streamed weights rewrites {format_bytes(updates)} per step: "
-                            f"{profile.name}'s storage lasts {lifetime_steps(profile.storage, updates):,} steps, "
+                            f"{profile.name}'s storage lasts "
+                            f"{lifetime_steps(profile.storage, step_wear_bytes(profile.storage, updates)):,} steps, "
                             f"fewer than {min_lifetime_steps:,}", field="--min-lifetime-steps")
         if wear_levelled(profile.storage):
             erase = cap - updates  # a row of its own: page-outs may wear more than they occupy

@@ -27,6 +27,7 @@ from poet_opt.solver.lns import MAX_NODES as LNS_MAX_NODES
 from poet_opt.solver.lns import improve
 from poet_opt.solver.residency import residency_bound
 from poet_opt.solver.time_budget import check_time_limit_fits, finish_s
+from poet_opt.solver.wear_budget import solve_within_wear
 from poet_opt.units import format_bytes, format_seconds
 
 
@@ -124,10 +125,16 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
         _check_plain_fits_some_order(graph, budgets, order)
     if budgets.ram_bytes < graph.min_working_set_bytes():
         _raise_below_working_set(graph, costs, budgets, mode)
-    with interrupt_scope():
-        return _solve_orders(graph, profile, costs, budgets, mode, order=order, backend=backend, began=began,
-                             time_limit=time_limit, gap=gap, threads=threads, progress=progress,
+    def solve_with(these: Budgets, limit: Optional[float]) -> Schedule:
+        return _solve_orders(graph, profile, costs, these, mode, order=order, backend=backend, began=began,
+                             time_limit=limit, gap=gap, threads=threads, progress=progress,
                              model_name=model_name, start=start)
+
+    with interrupt_scope():
+        if min_lifetime_steps is None:
+            return solve_with(budgets, time_limit)
+        free = resolve_budgets(graph, profile, costs, ram, runtime)
+        return solve_within_wear(solve_with, costs, budgets, free, mode, time_limit)
 
 
 def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began, time_limit, gap, threads,
