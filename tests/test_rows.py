@@ -239,9 +239,12 @@ def test_bert_base_plans_on_the_stock_nrf52840_and_its_8gb_card(bert_nrf52840):
 
 
 def test_executors_refuse_a_row_plan_in_one_line():
-    """The firmware generator runs no row tiling, and the PyTorch executor runs a row plan only on a
-    torch transformer lowered in its row tiles (tests/test_run_rows.py), not on this zoo model's:
-    they say so in one line naming a row node, rather than mis-run the plan."""
+    """The firmware generator and the PyTorch executor run a row plan only on a torch transformer
+    lowered in its row tiles (tests/test_firmware_rows.py, tests/test_run_rows.py), not on this zoo
+    model's nor on a network lowered whole: they say so in one line naming a row node, rather than
+    mis-run the plan."""
+    from types import SimpleNamespace
+
     from poet_opt.errors import PoetError
     from poet_opt.executor.runner import check_schedule
     from poet_opt.firmware import codegen
@@ -252,7 +255,8 @@ def test_executors_refuse_a_row_plan_in_one_line():
                            rows={"blocks": 2, "piece": 8, "vocab_rows": 4})
     doc = solve(graph, "nrf52840", ram="64KiB", time_limit=5).to_dict()
     for call, who in ((lambda: check_schedule(None, doc), "PyTorch executor"),
-                      (lambda: codegen.generate(None, doc, None, None, steps=1, lr=0.1, x=None, y=None),
+                      (lambda: codegen.generate(SimpleNamespace(graph=SimpleNamespace(meta={})), doc, None, None,
+                                               steps=1, lr=0.1, x=None, y=None),
                        "firmware generator")):
         with pytest.raises(PoetError, match=rf"tiles a transformer by token rows \(node \S+@r\d.*{who}") as info:
             call()
