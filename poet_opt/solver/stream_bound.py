@@ -35,7 +35,8 @@ tail of ``e`` holding ``(lo, hi]`` strictly inside it (none: no row). The range 
 - the gap is kept whole (no materialization in it): the residency model counts ``e`` across it.
 - *M* (a tail): ``e`` is materialized in the pair's window ``(A, hi]``: ``XR`` (a recomputation,
   itself a requirement with range ``(A, hi]``, whose inputs are in RAM then) or ``XP`` (a page-in,
-  which needs the page-out). The pairs on one tail are taken in order and each window starts where
+  which needs the page-out). A recomputation that costs no less than a page-in is charged without
+  rows for its inputs (fewer rows only relax). The pairs on one tail are taken in order and each window starts where
   the one before ends (the first at the tail's start; a pair overlapping the one before is left
   out), so windows are disjoint and each materialization charged is a distinct action.
 
@@ -146,13 +147,15 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
             if stretches is None:
                 continue
             returns = []
-            if comp[t] > start:
-                xr = block.col("XR", float(costs.compute_j[t]))
+            recompute = float(costs.compute_j[t]) if comp[t] > start else np.inf
+            page_in = float(costs.page_in_j[t]) if pageable[t] and need[t] > start else np.inf
+            if np.isfinite(recompute):
+                xr = block.col("XR", recompute)
                 returns.append(xr)
-                if deps[t]:
+                if deps[t] and recompute < page_in:  # (no less than a page-in: its inputs rarely matter)
                     requirements[t].append((xr, start, int(min(hi, comp[t])), None))
-            if pageable[t] and need[t] > start:
-                xp = block.col("XP", float(costs.page_in_j[t]))
+            if np.isfinite(page_in):
+                xp = block.col("XP", page_in)
                 block.row([(xp, 1.0), (int(O[t]), -1.0)], -np.inf, 0.0)
                 returns.append(xp)
             _ask(prefix, suffix, window, own, stretches)
