@@ -218,6 +218,10 @@ LP_MAX_COLUMNS = 150_000
 # The LP with recomputation inputs gets this share of what the plain LP left: the rest goes to the
 # dual bound of its MILP (ResNet-18: 112,000 columns, LP in about 60 s on a loaded 2-core machine).
 INPUTS_LP_SHARE = 0.8
+# Building that model (Python loops over recomputations and their inputs) takes up to about this long
+# per column of the model without it, on a loaded machine (ResNet-18: 45,000 columns, 1.2-6 s); it
+# cannot be stopped, so it is not started unless twice that is left.
+INPUTS_BUILD_S_PER_COLUMN = 2 * 1.4e-4
 
 
 def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *, time_limit: float,
@@ -258,7 +262,7 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     elif result.status == "infeasible":
         return None
     named = "residency MILP"
-    if inputs and mode != "paging" and left() > 0.2 and not done():
+    if inputs and mode != "paging" and left() > INPUTS_BUILD_S_PER_COLUMN * columns and not done():
         # The same LP with what recomputations' inputs hold (stream_bound.py): a superset of its rows,
         # so at least as high where it finishes (ResNet-18: 20.35 J against 20.10 J)
         wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)

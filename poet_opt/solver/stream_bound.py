@@ -101,9 +101,6 @@ class Block:
 # and there the input is kept up to the stretch's start and the output from its end, so the rows
 # miss at most one stretch of either's bytes. More stretches, more columns and a slower LP.
 STRETCHES = 2
-# Gaps of at most this many stages get no rows of their own: keeping across them costs little, and
-# on a tail their windows would cut the long gap after them off from the input's last read.
-SHORT = 1
 
 
 def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.ndarray, gaps, R: np.ndarray,
@@ -126,8 +123,6 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
         t = int(gaps.tensor[k])
         if gaps.can_p[k] and costs.compute_j[t] >= costs.page_in_j[t] + costs.page_out_j[t]:
             continue  # dearer than paging it, page-out included: rows there would rarely bind
-        if gaps.b[k] - gaps.a[k] <= SHORT:
-            continue  # a few stages of RAM at most, and a pair there would split a tail's window
         if deps[t]:
             requirements[t].append((int(R[k]), int(gaps.a[k]), int(gaps.b[k]), int(k)))
     prefix = defaultdict(set)  # interval -> stages p: "kept across start..p" is asked
