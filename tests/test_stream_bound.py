@@ -117,3 +117,23 @@ def test_on_chains_where_the_rows_bind_the_bound_stays_below_the_optimum(n_mid, 
         result = solve_milp(milp, gap=0, time_limit=20)
         assert result.status != "infeasible"
         assert result.objective <= exact.objective * (1 + REL) + 1e-15, (result.objective, exact.objective)
+
+
+def test_a_solve_past_the_size_limit_reports_the_bound_with_recomputation_inputs(monkeypatch):
+    """With the full MILP skipped, as on the strip graphs, the driver's bound on the chain is the
+    residency bound with recomputation inputs: named, above plain training's floor and above the
+    residency LP without them, and below the optimum."""
+    import poet_opt.solver.driver as driver
+
+    graph = chain()
+    costs = node_costs(graph, DEVICE)
+    ram = graph.min_working_set_bytes()
+    budgets = Budgets(ram_bytes=ram, runtime_s=math.inf, storage_bytes=1 << 30)
+    exact = solve_milp(Formulation(graph, costs, budgets, "joint").milp, gap=0, time_limit=60)
+    without = solve_milp(ResidencyModel(graph, costs, budgets, "joint").relaxed(), gap=0, time_limit=20)
+    monkeypatch.setattr(driver, "FULL_MILP_MAX_DECISIONS", 0)
+    monkeypatch.setattr(driver, "window_bound", lambda *args, **kwargs: None)
+    solver = driver.solve(graph, DEVICE, ram=ram, gap=1e-9, order="given", time_limit=20).solver
+    assert solver["full_milp"].startswith("skipped")
+    assert "recomputation inputs" in solver["bound_source"], solver["bound_source"]
+    assert solver["plain_floor_j"] < without.objective < solver["bound"] <= exact.objective * (1 + REL)
