@@ -429,7 +429,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         if limit > 0.1 and graph.streams_weights:
             # streamed weights: what every stage pays for reads and returns (solver/residency.py), first
             phase("residency bound")
-            residency = residency_bound(graph, costs, budgets, mode, time_limit=RESIDENCY_SHARE * limit,
+            # past the window search's size the window bound does not build either: nearly all of it
+            share = RESIDENCY_SHARE if len(graph) <= LNS_MAX_NODES else RESIDENCY_SHARE_LARGE
+            residency = residency_bound(graph, costs, budgets, mode, time_limit=share * limit,
                                         threads=threads, stop_at=best_start * (1 - gap), upper=best_start)
             limit -= time.perf_counter() - started
         if limit > 0.1 and (residency is None or residency.bound < best_start * (1 - gap)):
@@ -557,6 +559,9 @@ WINDOW_BOUND_MIN_DECISIONS = 20_000
 # On streamed graphs the residency relaxation's share of that time (its LP: 8.5 s on ResNet-18's
 # 8,223 nodes); the window bound gets the rest, unless the residency bound already proves the gap.
 RESIDENCY_SHARE = 0.6
+# Past lns.MAX_NODES, where the window bound's windows do not build within the time (ResNet-18's
+# strips), the residency bound's LP with recomputation inputs needs it: 136,000 columns, 2-4 minutes.
+RESIDENCY_SHARE_LARGE = 0.95
 FULL_MILP_MAX_DECISIONS = 300_000
 # Building the model takes 1.4 KiB per binary (measured on random graphs of 600 and 1,200 nodes:
 # 0.4 GiB for 0.3 million, 1.6 GiB for 1.2 million), and HiGHS copies it: 6 million is some 8 GiB

@@ -1,0 +1,290 @@
+"""Recomputation inputs for the residency relaxation: what a recomputation's inputs hold in RAM.
+
+The residency relaxation (residency.py) lets a tensor come back in a gap by a recomputation without
+asking where the recomputation's inputs are. On ResNet-18's strips at 200 KiB its LP recomputes
+32.5 MiB of ReLU and concat outputs for 0.05 J, from inputs that no plan has in RAM then. This
+block adds rows that every plan obeys about those inputs, so the relaxation stays a relaxation.
+
+Facts used (the stage model, docs/formulation.md): a tensor is in RAM during stage ``s`` only if it
+is kept into ``s`` or materialized in ``s`` (recomputed, read again, paged in); kept into ``s+1``
+only if in RAM during ``s`` (row 2); and what is kept into ``s+1`` fits beside node ``s``'s inputs
+and output (row 9), which is the residency model's per-stage level. A tensor ``e``'s *touches* are
+its own stage and its readers' (first computations, so in every plan); between two consecutive ones
+``alpha < beta`` lies a *gap* of ``e``, after the last one its *tail*. A stage strictly inside a gap
+or a tail neither makes nor reads ``e``, so ``e`` kept across it counts beside that stage's node.
+
+A *requirement* is a recomputation of tensor ``t`` at an unknown stage ``s`` in a known range
+``(lo, hi]``: the last materialization of ``t`` in one of its gaps ``(lo, hi)`` when that is a
+recomputation (the residency model's ``R``, whose gap return is mapped to the gap's *last*
+materialization: the model only asks that some return exist); or a recomputation of ``t`` in a
+window of its tail (``XR`` below). Each input ``e`` of ``t`` is in RAM at ``s``. Take the gap or
+tail of ``e`` holding ``(lo, hi]`` strictly inside it (none: no row). The range is cut into
+``STRETCHES`` stretches ``[c_k, c_k+1)``; ``s`` lies in one. Then one of:
+
+- *K*: ``e`` is not materialized in ``(alpha, s]`` (a tail: in ``(A, s]``, the window's anchor
+  below). It is in RAM at ``s`` without being made there, so kept into ``s`` and, walking row 2
+  back, into every stage from ``alpha+1`` on: kept across ``alpha+1..c_k-1``. And with ``t``'s own
+  gap, ``s`` is ``t``'s last materialization before the gap's end ``hi``, which reads ``t``: ``t`` is
+  kept across ``c_k+1 - 1..hi-1``. Both are facts about one tensor each: ``Zp`` ("kept from the
+  interval's start up to p") and ``Ws`` ("kept from h to the gap's end") columns per interval.
+- *M1* (a gap of ``e``): ``e`` is materialized in ``(alpha, s]`` and its last materialization in the
+  gap is at or before ``s``: stage ``beta`` reads ``e``, so it is kept across ``hi..beta-1``.
+- *M2* (a gap): materialized in ``(alpha, s]`` and again after ``s``: two materializations in the
+  gap, one more than the residency model counts there, charged ``D`` once per gap at the cheapest
+  of a recomputation and a page-in.
+- the gap is kept whole (no materialization in it): the residency model counts ``e`` across it.
+- *M* (a tail): ``e`` is materialized in the pair's window ``(A, hi]``: ``XR`` (a recomputation,
+  itself a requirement with range ``(A, hi]``, whose inputs are in RAM then) or ``XP`` (a page-in,
+  which needs the page-out). A recomputation that costs no less than a page-in is charged without
+  rows for its inputs (fewer rows only relax). The pairs on one tail are taken in order and each window starts where
+  the one before ends (the first at the tail's start; a pair overlapping the one before is left
+  out), so windows are disjoint and each materialization charged is a distinct action.
+
+Per interval (a gap, a tail's window) the ``Zp`` are prefixes of one another (each at most the one
+before) and the ``Ws`` suffixes; per stretch of stages between their ends one column ``V``, at least
+every ``Zp`` and ``Ws`` covering it, holds the tensor's bytes in the residency model's levels. A plan
+maps onto the block with ``Zp``, ``Ws`` and ``V`` 1 exactly where the tensor is kept, and the
+columns of a gap only when the gap is returned (a gap kept whole is counted by the residency model),
+so each stage counts each tensor's bytes at most once, where the residency model does not; ``D``,
+``XR`` and ``XP`` are distinct actions of the plan, each counted once. So every plan still maps onto
+a point of the model at no more than its energy, and the LP optimum with these rows, or HiGHS's dual
+bound on its MILP, bounds every plan in this execution order. New columns are continuous (the
+relaxation of a relaxation), and stay out of the runtime row (fewer terms in a ``<=`` row relax it).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from poet_opt.device.costs import NodeCosts
+from poet_opt.model.graph import TrainingGraph
+
+
+@dataclass
+class Block:
+    """Columns and rows to append to a Milp whose level chain has one row per stage. Column indices
+    are absolute (the first new one is ``base``); ``rows`` are local to the block; ``level`` are
+    (stage, column, coefficient) entries for the level chain's row of that stage."""
+
+    base: int
+    cost: list = field(default_factory=list)
+    ub: list = field(default_factory=list)
+    rows: list = field(default_factory=list)  # (row, col, val)
+    lo: list = field(default_factory=list)
+    hi: list = field(default_factory=list)
+    level: list = field(default_factory=list)
+    columns: dict = field(default_factory=dict)  # a name per kind of column, for counts in reports
+
+    def col(self, kind: str, cost: float = 0.0, ub: float = 1.0) -> int:
+        self.cost.append(cost), self.ub.append(ub)
+        self.columns[kind] = self.columns.get(kind, 0) + 1
+        return self.base + len(self.cost) - 1
+
+    def row(self, terms, lo: float, hi: float) -> None:
+        r = len(self.lo)
+        for c, v in terms:
+            self.rows.append((r, c, v))
+        self.lo.append(lo), self.hi.append(hi)
+
+    def hold(self, col: int, weight: float, first: int, last: int, T: int) -> None:
+        """``col`` times ``weight`` bytes held across stages first..last."""
+        self.level.append((first, col, -weight))
+        if last + 1 < T:
+            self.level.append((last + 1, col, weight))
+
+
+# Stretches the range of a recomputation's stage is cut into: the plan's stage lies in one of them,
+# and there the input is kept up to the stretch's start and the output from its end, so the rows
+# miss at most one stretch of either's bytes. More stretches, more columns and a slower LP.
+STRETCHES = 2
+
+
+def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.ndarray, gaps, R: np.ndarray,
+                  P: np.ndarray, O: np.ndarray, comp: np.ndarray, need: np.ndarray,
+                  pageable: np.ndarray, parts: int | None = None) -> Block:
+    """The rows of the module docstring for the residency model's gaps (``gaps``: residency.Relaxed;
+    ``R``, ``P``: its per-gap columns, ``O``: its per-tensor page-outs; ``nb``: bytes in units of the
+    RAM budget; ``comp``/``need``: the formulation's horizons)."""
+    T = len(graph)
+    parts = STRETCHES if parts is None else parts
+    users = graph.users()
+    deps = [sorted(set(n.deps)) for n in graph.nodes]
+    touches = [sorted({i, *users[i]}) for i in range(T)]
+    gap_of = {(int(i), int(a)): k for k, (i, a) in enumerate(zip(gaps.tensor, gaps.a))}
+    block = Block(base)
+    # t -> [(V column, lo, hi, t's own gap or None)]: t recomputed at a stage in (lo, hi], and with
+    # its own gap, that recomputation is the last materialization there, so t is kept from it on
+    requirements = defaultdict(list)
+    for k in np.flatnonzero(gaps.can_r):
+        t = int(gaps.tensor[k])
+        if gaps.can_p[k] and costs.compute_j[t] >= costs.page_in_j[t] + costs.page_out_j[t]:
+            continue  # dearer than paging it, page-out included: rows there would rarely bind
+        if deps[t]:
+            requirements[t].append((int(R[k]), int(gaps.a[k]), int(gaps.b[k]), int(k)))
+    prefix = defaultdict(set)  # interval -> stages p: "kept across start..p" is asked
+    suffix = defaultdict(set)  # gap -> stages h: "kept across h..beta-1" is asked
+    pairs = []  # (V, interval of e, own gap, [(p, h) per stretch], M1's stage, columns of e's returns)
+    tails = defaultdict(list)  # e -> [(V, lo, hi, own, cuts)]
+    for t in range(T - 1, -1, -1):  # readers before what they read: a tail's pairs are all known at it
+        anchor = touches[t][-1] if t in tails else None
+        for V, lo, hi, own, cuts in sorted(tails.pop(t, ()), key=lambda q: (q[1], q[2])):
+            # Windows (anchor, hi] of one tail are disjoint, so a materialization of t in each is a
+            # distinct action; a pair overlapping the window before it gets no row.
+            if lo < anchor:
+                continue
+            start, anchor = anchor, hi
+            window = ("window", t, start)
+            stretches = _stretches(cuts, start, own, hi)
+            if stretches is None:
+                continue
+            returns = []
+            recompute = float(costs.compute_j[t]) if comp[t] > start else np.inf
+            page_in = float(costs.page_in_j[t]) if pageable[t] and need[t] > start else np.inf
+            if np.isfinite(recompute):
+                xr = block.col("XR", recompute)
+                returns.append(xr)
+                if deps[t] and recompute < page_in:  # (no less than a page-in: its inputs rarely matter)
+                    requirements[t].append((xr, start, int(min(hi, comp[t])), None))
+            if np.isfinite(page_in):
+                xp = block.col("XP", page_in)
+                block.row([(xp, 1.0), (int(O[t]), -1.0)], -np.inf, 0.0)
+                returns.append(xp)
+            _ask(prefix, suffix, window, own, stretches)
+            pairs.append((V, window, own, stretches, None, returns))
+        for V, lo, hi, own in requirements.get(t, ()):
+            cuts = _cuts(lo, hi, parts if own is not None else 1)
+            for e in deps[t]:
+                if nb[e] <= 0:
+                    continue
+                where = bisect.bisect_right(touches[e], lo)
+                alpha = touches[e][where - 1]  # e < t <= lo: e touches itself before lo
+                beta = touches[e][where] if where < len(touches[e]) else T
+                if hi >= beta:
+                    continue  # a stage of (lo, hi] touches e: no row (e is there anyway)
+                if beta == T:
+                    tails[e].append((V, lo, hi, own, cuts))
+                    continue
+                gap = ("gap", gap_of[(e, alpha)])
+                stretches = _stretches(cuts, alpha, own, hi)
+                if stretches is None:
+                    continue
+                _ask(prefix, suffix, gap, own, stretches)
+                suffix[gap].add(hi)  # M1: e kept across hi..beta-1
+                pairs.append((V, gap, own, stretches, hi, None))
+    chains = {}
+    for interval in set(prefix) | set(suffix):
+        kind, which = interval[0], interval[1]
+        if kind == "gap":
+            e, alpha, beta = int(gaps.tensor[which]), int(gaps.a[which]), int(gaps.b[which])
+            returned = [(int(R[which]), -1.0), (int(P[which]), -1.0)]
+        else:  # a tail's window: from its anchor up to the last stage any of its prefixes reaches
+            e, alpha, returned = which, interval[2], None
+            beta = max(prefix[interval]) + 1
+        chains[interval] = _chains(block, alpha, beta, sorted(prefix[interval]), sorted(suffix[interval]),
+                                   nb[e], T, returned)
+    extras = {}
+    for V, interval, own, stretches, m1, returns in pairs:
+        zp, ws = chains.get(interval, ({}, {}))
+        terms = [(V, 1.0)]
+        for p, h in stretches:
+            # the stretch's case needs both facts: a column at most each (one fact: that column)
+            needs = ([zp[p]] if p is not None else []) + ([chains[("gap", own)][1][h]] if h is not None else [])
+            terms.append((_least(block, needs), -1.0))
+        if interval[0] == "gap":
+            which = interval[1]
+            terms.append((ws[m1], -1.0))
+            if which not in extras:
+                extras[which] = _second(block, gaps, which, costs, int(R[which]), int(P[which]))
+            terms += [(c, -1.0) for c in extras[which]]
+            terms += [(int(R[which]), 1.0), (int(P[which]), 1.0)]  # a gap kept whole: counted already
+            block.row(terms, -np.inf, 1.0)
+        else:
+            terms += [(c, -1.0) for c in returns]
+            block.row(terms, -np.inf, 0.0)
+    return block
+
+
+def _stretches(cuts: list[int], start: int, own, hi: int):
+    """Per stretch [first, next) of the recomputation's range: the stage p up to which the input is
+    then kept from ``start + 1`` on (None: no stage), and the stage h from which the output is kept
+    to the end of its own gap (None: none, or no gap). None when some stretch asks nothing."""
+    out = []
+    for first, nxt in zip(cuts, cuts[1:]):
+        p = first - 1 if first - 1 > start else None
+        h = nxt - 1 if own is not None and nxt - 1 < hi else None
+        if p is None and h is None:
+            return None
+        out.append((p, h))
+    return out
+
+
+def _ask(prefix, suffix, interval, own, stretches) -> None:
+    for p, h in stretches:
+        if p is not None:
+            prefix[interval].add(p)
+        if h is not None:
+            suffix[("gap", own)].add(h)
+
+
+def _cuts(lo: int, hi: int, stretches: int) -> list[int]:
+    """First stages of up to ``stretches`` stretches of lo+1..hi, and hi+1."""
+    return sorted({lo + 1 + (k * (hi - lo)) // stretches for k in range(stretches)} | {hi + 1})
+
+
+def _second(block: Block, gaps, k: int, costs: NodeCosts, r: int, p: int) -> list[int]:
+    """D: a materialization in gap k besides its last (the one the residency model counts), at the
+    cheapest of a recomputation and a page-in there; none when neither may happen."""
+    e = int(gaps.tensor[k])
+    cost = min(float(costs.compute_j[e]) if gaps.can_r[k] else np.inf,
+               float(costs.page_in_j[e]) if gaps.can_p[k] else np.inf)
+    if not np.isfinite(cost):
+        return []
+    d = block.col("D", cost)
+    block.row([(d, 1.0), (r, -1.0), (p, -1.0)], -np.inf, 0.0)
+    return [d]
+
+
+def _chains(block: Block, alpha: int, beta: int, prefix: list[int], suffix: list[int], weight: float, T: int,
+            returned) -> tuple[dict, dict]:
+    """One interval's columns: Zp[p] "kept across alpha+1..p", Ws[h] "kept across h..beta-1", and per
+    stretch between those stages one V, at least every Zp and Ws that covers it, holding the bytes.
+    ``returned``: the gap's return columns, negated (None for a tail, which the residency model never
+    counts): both chains are of a returned gap, a gap kept whole being counted already."""
+    zp = {p: block.col("Zp") for p in prefix}
+    ws = {h: block.col("Ws") for h in suffix}
+    for a, b in zip(prefix[1:], prefix):  # kept up to a later stage: kept up to an earlier one
+        block.row([(zp[a], 1.0), (zp[b], -1.0)], -np.inf, 0.0)
+    for a, b in zip(suffix, suffix[1:]):  # kept from an earlier stage: kept from a later one
+        block.row([(ws[a], 1.0), (ws[b], -1.0)], -np.inf, 0.0)
+    if returned is not None:
+        for c in [zp[p] for p in prefix[:1]] + [ws[h] for h in suffix[-1:]]:
+            block.row([(c, 1.0)] + returned, -np.inf, 0.0)
+    cuts = sorted({alpha + 1, beta, *(p + 1 for p in prefix), *suffix})
+    for first, nxt in zip(cuts, cuts[1:]):
+        last = nxt - 1
+        k = bisect.bisect_left(prefix, last)  # the first prefix reaching past this stretch
+        m = bisect.bisect_right(suffix, first) - 1  # the last suffix starting at or before it
+        covers = ([zp[prefix[k]]] if k < len(prefix) else []) + ([ws[suffix[m]]] if m >= 0 else [])
+        if not covers:
+            continue
+        v = covers[0]
+        if len(covers) > 1:  # the tensor is kept there if either says so: at least both
+            v = block.col("V")
+            for c in covers:
+                block.row([(v, 1.0), (c, -1.0)], 0.0, np.inf)
+        block.hold(v, weight, first, last, T)
+    return zp, ws
+
+
+def _least(block: Block, needs: list[int]) -> int:
+    """A column at most each of ``needs`` (the one itself when there is one)."""
+    if len(needs) == 1:
+        return needs[0]
+    b = block.col("stretch")
+    for c in needs:
+        block.row([(b, 1.0), (c, -1.0)], -np.inf, 0.0)
+    return b

@@ -1,0 +1,139 @@
+"""The residency relaxation with its recomputation-input rows (poet_opt/solver/stream_bound.py) is
+still a proven lower bound: never above the exact optimum (tests/exhaustive.py, or the full MILP to a
+zero gap where the exhaustive search is too slow or knows no storage budget) on small streamed
+graphs, in every mode and under tight budgets; and where a plan would recompute an output whose input
+no stage holds any more, it counts that input's RAM, so it rises above the relaxation without them."""
+
+from __future__ import annotations
+
+import math
+
+from exhaustive import exhaustive_optimum
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_residency import DEVICE, REL, streamed_cases
+
+from poet_opt.device.costs import node_costs
+from poet_opt.model.graph import Node, TrainingGraph
+from poet_opt.schedule.decisions import Budgets
+from poet_opt.solver.backends import solve_milp
+from poet_opt.solver.formulation import Formulation
+from poet_opt.solver.residency import ResidencyModel, residency_bound
+
+
+def _optimum(graph, costs, budgets, mode):
+    if budgets.storage_bytes == 1 << 30 and (mode != "joint" or len(graph) <= 6):
+        return exhaustive_optimum(graph, costs, budgets.ram_bytes, budgets.runtime_s, mode)
+    exact = solve_milp(Formulation(graph, costs, budgets, mode).milp, gap=0, time_limit=30)
+    assert exact.status in ("optimal", "infeasible")
+    return exact.objective if exact.status == "optimal" else None
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, print_blob=True)
+@given(streamed_cases())
+def test_the_bound_with_recomputation_inputs_never_exceeds_the_exhaustive_optimum(case):
+    graph, mode, share, slow, storage = case
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    budgets = Budgets(ram_bytes=int(lo + share * (hi - lo)), runtime_s=slow * float(costs.compute_s.sum()),
+                      storage_bytes=storage)
+    optimum = _optimum(graph, costs, budgets, mode)
+    if optimum is None:
+        return  # no plan: nothing to stay below
+    model = ResidencyModel(graph, costs, budgets, mode, inputs=True)
+    for milp in (model.relaxed(), model.milp):
+        result = solve_milp(milp, gap=0, time_limit=20)
+        assert result.status != "infeasible", "a plan exists, so the relaxation has a point"
+        assert result.objective <= optimum * (1 + REL) + 1e-15, (result.objective, optimum)
+
+
+def chain(n_mid: int = 4, activation: int = 4096) -> TrainingGraph:
+    """x -> conv (weights streamed) -> bn -> relu -> n_mid nodes as large -> loss, and a backward
+    pass in which only relu's gradient reads a forward activation (relu's output), as in a strip
+    of ResNet-18: relu is cheap to recompute, but only from bn's output, which nothing reads after
+    relu, and bn only from conv's, which nothing reads after bn. Under a budget that holds no third
+    activation beside a stage's two, relu must come back for its gradient: paged, or recomputed from
+    a bn paged or recomputed from a conv recomputed (its weights read again)."""
+    nodes = [Node(0, "w", "forward", 1024, (), 0.0, "param"), Node(1, "x", "forward", 256, (), 0.0, "input"),
+             Node(2, "conv", "forward", activation, (0, 1), 1e6, "op"),
+             Node(3, "bn", "forward", activation, (2,), 1e4, "op"),
+             Node(4, "relu", "forward", activation, (3,), 1e3, "op")]
+    prev = 4
+    for k in range(n_mid):
+        nodes.append(Node(len(nodes), f"mid{k}", "forward", activation, (prev,), 1e4, "op"))
+        prev = len(nodes) - 1
+    nodes.append(Node(len(nodes), "loss", "loss", 4, (prev,), 1e3, "loss"))
+    grad = len(nodes) - 1
+    for k in reversed(range(n_mid)):
+        nodes.append(Node(len(nodes), f"grad:mid{k}", "backward", 64, (grad,), 1e4, "grad"))
+        grad = len(nodes) - 1
+    nodes.append(Node(len(nodes), "grad:relu", "backward", activation, (grad, 4), 1e3, "grad"))
+    grad = len(nodes) - 1
+    nodes.append(Node(len(nodes), "grad:bn", "backward", activation, (grad,), 1e4, "grad"))
+    grad = len(nodes) - 1
+    nodes.append(Node(len(nodes), "grad:conv", "backward", 256, (grad, 0, 1), 1e6, "grad", updates=(0,),
+                      writes_bytes=1024))
+    return TrainingGraph.build("chain", nodes)
+
+
+def test_a_recomputation_pays_for_keeping_its_input():
+    """On the chain the residency LP brings relu back by a recomputation for its FLOPs alone; with the
+    input rows it pays for an input held or brought back, and the bound rises (by about 80% of the
+    optimum's extra energy here), still below the exact optimum."""
+    graph = chain()
+    assert graph.streams_weights
+    costs = node_costs(graph, DEVICE)
+    budgets = Budgets(ram_bytes=graph.min_working_set_bytes(), runtime_s=math.inf, storage_bytes=1 << 30)
+    before = solve_milp(ResidencyModel(graph, costs, budgets, "joint").relaxed(), gap=0, time_limit=20)
+    after = solve_milp(ResidencyModel(graph, costs, budgets, "joint", inputs=True).relaxed(), gap=0,
+                       time_limit=20)
+    exact = solve_milp(Formulation(graph, costs, budgets, "joint").milp, gap=0, time_limit=60)
+    assert exact.status == "optimal"
+    floor = costs.plain_energy_j
+    assert floor < before.objective and before.objective + 0.5 * (exact.objective - before.objective) \
+        < after.objective <= exact.objective * (1 + REL), (floor, before.objective, after.objective, exact.objective)
+    found = residency_bound(graph, costs, budgets, "joint", time_limit=20)
+    assert found is not None and "recomputation inputs" in found.method
+    assert after.objective * (1 - 1e-5) <= found.bound <= exact.objective * (1 + REL)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, print_blob=True)
+@given(st.integers(1, 3), st.sampled_from((1024, 4096)), st.sampled_from((0.0, 0.05, 0.2, 0.5)),
+       st.sampled_from(("joint", "remat", "paging")), st.sampled_from((math.inf, 1.3)))
+def test_on_chains_where_the_rows_bind_the_bound_stays_below_the_optimum(n_mid, activation, share, mode, slow):
+    """The chains of the test above, where the input rows decide the bound, against the full MILP's
+    optimum, in every mode and with a runtime budget."""
+    graph = chain(n_mid, activation)
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    budgets = Budgets(ram_bytes=int(lo + share * (hi - lo)), runtime_s=slow * float(costs.compute_s.sum()),
+                      storage_bytes=1 << 30)
+    exact = solve_milp(Formulation(graph, costs, budgets, mode).milp, gap=0, time_limit=30)
+    assert exact.status in ("optimal", "infeasible")
+    if exact.status == "infeasible":
+        return
+    model = ResidencyModel(graph, costs, budgets, mode, inputs=True)
+    for milp in (model.relaxed(), model.milp):
+        result = solve_milp(milp, gap=0, time_limit=20)
+        assert result.status != "infeasible"
+        assert result.objective <= exact.objective * (1 + REL) + 1e-15, (result.objective, exact.objective)
+
+
+def test_a_solve_past_the_size_limit_reports_the_bound_with_recomputation_inputs(monkeypatch):
+    """With the full MILP skipped, as on the strip graphs, the driver's bound on the chain is the
+    residency bound with recomputation inputs: named, above plain training's floor and above the
+    residency LP without them, and below the optimum."""
+    import poet_opt.solver.driver as driver
+
+    graph = chain()
+    costs = node_costs(graph, DEVICE)
+    ram = graph.min_working_set_bytes()
+    budgets = Budgets(ram_bytes=ram, runtime_s=math.inf, storage_bytes=1 << 30)
+    exact = solve_milp(Formulation(graph, costs, budgets, "joint").milp, gap=0, time_limit=60)
+    without = solve_milp(ResidencyModel(graph, costs, budgets, "joint").relaxed(), gap=0, time_limit=20)
+    monkeypatch.setattr(driver, "FULL_MILP_MAX_DECISIONS", 0)
+    monkeypatch.setattr(driver, "window_bound", lambda *args, **kwargs: None)
+    solver = driver.solve(graph, DEVICE, ram=ram, gap=1e-9, order="given", time_limit=20).solver
+    assert solver["full_milp"].startswith("skipped")
+    assert "recomputation inputs" in solver["bound_source"], solver["bound_source"]
+    assert solver["plain_floor_j"] < without.objective < solver["bound"] <= exact.objective * (1 + REL)
