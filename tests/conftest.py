@@ -46,6 +46,22 @@ def assert_no_output(out: Path) -> None:
         assert not leftovers, f"temporary files left behind: {leftovers}"
 
 
+def run_as_typed(commands: list[str], cwd: Path, timeout: float = 600) -> list:
+    """Each documented shell command as a user types it after the README's set-up (the venv's
+    `poet-opt` and `python` first on the PATH), in order; each must succeed. The finished processes."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = []
+    for command in commands:
+        done.append(subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True,
+                                   timeout=timeout))
+        assert done[-1].returncode == 0, (command, done[-1].stderr)
+    return done
+
+
 def default_sigint() -> None:
     """A child's Ctrl-C as in a terminal: a shell starts background jobs (a test run with ``&``)
     with SIGINT ignored, the child inherits that, and Python then installs no KeyboardInterrupt."""

@@ -7,7 +7,6 @@ pretrained weights on the same batches in the same order."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,12 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import run_as_typed
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 pytest.importorskip("unicorn")
 pytest.importorskip("ziglang")
 
 from poet_opt.examples.digits import DigitsCnn  # noqa: E402
+from test_emulate_dataset import documented_order  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Fine-tuning on digits"
@@ -35,18 +37,6 @@ def _walkthrough() -> list[str]:
 
 def _option(command: str, name: str) -> str:
     return re.search(rf"{name}[ =](\S+)", command).group(1)
-
-
-def _documented_order(n: int, batch: int, steps: int, seed: int) -> list[np.ndarray]:
-    """docs/firmware.md's order ("Training on a data set"), written out apart from the code."""
-    rng, out = np.random.default_rng(seed), []
-    per_epoch = n // batch
-    for step in range(steps):
-        if step % per_epoch == 0:
-            order = rng.permutation(n)
-        k = step % per_epoch
-        out.append(order[k * batch:(k + 1) * batch])
-    return out
 
 
 def _pretrained(path: Path) -> torch.nn.Module:
@@ -65,12 +55,8 @@ def _accuracy(module, x, y, batch: int) -> float:
 def test_the_digits_walkthrough_fine_tunes_on_the_emulated_core_as_torch_sgd_does(tmp_path):
     commands = _walkthrough()
     assert [c.split()[0] for c in commands] == ["python", "poet-opt", "poet-opt"]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    printed = []
-    for command in commands:
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, (command, done.stderr)
-        printed.append(done.stdout)
+    runs = run_as_typed(commands, tmp_path)
+    printed, done = [r.stdout for r in runs], runs[-1]
     section = (ROOT / "docs" / "firmware.md").read_text().split(SECTION)[1].split("\n## ")[0]
     # the docs' figures, within two images: float sums in another order (another CPU's torch kernels)
     # may move a borderline image over 10 epochs of pretraining, and a stale figure moves more
@@ -103,7 +89,7 @@ def test_the_digits_walkthrough_fine_tunes_on_the_emulated_core_as_torch_sgd_doe
     before = _accuracy(module, ex, ey, batch)
     opt = torch.optim.SGD(module.parameters(), lr=lr)
     losses = []
-    for ix in _documented_order(x.shape[0], batch, steps, 0):
+    for ix in documented_order(x.shape[0], batch, steps, 0):
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x[ix])), torch.from_numpy(y[ix]))
         loss.backward()
@@ -170,7 +156,7 @@ def test_fine_tuning_the_last_two_layers_only_equals_torch_sgd_on_them(tmp_path,
     for name, p in module.named_parameters():
         p.requires_grad_(name not in frozen)
     opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=lr)
-    for ix in _documented_order(x.shape[0], 16, steps, 3):
+    for ix in documented_order(x.shape[0], 16, steps, 3):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(module(torch.from_numpy(x[ix])), torch.from_numpy(y[ix])).backward()
         opt.step()

@@ -5,7 +5,6 @@ firmware's predict agreeing with PyTorch's predictions."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import run_as_typed
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("unicorn")
@@ -27,15 +28,16 @@ CNN = "poet_opt.examples.torch_models:tiny_cnn"
 LR, BATCH = 0.05, 2
 
 
-def _documented_order(n: int, steps: int, seed: int) -> list[np.ndarray]:
-    """docs/firmware.md's rule, written out apart from the code: epoch e takes the e-th permutation."""
+def documented_order(n: int, batch: int, steps: int, seed: int) -> list[np.ndarray]:
+    """docs/firmware.md's rule, written out apart from the code: epoch e takes the e-th permutation
+    (tests/test_digits.py uses it too)."""
     rng, out = np.random.default_rng(seed), []
-    per_epoch = n // BATCH
+    per_epoch = n // batch
     for step in range(steps):
         if step % per_epoch == 0:
             order = rng.permutation(n)
         k = step % per_epoch
-        out.append(order[k * BATCH:(k + 1) * BATCH])
+        out.append(order[k * batch:(k + 1) * batch])
     return out
 
 
@@ -56,7 +58,7 @@ def _torch_reference(x, y, steps: int, seed: int, ex, ey):
     before = _accuracy(module, ex, ey)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
     losses = []
-    for ix in _documented_order(x.shape[0], steps, seed):
+    for ix in documented_order(x.shape[0], BATCH, steps, seed):
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x[ix])), torch.from_numpy(y[ix]).long())
         loss.backward()
@@ -82,12 +84,8 @@ def test_the_docs_data_set_command_trains_as_torch_sgd_on_the_same_shuffled_batc
     block = re.search(r"```sh\n(.*?)```", doc[doc.index("## Training on a data set"):], re.S).group(1)
     commands = [line for line in block.splitlines() if line.strip()]
     assert len(commands) == 2
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    printed = []
-    for command in commands:
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, (command, done.stderr)
-        printed.append(done.stdout)
+    runs = run_as_typed(commands, tmp_path)
+    printed, done = [r.stdout for r in runs], runs[-1]
     assert "\r" not in done.stderr, "a progress bar on stderr that is no terminal"
     summary = json.loads(printed[-1])
     with np.load(tmp_path / "train.npz") as d:

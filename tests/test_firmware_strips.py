@@ -6,14 +6,13 @@ ends with the weights of torch.optim.SGD on the unsplit module."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import run_as_typed
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("unicorn")
@@ -40,13 +39,9 @@ def _strip_commands() -> list[str]:
 def strip_run(tmp_path_factory):
     """docs/firmware.md's strip commands, as written, in a scratch directory."""
     where = tmp_path_factory.mktemp("strips")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     commands = _strip_commands()
     assert len(commands) == 2 and all(c.startswith(("python", "poet-opt")) for c in commands)
-    for command in commands:
-        done = subprocess.run(command, shell=True, cwd=where, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, (command, done.stderr)
-    return where, json.loads(done.stdout)
+    return where, json.loads(run_as_typed(commands, where, timeout=300)[-1].stdout)
 
 
 def test_a_cnn_that_fits_only_in_strips_trains_on_the_nrf52840_as_torch_sgd(strip_run):

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import default_sigint
+from conftest import default_sigint, run_as_typed
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("unicorn")
@@ -256,10 +256,7 @@ def test_ctrl_c_during_the_emulated_training_stops_it_at_once(vww_batch, tmp_pat
 def test_the_commands_in_docs_firmware_md_run(tmp_path):
     """Every line of docs/firmware.md's first sh block and its measured costs' block, as written, in a
     scratch directory."""
-    import os
     import re
-    import subprocess
-    import sys
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "firmware.md").read_text()
@@ -271,12 +268,8 @@ def test_the_commands_in_docs_firmware_md_run(tmp_path):
     assert len(commands) == 5 and all(c.startswith(("python", "poet-opt")) for c in commands)
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "cnn-batch.npz", x=rng.standard_normal((2, 3, 32, 32)).astype(np.float32), y=np.array([1, 3]))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    printed = []
-    for command in commands:
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, (command, done.stderr)
-        printed.append(done.stdout)
+    runs = run_as_typed(commands, tmp_path)
+    printed, done = [r.stdout for r in runs], runs[-1]
     assert (tmp_path / "build" / "poet_train.elf").is_file()
     with np.load(tmp_path / "after.npz") as trained:
         assert "fc.weight" in trained.files
