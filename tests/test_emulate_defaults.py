@@ -82,17 +82,47 @@ def test_the_mlp_trains_at_96_kib_with_defaults_equal_to_torch(mlp):
     assert np.allclose(summary["loss"], losses, rtol=1e-4, atol=1e-6)
 
 
-def test_the_zoo_resnet18_has_a_firmware_twin_lowered_to_the_zoo_graph():
-    """`emulate --model resnet18-cifar` trains the PyTorch module `--torch ...:resnet18` names, and
-    its lowering is the zoo's graph node for node."""
-    from poet_opt.firmware.torch_zoo import zoo_module
+@pytest.mark.parametrize("name", ["mcu-vww", "mlp", "mlp-residual", "vgg16-cifar", "resnet18-cifar", "mobilenetv2"])
+def test_each_zoo_model_with_a_firmware_build_has_a_twin_lowered_to_the_zoo_graph(name):
+    """`emulate --model NAME` trains a seeded PyTorch module (for resnet18-cifar the one
+    `--torch ...:resnet18` names), and its lowering is the zoo's graph node for node: kinds, sizes,
+    parameters, dependencies and FLOPs."""
+    from poet_opt.firmware.torch_zoo import FACTORIES, zoo_module
     from poet_opt.model.network import lower_network
     from poet_opt.model.zoo import build_model
 
-    zoo = build_model("resnet18-cifar")
-    lowered = lower_network(zoo_module("resnet18-cifar"), (1, 3, 32, 32)).graph
-    assert len(lowered.nodes) == len(zoo.nodes)
-    assert [(n.kind, n.bytes, n.param_bytes) for n in lowered.nodes] == \
-        [(n.kind, n.bytes, n.param_bytes) for n in zoo.nodes]
-    first, again = zoo_module("resnet18-cifar"), zoo_module("resnet18-cifar")  # seeded: the same weights
+    assert name in FACTORIES
+    zoo = build_model(name)
+    lowered = lower_network(zoo_module(name), (zoo.meta["batch_size"], *zoo.meta["input_shape"])).graph
+    assert [(n.kind, n.bytes, n.param_bytes, n.deps) for n in lowered.nodes] == \
+        [(n.kind, n.bytes, n.param_bytes, n.deps) for n in zoo.nodes]
+    assert [n.flops for n in lowered.nodes] == pytest.approx([n.flops for n in zoo.nodes], rel=1e-9)
+    first, again = zoo_module(name), zoo_module(name)  # seeded: the same weights
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))
+
+
+def test_a_zoo_model_with_a_new_twin_trains_in_firmware_equal_to_torch(tmp_path):
+    """`emulate --model mlp-residual`, refused before its twin existed, streams its 1.3 MB of
+    weights through 64 KiB and ends with the weights of one torch.optim.SGD step on the twin."""
+    pytest.importorskip("unicorn")
+    pytest.importorskip("ziglang")
+    from test_firmware_training import torch_sgd
+
+    from poet_opt.firmware.torch_zoo import zoo_module
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "b.npz", x=rng.standard_normal((1, 784)).astype(np.float32), y=np.array([3]))
+    result = cli("emulate", "--model", "mlp-residual", "--device", "nrf52840", "--ram", "64KiB", "--steps", "1",
+                 "--lr", "0.05", "--data", tmp_path / "b.npz", "--weights-out", tmp_path / "w.npz",
+                 "--time-limit", "5", "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["weights"] == "streamed" and summary["ram_used_bytes"] <= summary["ram_device_bytes"]
+    reference = zoo_module("mlp-residual")
+    losses, want = torch_sgd(reference, tmp_path / "b.npz", {n for n, _ in reference.named_parameters()}, steps=1,
+                             lr=0.05)
+    with np.load(tmp_path / "w.npz") as trained:
+        got = {n: trained[n] for n in trained.files}
+    largest = max(float(np.abs(w).max()) for w in want.values())
+    assert max(float(np.abs(got[n] - w).max()) for n, w in want.items()) <= 1e-4 * largest
+    assert np.allclose(summary["loss"], losses, rtol=1e-4, atol=1e-6)

@@ -14,6 +14,7 @@ import json
 import click
 
 from poet_opt.errors import PoetError
+from poet_opt.firmware.torch_zoo import FACTORIES
 from poet_opt.solver.time_budget import parse_time_limit
 
 
@@ -23,7 +24,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
         one_line_errors, check_writable, check_not_inputs, weights_option)
 
     @main.command()
-    @click.option("--model", help="zoo model name with a firmware build (mcu-vww, mlp, resnet18-cifar, mobilenetv2)")
+    @click.option("--model", help=f"zoo model name with a firmware build ({', '.join(sorted(FACTORIES))})")
     @click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
     @click.option("--input-shape", default=None, help="--torch: the whole input, batch first, e.g. 2,3,32,32")
     @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")

@@ -71,6 +71,68 @@ def _mlp():
     return Mlp()
 
 
+def _mlp_residual():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.relu1, self.fc2 = nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)
+            self.relu2 = nn.ReLU()
+
+        def forward(self, x):
+            return self.relu2(x + self.fc2(self.relu1(self.fc1(x))))
+
+    class MlpResidual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc_in, self.relu_in = nn.Linear(784, 256), nn.ReLU()
+            self.block = Block()
+            self.fc_out = nn.Linear(256, 10)
+
+        def forward(self, x):
+            return self.fc_out(self.block(self.relu_in(self.fc_in(x))))
+
+    torch.manual_seed(SEED)
+    return MlpResidual()
+
+
+def _vgg16_cifar():
+    import torch
+    from torch import nn
+
+    from poet_opt.model.zoo import VGG16_CHANNELS
+
+    class Vgg16Cifar(nn.Module):
+        """torchvision's vgg16_bn layer plan with the zoo's names and a 10-class head on the 1x1
+        map a 32x32 input leaves."""
+
+        def __init__(self):
+            super().__init__()
+            self.plan, cin, stage, i = [], 3, 1, 1
+            for v in VGG16_CHANNELS:
+                if v == "M":
+                    setattr(self, f"pool{stage}", nn.MaxPool2d(2, 2))
+                    self.plan.append(f"pool{stage}")
+                    stage, i = stage + 1, 1
+                    continue
+                setattr(self, f"conv{stage}_{i}", nn.Conv2d(cin, v, 3, padding=1))
+                setattr(self, f"bn{stage}_{i}", nn.BatchNorm2d(v))
+                setattr(self, f"relu{stage}_{i}", nn.ReLU())
+                self.plan += [f"conv{stage}_{i}", f"bn{stage}_{i}", f"relu{stage}_{i}"]
+                cin, i = v, i + 1
+            self.fc = nn.Linear(cin, 10)
+
+        def forward(self, x):
+            for name in self.plan:
+                x = getattr(self, name)(x)
+            return self.fc(torch.flatten(x, 1))
+
+    torch.manual_seed(SEED)
+    return Vgg16Cifar()
+
+
 def _example(factory: str):
     """A zoo model whose PyTorch twin is in poet_opt.examples.torch_models (the module `--torch` is
     pointed at in the docs), seeded as the others."""
@@ -86,8 +148,8 @@ def _example(factory: str):
     return make
 
 
-FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "resnet18-cifar": _example("resnet18"),
-             "mobilenetv2": _example("mobilenetv2")}
+FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "mlp-residual": _mlp_residual, "vgg16-cifar": _vgg16_cifar,
+             "resnet18-cifar": _example("resnet18"), "mobilenetv2": _example("mobilenetv2")}
 
 
 def zoo_module(name: str):

@@ -147,13 +147,13 @@ def _mlp_residual(net: _Net) -> None:
     net.linear(x, "fc_out", 10)
 
 
-_VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+VGG16_CHANNELS = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 
 
 def _vgg16(net: _Net, imagenet: bool) -> None:
     # VGG-16 with batch norm (torchvision's vgg16_bn; the usual CIFAR recipe needs BN to train).
     x, stage, i = 0, 1, 1
-    for v in _VGG16:
+    for v in VGG16_CHANNELS:
         if v == "M":
             x = net.maxpool(x, f"pool{stage}", 2, 2, 0)
             stage, i = stage + 1, 1
