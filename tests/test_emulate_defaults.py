@@ -82,7 +82,8 @@ def test_the_mlp_trains_at_96_kib_with_defaults_equal_to_torch(mlp):
     assert np.allclose(summary["loss"], losses, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["mcu-vww", "mlp", "mlp-residual", "vgg16-cifar", "resnet18-cifar", "mobilenetv2"])
+@pytest.mark.parametrize("name", ["mcu-vww", "mlp", "mlp-residual", "vgg16-cifar", "resnet18-cifar", "mobilenetv2",
+                                  "resnet18-imagenet", "resnet50"])
 def test_each_zoo_model_with_a_firmware_build_has_a_twin_lowered_to_the_zoo_graph(name):
     """`emulate --model NAME` trains a seeded PyTorch module (for resnet18-cifar the one
     `--torch ...:resnet18` names), and its lowering is the zoo's graph node for node: kinds, sizes,

@@ -37,26 +37,61 @@ class BasicBlock(nn.Module):
         return self.relu2(y + shortcut)
 
 
-class ResNet18(nn.Module):
-    """ResNet-18, CIFAR variant: 3x3 stem, no max-pool (the zoo's resnet18-cifar)."""
+class Bottleneck(nn.Module):
+    """torchvision's ResNet v1.5 bottleneck: the stride sits on the 3x3 convolution."""
 
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, cin: int, width: int, stride: int):
         super().__init__()
-        self.conv1, self.bn1 = _conv_bn(3, 64, 3)
+        self.conv1, self.bn1 = _conv_bn(cin, width, 1)
+        self.relu1 = nn.ReLU()
+        self.conv2, self.bn2 = _conv_bn(width, width, 3, stride)
+        self.relu2 = nn.ReLU()
+        self.conv3, self.bn3 = _conv_bn(width, 4 * width, 1)
+        self.relu3 = nn.ReLU()
+        cout = 4 * width
+        self.downsample = nn.Sequential(*_conv_bn(cin, cout, 1, stride)) if stride != 1 or cin != cout else None
+
+    def forward(self, x):
+        y = self.relu1(self.bn1(self.conv1(x)))
+        y = self.relu2(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return self.relu3(y + shortcut)
+
+
+class ResNet(nn.Module):
+    """The zoo's ResNets: the CIFAR variant (3x3 stem, no max-pool, 10 classes) or ImageNet's (7x7
+    stride-2 stem and a max-pool, 1000 classes), of basic blocks or bottlenecks."""
+
+    def __init__(self, block=BasicBlock, depths=(2, 2, 2, 2), cifar: bool = True, num_classes: int | None = None):
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(3, 64, 3) if cifar else _conv_bn(3, 64, 7, 2)
         self.relu = nn.ReLU()
+        self.maxpool = None if cifar else nn.MaxPool2d(3, 2, 1)
+        expansion = 4 if block is Bottleneck else 1
         cin, stages = 64, []
-        for stage, width in enumerate((64, 128, 256, 512)):
+        for stage, (width, n) in enumerate(zip((64, 128, 256, 512), depths)):
             stride = 1 if stage == 0 else 2
-            stages.append(nn.Sequential(BasicBlock(cin, width, stride), BasicBlock(width, width, 1)))
-            cin = width
+            blocks = [block(cin, width, stride)] + [block(width * expansion, width, 1) for _ in range(n - 1)]
+            stages.append(nn.Sequential(*blocks))
+            cin = width * expansion
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(512, num_classes)
+        self.fc = nn.Linear(cin, num_classes or (10 if cifar else 1000))
 
     def forward(self, x):
         x = self.relu(self.bn1(self.conv1(x)))
+        if self.maxpool is not None:
+            x = self.maxpool(x)
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class ResNet18(ResNet):
+    """ResNet-18, CIFAR variant: 3x3 stem, no max-pool (the zoo's resnet18-cifar)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__(BasicBlock, (2, 2, 2, 2), cifar=True, num_classes=num_classes)
 
 
 class InvertedResidual(nn.Module):

@@ -133,6 +133,21 @@ def _vgg16_cifar():
     return Vgg16Cifar()
 
 
+def _resnet(depths: tuple[int, ...], bottleneck: bool):
+    """An ImageNet ResNet of the zoo (resnet18-imagenet, resnet50)."""
+
+    def make():
+        import torch
+
+        from poet_opt.examples import torch_models
+
+        torch.manual_seed(SEED)
+        block = torch_models.Bottleneck if bottleneck else torch_models.BasicBlock
+        return torch_models.ResNet(block, depths, cifar=False)
+
+    return make
+
+
 def _example(factory: str):
     """A zoo model whose PyTorch twin is in poet_opt.examples.torch_models (the module `--torch` is
     pointed at in the docs), seeded as the others."""
@@ -149,7 +164,9 @@ def _example(factory: str):
 
 
 FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "mlp-residual": _mlp_residual, "vgg16-cifar": _vgg16_cifar,
-             "resnet18-cifar": _example("resnet18"), "mobilenetv2": _example("mobilenetv2")}
+             "resnet18-cifar": _example("resnet18"), "mobilenetv2": _example("mobilenetv2"),
+             "resnet18-imagenet": _resnet((2, 2, 2, 2), bottleneck=False),
+             "resnet50": _resnet((3, 4, 6, 3), bottleneck=True)}
 
 
 def zoo_module(name: str):
