@@ -98,39 +98,54 @@ def _mlp_residual():
     return MlpResidual()
 
 
-def _vgg16_cifar():
-    import torch
-    from torch import nn
+def _vgg16(imagenet: bool):
+    """vgg16-cifar or vgg16-imagenet."""
 
-    from poet_opt.model.zoo import VGG16_CHANNELS
+    def make():
+        import torch
+        from torch import nn
 
-    class Vgg16Cifar(nn.Module):
-        """torchvision's vgg16_bn layer plan with the zoo's names and a 10-class head on the 1x1
-        map a 32x32 input leaves."""
+        from poet_opt.model.zoo import VGG16_CHANNELS
 
-        def __init__(self):
-            super().__init__()
-            self.plan, cin, stage, i = [], 3, 1, 1
-            for v in VGG16_CHANNELS:
-                if v == "M":
-                    setattr(self, f"pool{stage}", nn.MaxPool2d(2, 2))
-                    self.plan.append(f"pool{stage}")
-                    stage, i = stage + 1, 1
-                    continue
-                setattr(self, f"conv{stage}_{i}", nn.Conv2d(cin, v, 3, padding=1))
-                setattr(self, f"bn{stage}_{i}", nn.BatchNorm2d(v))
-                setattr(self, f"relu{stage}_{i}", nn.ReLU())
-                self.plan += [f"conv{stage}_{i}", f"bn{stage}_{i}", f"relu{stage}_{i}"]
-                cin, i = v, i + 1
-            self.fc = nn.Linear(cin, 10)
+        class Vgg16(nn.Module):
+            """torchvision's vgg16_bn layer plan with the zoo's names: a 10-class head on the 1x1 map a
+            32x32 input leaves, or ImageNet's three linear layers on the 7x7 map a 224x224 input
+            leaves (torchvision's pool to 7x7 is then the identity, and the zoo leaves it out; a
+            traced module cannot choose by shape, so this twin takes 224x224 only)."""
 
-        def forward(self, x):
-            for name in self.plan:
-                x = getattr(self, name)(x)
-            return self.fc(torch.flatten(x, 1))
+            def __init__(self):
+                super().__init__()
+                self.plan, cin, stage, i = [], 3, 1, 1
+                for v in VGG16_CHANNELS:
+                    if v == "M":
+                        setattr(self, f"pool{stage}", nn.MaxPool2d(2, 2))
+                        self.plan.append(f"pool{stage}")
+                        stage, i = stage + 1, 1
+                        continue
+                    setattr(self, f"conv{stage}_{i}", nn.Conv2d(cin, v, 3, padding=1))
+                    setattr(self, f"bn{stage}_{i}", nn.BatchNorm2d(v))
+                    setattr(self, f"relu{stage}_{i}", nn.ReLU())
+                    self.plan += [f"conv{stage}_{i}", f"bn{stage}_{i}", f"relu{stage}_{i}"]
+                    cin, i = v, i + 1
+                if not imagenet:
+                    self.fc = nn.Linear(cin, 10)
+                    return
+                self.fc6, self.relu6 = nn.Linear(cin * 49, 4096), nn.ReLU()
+                self.fc7, self.relu7 = nn.Linear(4096, 4096), nn.ReLU()
+                self.fc8 = nn.Linear(4096, 1000)
 
-    torch.manual_seed(SEED)
-    return Vgg16Cifar()
+            def forward(self, x):
+                for name in self.plan:
+                    x = getattr(self, name)(x)
+                if not imagenet:
+                    return self.fc(torch.flatten(x, 1))
+                x = self.relu6(self.fc6(torch.flatten(x, 1)))
+                return self.fc8(self.relu7(self.fc7(x)))
+
+        torch.manual_seed(SEED)
+        return Vgg16()
+
+    return make
 
 
 def _resnet(depths: tuple[int, ...], bottleneck: bool):
@@ -163,7 +178,8 @@ def _example(factory: str):
     return make
 
 
-FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "mlp-residual": _mlp_residual, "vgg16-cifar": _vgg16_cifar,
+FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "mlp-residual": _mlp_residual, "vgg16-cifar": _vgg16(imagenet=False),
+             "vgg16-imagenet": _vgg16(imagenet=True),
              "resnet18-cifar": _example("resnet18"), "mobilenetv2": _example("mobilenetv2"),
              "resnet18-imagenet": _resnet((2, 2, 2, 2), bottleneck=False),
              "resnet50": _resnet((3, 4, 6, 3), bottleneck=True)}
