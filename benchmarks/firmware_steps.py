@@ -29,7 +29,7 @@ from poet_opt.errors import PoetError  # noqa: E402
 from poet_opt.examples.torch_models import tiny_cnn  # noqa: E402
 from poet_opt.firmware.fit import solve_for_export  # noqa: E402
 from poet_opt.model.network import lower_network  # noqa: E402
-from poet_opt.firmware.torch_zoo import zoo_module  # noqa: E402
+from poet_opt.model.zoo_twins import zoo_module  # noqa: E402
 from poet_opt.firmware.trainer import run_schedule  # noqa: E402
 from poet_opt.schedule.decisions import build_steps, plain_decisions, totals_of  # noqa: E402
 from poet_opt.schedule.document import Schedule  # noqa: E402

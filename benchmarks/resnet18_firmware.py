@@ -31,7 +31,7 @@ def torch_step(source: str, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarra
     import torch
 
     from poet_opt.examples.torch_models import resnet18
-    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.zoo_twins import zoo_module
 
     module = resnet18() if source == "torch" else zoo_module("resnet18-cifar")
     module.train()

@@ -88,7 +88,7 @@ def test_each_zoo_model_with_a_firmware_build_has_a_twin_lowered_to_the_zoo_grap
     """`emulate --model NAME` trains a seeded PyTorch module (for resnet18-cifar the one
     `--torch ...:resnet18` names), and its lowering is the zoo's graph node for node: kinds, sizes,
     parameters, dependencies and FLOPs."""
-    from poet_opt.firmware.torch_zoo import FACTORIES, zoo_module
+    from poet_opt.model.zoo_twins import FACTORIES, zoo_module
     from poet_opt.model.network import lower_network
     from poet_opt.model.zoo import build_model
 
@@ -110,7 +110,7 @@ def test_a_zoo_model_with_a_new_twin_trains_in_firmware_equal_to_torch(tmp_path)
     pytest.importorskip("ziglang")
     from test_firmware_training import torch_sgd
 
-    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.zoo_twins import zoo_module
 
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "b.npz", x=rng.standard_normal((1, 784)).astype(np.float32), y=np.array([3]))

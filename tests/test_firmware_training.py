@@ -21,7 +21,7 @@ pytest.importorskip("ziglang")
 from test_cli import assert_one_line_error, cli  # noqa: E402
 
 from poet_opt.examples.torch_models import tiny_cnn  # noqa: E402
-from poet_opt.firmware.torch_zoo import zoo_module  # noqa: E402
+from poet_opt.model.zoo_twins import zoo_module  # noqa: E402
 from poet_opt.firmware.trainer import emulate_training  # noqa: E402
 
 STEPS, LR = 3, 0.05

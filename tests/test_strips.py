@@ -314,7 +314,7 @@ def test_executors_refuse_a_strip_plan_in_one_line(vww_strip_plan, tmp_path):
     from poet_opt.errors import PoetError
     from poet_opt.executor.runner import check_schedule
     from poet_opt.firmware import codegen
-    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.zoo_twins import zoo_module
     from poet_opt.model.network import lower_network
 
     doc, _, _ = vww_strip_plan

@@ -226,7 +226,7 @@ def test_every_example_factory_builds_the_same_weights_in_every_process(factory)
 
 
 def test_the_resnet18_factory_builds_the_zoo_twin_emulate_model_trains():
-    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.zoo_twins import zoo_module
 
     twin = zoo_module("resnet18-cifar").state_dict()
     torch.manual_seed(5)

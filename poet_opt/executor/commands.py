@@ -13,6 +13,7 @@ import sys
 import click
 
 from poet_opt.errors import PoetError
+from poet_opt.model.zoo_twins import FACTORIES
 from poet_opt.solver.time_budget import parse_time_limit
 
 
@@ -23,8 +24,10 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
     _check_writable, _check_not_inputs, _one_line_errors = check_writable, check_not_inputs, one_line_errors
 
     @main.command()
-    @click.option("--torch", "torch_spec", required=True, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
-    @click.option("--input-shape", required=True, help="the whole input, batch first, e.g. 8,3,32,32")
+    @click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
+    @click.option("--model", help=f"instead of --torch: a zoo model's PyTorch twin ({', '.join(sorted(FACTORIES))})")
+    @click.option("--input-shape", default=None, help="the whole input, batch first, e.g. 8,3,32,32 (with --torch; "
+                  "with --model, --data's x)")
     @click.option("--schedule", "schedule_file", default=None, type=click.Path(dir_okay=False),
                   help="the plan to follow step for step, as `poet-opt solve --out` wrote it; it must be for this "
                        "module, input shape and --trainable, and for --device, --ram, --runtime and --mode where given")
@@ -64,7 +67,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
     @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
     @click.pass_context
     @_one_line_errors
-    def run(ctx, torch_spec, input_shape, schedule_file, device, ram, runtime, mode, time_limit, trainable, costs_file,
+    def run(ctx, torch_spec, model, input_shape, schedule_file, device, ram, runtime, mode, time_limit, trainable, costs_file,
             weights, weight_tile, strips, steps, lr, data, storage, weights_out, as_json):
         """Train N steps of a torch module in PyTorch with a schedule: --schedule's, or one solved here.
 
@@ -75,11 +78,21 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
         from poet_opt.executor.train import run_training
         from poet_opt.files import check_not_inputs, write_atomic
 
+        if (model is None) == (torch_spec is None):
+            raise PoetError("give --torch FILE.py:FACTORY or --model NAME, one of the two", field="--torch")
         if weights_out is not None:
             _check_writable(weights_out, field="--weights-out")
         _check_not_inputs([("--weights-out", weights_out)], device=device or (), torch_spec=torch_spec, data=data,
                           costs_file=costs_file)
         check_not_inputs([("--weights-out", weights_out)], [("--schedule", schedule_file)] if schedule_file else [])
+        if model is not None:
+            from poet_opt.model.batch import load_batch
+            from poet_opt.model.zoo_twins import zoo_module
+
+            if input_shape is not None:
+                raise PoetError("--model takes its input's shape from --data's x", field="--input-shape")
+            x, _ = load_batch(data)  # a bad file is refused here as it would be by --torch
+            input_shape, torch_spec = ",".join(map(str, x.shape)), zoo_module(model)
         # with a plan, --mode is checked against it only when given: its default is for solving
         given_mode = ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT
         # progress only to a terminal: a script reading stderr sees one line, the error, if any

@@ -162,7 +162,7 @@ class _Replay:
             if op == "linear":
                 w = self.weights(env, name)
                 return F.linear(xs[0].flatten(1), w["weight"], w.get("bias"))
-            raise ValueError(f"no whole kernel for {op}")
+            return self._elementwise(op, xs, "whole")
         j = self.strips(name).index(tuple(rows))
         if op in ("conv2d", "maxpool", "avgpool"):
             k, s, _ = layer["window"]
@@ -179,12 +179,17 @@ class _Replay:
             if name not in self.parts:
                 return F.batch_norm(xs[0], None, None, w["weight"], w["bias"], training=True, eps=EPS)
             return self._xhat(env, name, xs[0]) * w["weight"][None, :, None, None] + w["bias"][None, :, None, None]
+        return self._elementwise(op, xs, "strip")
+
+    def _elementwise(self, op: str, xs, kind: str):
+        """An elementwise operator or a join along channels (features, for the weight slices of a
+        linear layer), by PyTorch's own function from the registry."""
         if op == "add":  # x + x records its input once: add has two operands
             return xs[0] + xs[-1]
         spec = registry.get(op)
         if spec is not None and op in ELEMENTWISE and spec.torch_forward is not None:  # relu, concat, ...
             return spec.torch_forward(self.t, *xs)
-        raise ValueError(f"no strip kernel for {op}")
+        raise ValueError(f"no {kind} kernel for {op}")
 
     # -- gradients ---------------------------------------------------------------------------------
 
@@ -213,8 +218,8 @@ class _Replay:
                 full = (g / (shape[1] * shape[2]))[:, :, None, None].expand(-1, -1, shape[1], shape[2])
             elif op == "linear":
                 full = (g @ self.weights(env, u)["weight"]).reshape(g.shape[0], *shape)
-            else:
-                raise ValueError(f"no whole gradient for {op}")
+            else:  # an MLP's tensors: whole, as the strips' elementwise users below
+                return self._elementwise_gradient(u, f, g, lambda: env[f], lambda: env[u])
             return full if rows is None else full[:, :, rows[0]:rows[1]]
         lo, hi = rows if rows is not None else (0, shape[1])
         if op in ("conv2d", "maxpool", "avgpool"):
@@ -245,15 +250,9 @@ class _Replay:
                 out[:, :, a - lo:b - lo] = local[:, :, a - r0:b - r0]
             return out
         g = env[self.strip_name(u, j, "grad:")]
-        spec = registry.get(op)
-        if spec is not None and op in ELEMENTWISE and spec.arity == 1:  # what its backward reads: this strip
-            x = env[self.strip_name(f, j)] if spec.saves == "in" else None
-            return spec.torch_gradient(t, g, x=x, y=env[self.strip_name(u, j)] if spec.saves == "out" else None)
-        if op == "add":  # x + x (its input recorded once) passes the gradient on twice
-            return g if len(layer["inputs"]) == 2 else 2 * g
-        if op == "concat":
-            c0, c1 = self.channels[f]
-            return g[:, c0:c1]
+        if op != "batchnorm":
+            return self._elementwise_gradient(u, f, g, lambda: env[self.strip_name(f, j)],
+                                              lambda: env[self.strip_name(u, j)])
         if op == "batchnorm":
             w = self.weights(env, u)
             xs = env[self.strip_name(f, j)]
@@ -272,6 +271,23 @@ class _Replay:
             scale = (w["weight"] * rstd)[None, :, None, None]
             return scale * (g - sums[0][None, :, None, None] / n - xhat * sums[1][None, :, None, None] / n)
         raise ValueError(f"no strip gradient for {op}")
+
+    def _elementwise_gradient(self, u: str, f: str, g, x, y):
+        """The gradient an elementwise user ``u`` (or a join) passes to its input ``f``, from its own
+        output gradient ``g``; ``x`` and ``y``: u's input and output (or functions giving them), read
+        only where the registry says its backward reads them."""
+        layer, op = self.layers[u], self.layers[u]["op"]
+        spec = registry.get(op)
+        if spec is not None and op in ELEMENTWISE and spec.arity == 1:
+            read = (lambda v: v() if callable(v) else v)
+            return spec.torch_gradient(self.t, g, x=read(x) if spec.saves == "in" else None,
+                                       y=read(y) if spec.saves == "out" else None)
+        if op == "add":  # x + x (its input recorded once) passes the gradient on twice
+            return g if len(layer["inputs"]) == 2 else 2 * g
+        if op == "concat":
+            c0, c1 = self.channels[f]
+            return g[:, c0:c1]
+        raise ValueError(f"no gradient for {op}")
 
     def fused_weight_gradient(self, u: str, env) -> dict:
         """The weight gradient of layer u whose update a data-gradient node applies."""

@@ -14,7 +14,7 @@ import json
 import click
 
 from poet_opt.errors import PoetError
-from poet_opt.firmware.torch_zoo import FACTORIES
+from poet_opt.model.zoo_twins import FACTORIES
 from poet_opt.solver.time_budget import parse_time_limit
 
 
@@ -99,7 +99,7 @@ def measure_on_device(*, device, ram, out, model=None, torch_spec=None, input_sh
     (firmware/step_costs.py). Returns what the command prints."""
     from poet_opt.files import write_text_atomic
     from poet_opt.firmware.step_costs import measure_firmware
-    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.zoo_twins import zoo_module
     from poet_opt.model.operators import parse_full_shape
 
     if (model is None) == (torch_spec is None):

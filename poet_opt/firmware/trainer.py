@@ -171,7 +171,7 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
     """Train ``steps`` SGD steps on the batch in ``data`` in firmware generated from the schedule
     that ``poet-opt solve --export`` would give, on the emulated ``device``.
 
-    ``model`` names a zoo model (its seeded PyTorch twin, poet_opt.firmware.torch_zoo), or
+    ``model`` names a zoo model (its seeded PyTorch twin, poet_opt.model.zoo_twins), or
     ``torch_model`` is a module, factory or ``FILE.py:FACTORY`` with ``input_shape``. ``out_dir``
     keeps the generated sources and the linked ELF; ``mode`` is the solver's (joint, remat, paging).
     ``weights="streamed"`` keeps the weights on the device's storage (pre-loaded there, as a board
@@ -194,7 +194,7 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
     the firmware's predict gives before and after training; ``bar``: a progress bar on stderr
     (firmware/dataset.py)."""
     from poet_opt.firmware.dataset import Feeder, check_set, load_set
-    from poet_opt.firmware.torch_zoo import zoo_module
+    from poet_opt.model.zoo_twins import zoo_module
 
     if (model is None) == (torch_model is None):
         raise PoetError("give a zoo model or a torch model, not both or neither", field="--model")

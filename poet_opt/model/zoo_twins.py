@@ -1,7 +1,7 @@
-"""PyTorch modules for the zoo models that firmware can train, layer for layer as the zoo builds
-them (same operators, shapes and names), with PyTorch's default initialisation under
-``torch.manual_seed(SEED)``: `poet-opt emulate --model NAME` starts from these weights, and a test
-trains the same module in PyTorch to compare."""
+"""PyTorch modules for the zoo's models, layer for layer as the zoo builds them (same operators,
+shapes and names; a test lowers each to the zoo's graph node for node), with PyTorch's default
+initialisation under ``torch.manual_seed(SEED)``: `poet-opt emulate --model NAME` and `run --model
+NAME` train these. The zoo keeps its own builders because `solve --model` works without PyTorch."""
 
 from __future__ import annotations
 
@@ -189,6 +189,6 @@ def zoo_module(name: str):
     """The seeded PyTorch module of zoo model ``name``."""
     key = str(name).strip().lower()
     if key not in FACTORIES:
-        raise PoetError(f"no firmware build of zoo model {name!r} yet; emulate one of {', '.join(sorted(FACTORIES))}, "
+        raise PoetError(f"no PyTorch twin of zoo model {name!r} yet; train one of {', '.join(sorted(FACTORIES))}, "
                         "or give --torch FILE.py:FACTORY", field="--model")
     return FACTORIES[key]()
