@@ -126,7 +126,7 @@ def test_a_binding_wear_budget_states_its_energy_cost_from_two_solves():
     device, graph, ram = _small_card_case()
     free = solve(graph, device, ram=ram, mode="joint", time_limit=3, order="given")
     steps = device.storage.endurance_cycles * device.storage.capacity_bytes // (free.erased_bytes_per_step() // 2)
-    bounded = solve(graph, device, ram=ram, mode="joint", time_limit=4, order="given", min_lifetime_steps=steps)
+    bounded = solve(graph, device, ram=ram, mode="joint", time_limit=12, order="given", min_lifetime_steps=steps)
     wear = bounded.solver["wear_budget"]
     assert wear["binds"] and wear["solves"] == 2 and wear["lifetime_without"] < steps
     assert wear["cost_j"] == pytest.approx(bounded.totals["energy_j"] - wear["energy_without_j"])
