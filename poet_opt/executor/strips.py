@@ -253,35 +253,33 @@ class _Replay:
         if op != "batchnorm":
             return self._elementwise_gradient(u, f, g, lambda: env[self.strip_name(f, j)],
                                               lambda: env[self.strip_name(u, j)])
-        if op == "batchnorm":
-            w = self.weights(env, u)
-            xs = env[self.strip_name(f, j)]
-            if u not in self.parts:  # one strip: its own batch statistics
-                mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
-                xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + EPS)[None, :, None, None]
-                n = xs.numel() // xs.shape[1]
-                sums = (g.sum(dim=(0, 2, 3)), (g * xhat).sum(dim=(0, 2, 3)))
-                rstd = 1 / t.sqrt(var + EPS)
-            else:
-                _, var = self._stats(env, u)
-                xhat = self._xhat(env, u, xs)
-                n = self.x.shape[0] * layer["shape"][1] * layer["shape"][2]
-                sums = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
-                rstd = 1 / t.sqrt(var + EPS)
-            scale = (w["weight"] * rstd)[None, :, None, None]
-            return scale * (g - sums[0][None, :, None, None] / n - xhat * sums[1][None, :, None, None] / n)
-        raise ValueError(f"no strip gradient for {op}")
+        w = self.weights(env, u)
+        xs = env[self.strip_name(f, j)]
+        if u not in self.parts:  # one strip: its own batch statistics
+            mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
+            xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + EPS)[None, :, None, None]
+            n = xs.numel() // xs.shape[1]
+            sums = (g.sum(dim=(0, 2, 3)), (g * xhat).sum(dim=(0, 2, 3)))
+            rstd = 1 / t.sqrt(var + EPS)
+        else:
+            _, var = self._stats(env, u)
+            xhat = self._xhat(env, u, xs)
+            n = self.x.shape[0] * layer["shape"][1] * layer["shape"][2]
+            sums = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
+            rstd = 1 / t.sqrt(var + EPS)
+        scale = (w["weight"] * rstd)[None, :, None, None]
+        return scale * (g - sums[0][None, :, None, None] / n - xhat * sums[1][None, :, None, None] / n)
 
     def _elementwise_gradient(self, u: str, f: str, g, x, y):
         """The gradient an elementwise user ``u`` (or a join) passes to its input ``f``, from its own
-        output gradient ``g``; ``x`` and ``y``: u's input and output (or functions giving them), read
-        only where the registry says its backward reads them."""
-        layer, op = self.layers[u], self.layers[u]["op"]
+        output gradient ``g``; ``x`` and ``y`` give u's input and output, called only where the
+        registry says its backward reads them (the plan may have freed the others)."""
+        layer = self.layers[u]
+        op = layer["op"]
         spec = registry.get(op)
         if spec is not None and op in ELEMENTWISE and spec.arity == 1:
-            read = (lambda v: v() if callable(v) else v)
-            return spec.torch_gradient(self.t, g, x=read(x) if spec.saves == "in" else None,
-                                       y=read(y) if spec.saves == "out" else None)
+            return spec.torch_gradient(self.t, g, x=x() if spec.saves == "in" else None,
+                                       y=y() if spec.saves == "out" else None)
         if op == "add":  # x + x (its input recorded once) passes the gradient on twice
             return g if len(layer["inputs"]) == 2 else 2 * g
         if op == "concat":
