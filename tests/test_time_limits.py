@@ -57,11 +57,20 @@ def test_order_searches_give_up_at_their_deadline():
 
 
 _HUGE_SOLVE = r"""
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from conftest import make_test_device
 from poet_opt.model.random_graph import random_training_graph
 from poet_opt.solver.driver import solve
+
+def high_water_kib():
+    # VmHWM, not ru_maxrss: Linux carries the forking process's high-water mark into ru_maxrss across
+    # exec, so a child of a 2 GiB pytest worker reported 2.19 GiB while it held 0.36 GiB itself.
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
 graph = random_training_graph(50_000, seed=0, max_fan_in=3, skip_prob=0.3)
 lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
 ram = int(lo + (hi - lo) * 0.5)
@@ -70,7 +79,7 @@ schedule = solve(graph, make_test_device(), ram=ram, time_limit=30)
 wall = time.perf_counter() - started
 print(json.dumps({"nodes": len(graph), "ram": ram, "wall": wall, "status": schedule.solver["status"],
                   "full_milp": schedule.solver["full_milp"], "peak": schedule.totals["peak_ram_bytes"],
-                  "gap": schedule.solver["gap"], "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+                  "gap": schedule.solver["gap"], "maxrss": high_water_kib()}))
 """
 
 
@@ -91,7 +100,7 @@ def test_a_100000_node_graph_keeps_a_30_s_limit_in_under_2_gib():
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["nodes"] == 100_000
     assert _within(30, got["wall"]), f"{got['wall']:.1f} s for a 30 s limit"
-    assert got["maxrss"] * 1024 < 2 * 2**30, f"{got['maxrss'] / 2**20:.2f} GiB"  # ru_maxrss is in KiB on Linux
+    assert got["maxrss"] * 1024 < 2 * 2**30, f"{got['maxrss'] / 2**20:.2f} GiB"  # VmHWM is in KiB
     assert got["peak"] <= got["ram"]
     assert got["status"] == "time_limit" and got["full_milp"].startswith("skipped")
     assert got["gap"] is not None and got["gap"] > 0
