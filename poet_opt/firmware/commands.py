@@ -42,6 +42,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
     @click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
     @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
                   help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
+    @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True,
+                  help="as for `poet-opt solve`: what the plan may trade memory with (none: plain training)")
     @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
                   help="per-node time/energy the plan is solved with, as for `poet-opt solve --costs` (`poet-opt measure "
                        "--device` writes them from this firmware)")
@@ -57,7 +59,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
     @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
     @_one_line_errors
     def emulate(model, torch_spec, input_shape, device, ram, steps, epochs, batch_size, seed, eval_data, lr, data,
-                trainable, weights_out, costs_file, time_limit, as_json, out_dir, prefix, weights, weight_tile, strips,
+                trainable, weights_out, mode, costs_file, time_limit, as_json, out_dir, prefix, weights, weight_tile, strips,
                 quiet):
         """Solve, export, generate C, cross-compile and train N steps or epochs on an emulated Cortex-M.
 
@@ -79,7 +81,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
         say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
         result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                                   steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
-                                  time_limit=parse_time_limit(time_limit), progress=say, weights=weights,
+                                  time_limit=parse_time_limit(time_limit), mode=mode, progress=say, weights=weights,
                                   tile_bytes=weight_tile, strips=strips, costs=costs_file, prefix=prefix,
                                   epochs=epochs, batch_size=batch_size, seed=seed, eval_data=eval_data,
                                   bar=sys.stderr.isatty() and not as_json and not quiet)
@@ -121,7 +123,8 @@ def measure_on_device(*, device, ram, out, model=None, torch_spec=None, input_sh
         f"({summary['recomputes']} recompute(s), {summary['page_outs']} page-out(s)), {len(found.nodes)} nodes "
         f"measured",
         f"  cycles   {summary['step_cycles']:,} estimated ({summary['instructions']:,} instructions): "
-        f"{est * 1e3:,.2f} ms at {found.clock_hz / 1e6:g} MHz",
+        f"{(est - summary['storage_bus_s_per_step']) * 1e3:,.2f} ms at {found.clock_hz / 1e6:g} MHz, and "
+        f"{summary['storage_bus_s_per_step'] * 1e3:,.2f} ms of storage transfers at the profile's rates",
         f"  nodes    {summary['node_cycles']:,} cycles, {node_s * 1e3:,.2f} ms; paging {summary['paging_cycles']:,} "
         f"cycles and {summary['outside_cycles']:,} outside the plan's steps (start-up, SGD) are not written",
         f"  profile  the plan predicted {pred * 1e3:,.2f} ms from the profile's costs: estimate/prediction "

@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from poet_opt.device.costs import storage_bus_seconds
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.files import check_not_inputs, write_files
@@ -69,6 +70,9 @@ class EmulatedTraining:
     # erase events over the run: erases on raw flash, on a card each allocation unit a write touched
     flash_wear_events: int = 0
     cycles: int = 0  # the emulator's cycle estimate for the run (poet_opt/firmware/cycles.py)
+    # the run's storage commands at the profile's latencies and rates: the emulated card answers at
+    # once, a real one holds the step for this long (device/costs.py storage_bus_seconds)
+    storage_bus_s: float = 0.0
     clock_hz: Optional[float] = None  # the profile's core clock, when it gives one
     # a profiling build (run_schedule(marks=True)): (schedule step, or len(steps) at the end of a
     # training step; estimated cycles when it began), every training step's in turn
@@ -93,11 +97,13 @@ class EmulatedTraining:
                "flash_erases_max_block": self.flash_erases_max_block, "instructions": self.instructions}
         # beside the plan's prediction: the estimated cycles, and with the profile's clock, seconds
         steps, totals = max(1, len(self.losses)), self.schedule.totals
-        estimated = self.cycles / steps / self.clock_hz if self.clock_hz else None
+        # the cycle estimate covers start-up too (shared by the steps); the storage's bus time is the
+        # commands the firmware issued, priced by the profile as the plan prices its transfers
+        estimated = (self.cycles / self.clock_hz + self.storage_bus_s) / steps if self.clock_hz else None
         predicted = float(totals["runtime_s"])
         out.update(cycles=self.cycles, predicted_runtime_s_per_step=predicted,
                    predicted_energy_j_per_step=float(totals["energy_j"]), estimated_runtime_s_per_step=estimated,
-                   # the cycle estimate covers start-up too (shared by the steps) but no storage bus time
+                   storage_bus_s_per_step=self.storage_bus_s / steps,
                    estimated_over_predicted=estimated / predicted if estimated is not None and predicted else None,
                    costs=self.network.graph.meta.get("measured_costs"))
         if self.weights_placement == "streamed":  # (resident runs keep the summary they always had)
@@ -147,8 +153,9 @@ class EmulatedTraining:
             f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
             f"{summary['flash_erases_max_block']} erase(s) of one block",
             f"  executed {summary['instructions']:,} instructions"
-            + (f", about {summary['estimated_runtime_s_per_step'] * 1e3:,.2f} ms a step at the profile's clock (the "
-               f"plan predicts {summary['predicted_runtime_s_per_step'] * 1e3:,.2f} ms)"
+            + (f", about {summary['estimated_runtime_s_per_step'] * 1e3:,.2f} ms a step at the profile's clock "
+               f"with {summary['storage_bus_s_per_step'] * 1e3:,.2f} ms of storage transfers (the plan predicts "
+               f"{summary['predicted_runtime_s_per_step'] * 1e3:,.2f} ms)"
                if summary["estimated_runtime_s_per_step"] is not None else ""),
             *([f"  weights  streamed from storage: {summary['flash_bytes_read'] / 1024:.1f} KiB read in all, "
                f"{summary['flash_bytes_written_per_step'] / 1024:.1f} KiB written per step (plan), storage lasts "
@@ -683,5 +690,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say, f
         flash_bytes_read=int(storage.bytes_read), flash_bytes_written_per_step=int(flash.bytes_written_per_step),
         flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions,
         flash_wear_events=int(storage.erases_total), cycles=int(result.cycles or 0),
+        storage_bus_s=storage_bus_seconds(profile.storage, read_ops=storage.read_ops, bytes_read=storage.bytes_read,
+                                          write_ops=storage.write_ops, bytes_written=storage.bytes_written),
         clock_hz=getattr(profile.compute, "clock_hz", None), marks=marks,
         dataset=feed.summary() if feed is not None else None)
