@@ -219,15 +219,18 @@ def test_predict_is_eval_mode_with_the_running_statistics_training_moved(library
     module, _, logits, single = _torch_sgd(library)
     buffers = {n: b.numpy() for n, b in module.named_buffers() if n.endswith(("running_mean", "running_var"))}
     assert buffers and set(trained["running"]) == set(buffers)
+    moved = 0.0
     for name, want in buffers.items():
         initial = 0.0 if name.endswith("mean") else 1.0
         assert np.abs(want - initial).max() > 1e-3, name  # training moved them
         diff = float(np.abs(trained["running"][name] - want).max())
+        moved = max(moved, diff)
         assert diff <= 1e-4 * max(1.0, float(np.abs(want).max())), (name, diff)
     scale = float(np.abs(logits).max())
     got = trained["logits"].reshape(logits.shape)
     worst = float(np.abs(got - logits).max())
-    print(f"\npredict vs torch eval(): max |diff| {worst:.3g} ({worst / scale:.3g} of the largest logit)")
+    print(f"\npredict vs torch eval(): max |diff| {worst:.3g} ({worst / scale:.3g} of the largest logit); "
+          f"running statistics max |diff| {moved:.3g}")
     assert worst <= 1e-4 * scale
     other = trained["logits_other"].reshape(logits.shape)
     np.testing.assert_array_equal(other[0], got[0])  # one sample's logits do not depend on its batch
