@@ -141,8 +141,10 @@ def test_cli_emulate_prints_json_and_keeps_what_it_was_asked_to(cnn_batch, tmp_p
     assert summary["costs"] is None  # the profile's own costs: no --costs file
     assert summary["steps"] == 2 and len(summary["loss"]) == 2 and summary["ram_device_bytes"] == 256 * 1024
     with np.load(weights) as trained:
-        reference = dict(tiny_cnn().named_parameters())
-        assert sorted(trained.files) == ["fc.bias", "fc.weight", "head_bn.bias", "head_bn.weight"]
+        reference = {**dict(tiny_cnn().named_parameters()), **dict(tiny_cnn().named_buffers())}
+        # the trained parameters, and every batch norm's running statistics (frozen or not, as torch's move)
+        running = [f"{bn}_bn.{s}" for bn in ("stem", "dw", "pw", "head") for s in ("running_mean", "running_var")]
+        assert sorted(trained.files) == sorted(["fc.bias", "fc.weight", "head_bn.bias", "head_bn.weight", *running])
         for name in trained.files:
             assert trained[name].shape == tuple(reference[name].shape)
     assert (out / "poet_train.elf").is_file() and (out / "poet_train.c").is_file()

@@ -41,7 +41,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
                   help="BATCH.npz or a data set: x (float32, samples first) and y (integer class labels)")
     @click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
     @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
-                  help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
+                  help="write every trainable parameter and the norms' running statistics after the steps here "
+                       "(.npz, PyTorch's state_dict names and shapes)")
     @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True,
                   help="as for `poet-opt solve`: what the plan may trade memory with (none: plain training)")
     @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
@@ -86,7 +87,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
                                   epochs=epochs, batch_size=batch_size, seed=seed, eval_data=eval_data,
                                   bar=sys.stderr.isatty() and not as_json and not quiet)
         if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
-            write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
+            write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights, **result.running), field="--weights-out", binary=True)
         click.echo(json.dumps(result.summary(), indent=1, allow_nan=False) if as_json
                    else result.text(device, None if result.diverged else weights_out, out_dir))
         if result.diverged:

@@ -109,8 +109,9 @@ def harness(prefix: str, lr_literal: str) -> str:
 @dataclass
 class Feeder:
     """The host's side of the harness: the training batches in order, and the eval set's whole
-    batches before and after training (the last partial batch is dropped: predict normalises with
-    the batch's statistics, so padding would change the other samples' logits)."""
+    batches before and after training (the last partial batch is dropped: predict takes whole
+    batches, and a batch norm without running statistics normalises with the batch's own, so
+    padding would change the other samples' logits there)."""
 
     x: np.ndarray
     y: np.ndarray

@@ -79,6 +79,7 @@ class EmulatedTraining:
     marks: list[tuple[int, int]] = field(default_factory=list)
     # a data set's run (firmware/dataset.py): batch size, epochs, each epoch's mean loss, accuracy
     dataset: Optional[dict] = None
+    running: dict[str, np.ndarray] = field(default_factory=dict)  # the norms' running statistics, by torch name
 
     @property
     def instructions_per_step(self) -> float:
@@ -595,7 +596,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say, f
     from poet_opt.firmware.emulator import Emulator, EmulatorError
     from poet_opt.firmware.strip_codegen import scratch_bytes
 
-    from poet_opt.firmware.library import HARNESS_FILE, HARNESS_LOSSES, provenance
+    from poet_opt.firmware.library import HARNESS_FILE, HARNESS_LOSSES, provenance, running_statistics
 
     work.mkdir(parents=True, exist_ok=True)
     source, harness = work / f"{generated.prefix}train.c", work / HARNESS_FILE
@@ -644,19 +645,17 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say, f
         losses = list(feed.losses) if feed is not None else emulator.read_symbol(HARNESS_LOSSES, np.float32).tolist()
         # torch name -> (parameter, its trained value): one pair per tile of a tiled layer
         trained: dict[str, list] = {}
-        if generated.param_layers:
-            for node, layer in generated.param_layers.items():
-                if not layer.trainable:
-                    continue
-                stored = np.frombuffer(emulator.storage.dump(plan.flash.offsets[node], int(layer_bytes(layer))),
-                                       np.float32)
-                for p in layer.params.values():
-                    trained.setdefault(p.torch_name, []).append((p, stored[:p.value.size]))
-                    stored = stored[p.value.size:]
-        else:
-            for p in network.trainable_parameters:
-                value = emulator.read_symbol(generated.param_symbols[p.torch_name], np.float32)[:p.value.size]
-                trained.setdefault(p.torch_name, []).append((p, value))
+        for node, layer in generated.param_layers.items():
+            if not layer.trainable:
+                continue
+            stored = np.frombuffer(emulator.storage.dump(plan.flash.offsets[node], int(layer_bytes(layer))), np.float32)
+            for p in layer.params.values():
+                trained.setdefault(p.torch_name, []).append((p, stored[:p.value.size]))
+                stored = stored[p.value.size:]
+        for p in [] if generated.param_layers else network.trainable_parameters:
+            value = emulator.read_symbol(generated.param_symbols[p.torch_name], np.float32)[:p.value.size]
+            trained.setdefault(p.torch_name, []).append((p, value))
+        running = running_statistics(emulator, network)
     except EmulatorError as exc:
         raise PoetError(f"the firmware failed on the emulated {profile.name}: {str(exc).splitlines()[0]}") from None
     finally:
@@ -693,4 +692,4 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say, f
         storage_bus_s=storage_bus_seconds(profile.storage, read_ops=storage.read_ops, bytes_read=storage.bytes_read,
                                           write_ops=storage.write_ops, bytes_written=storage.bytes_written),
         clock_hz=getattr(profile.compute, "clock_hz", None), marks=marks,
-        dataset=feed.summary() if feed is not None else None)
+        dataset=feed.summary() if feed is not None else None, running=running)
