@@ -101,6 +101,14 @@ def test_each_zoo_model_has_a_twin_lowered_to_the_zoo_graph(name):
         [(n.kind, n.bytes, n.param_bytes, n.deps) for n in zoo.nodes]
     assert [n.flops for n in lowered.nodes] == pytest.approx([n.flops for n in zoo.nodes], rel=1e-9)
     assert [n.name for n in lowered.nodes if n.param_bytes] == [n.name for n in zoo.nodes if n.param_bytes]
+    if name == "transformer-block":  # a --torch transformer's row lowering (model/torch_rows.py) folds alike
+        from poet_opt.model.torch_import import lower_module
+        from poet_opt.model.torch_rows import row_ops
+
+        kept, divisors = row_ops(module, *lower_module(module, (1, 128, 768)))
+        assert [(o.name, o.op, o.flops) for o in kept] == \
+            [(n.name, n.op, n.flops) for n in lowered.nodes if n.kind == "forward"]
+        assert list(divisors.values()) == [8.0]  # sqrt(d_head): the scaling the zoo leaves implicit
     again = zoo_module(name, training=False)  # seeded: the same weights
     assert all(torch.equal(a, b) for a, b in zip(module.parameters(), again.parameters()))
 
