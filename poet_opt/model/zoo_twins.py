@@ -1,7 +1,9 @@
 """PyTorch modules for the zoo's models, layer for layer as the zoo builds them (same operators,
 shapes and names; a test lowers each to the zoo's graph node for node), with PyTorch's default
 initialisation under ``torch.manual_seed(SEED)``: `poet-opt emulate --model NAME` and `run --model
-NAME` train these. The zoo keeps its own builders because `solve --model` works without PyTorch."""
+NAME` train these, all but the two transformers (``UNTRAINED`` says why, and the commands refuse them
+before reading anything). The zoo keeps its own builders because `solve --model` works without
+PyTorch."""
 
 from __future__ import annotations
 
@@ -290,6 +292,7 @@ FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "mlp-residual": _mlp_residual, "v
              "resnet50": _resnet((3, 4, 6, 3), bottleneck=True),
              "transformer-block": _transformer_block, "bert-base": _bert_base}
 
+_TRANSFORMERS = ("transformer-block", "bert-base")
 _INSTEAD = "--torch poet_opt.examples.torch_models:encoder_classifier trains an encoder block with a classifier head"
 # Twins that `emulate` and `run` cannot train, and why: refused before anything is read or solved
 UNTRAINED = {
@@ -301,9 +304,13 @@ UNTRAINED = {
 TRAINED = tuple(sorted(n for n in FACTORIES if n not in UNTRAINED))
 
 
+def _key(name) -> str:
+    return str(name).strip().lower().replace("_", "-")  # as the zoo spells its names
+
+
 def check_trains(name: str) -> None:
     """Refuse, naming why and what to train instead, a zoo model `emulate` or `run` cannot train."""
-    key = str(name).strip().lower()
+    key = _key(name)
     if key in UNTRAINED:
         raise PoetError(f"zoo model {key!r} {UNTRAINED[key]}; `solve --model {key}` plans it, and {_INSTEAD}",
                         field="--model")
@@ -315,7 +322,7 @@ def check_trains(name: str) -> None:
 def twin_input_shape(name: str, batch: int, sample: tuple[int, ...]) -> tuple[int, ...]:
     """The twin's whole input for the zoo's per-sample input shape: a lone encoder block reads
     hidden states (tokens, 768), not the token ids the zoo's shape counts."""
-    if str(name).strip().lower() == "transformer-block":
+    if _key(name) == "transformer-block":
         return (batch, *sample, 768)
     return (batch, *sample)
 
@@ -331,15 +338,15 @@ def lower_twin(name: str, module, input_shape):
     from poet_opt.model.operators import finish
     from poet_opt.model.torch_import import lower_module
 
-    if str(name).strip().lower() not in UNTRAINED:
+    if _key(name) not in _TRANSFORMERS:
         return lower_network(module, input_shape).graph
     ops, output = lower_module(module, input_shape)
     src, kept, index = ops.ops, [], {}
     for i, o in enumerate(src):
-        scores = o.inputs and src[o.inputs[0]].op == "matmul" and len(src[o.inputs[0]].shape) == 4
-        if scores and o.op in ("div", "mul") and len(o.inputs) == 1 and not o.params:
+        of_heads = o.inputs and src[o.inputs[0]].op == "matmul" and len(src[o.inputs[0]].shape) == 4
+        if of_heads and o.op in ("div", "mul") and len(o.inputs) == 1 and not o.params:
             index[i] = index[o.inputs[0]]
-        elif scores and o.op == "copy":
+        elif of_heads and o.op == "copy":
             index[i] = index[o.inputs[0]]
             kept[index[i]] = replace(kept[index[i]], shape=o.shape)
         else:
@@ -352,7 +359,7 @@ def lower_twin(name: str, module, input_shape):
 def zoo_module(name: str, *, training: bool = True):
     """The seeded PyTorch module of zoo model ``name``; ``training``: one `emulate` and `run` train
     (:func:`check_trains`), else any twin (to compare its lowering with the zoo's)."""
-    key = str(name).strip().lower()
+    key = _key(name)
     if training or key not in FACTORIES:
         check_trains(key)
     return FACTORIES[key]()
