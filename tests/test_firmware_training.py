@@ -220,7 +220,7 @@ def test_a_device_the_emulator_has_no_core_for_is_refused(vww_batch, tmp_path):
 
 
 def test_an_unknown_zoo_model_and_bad_labels_are_refused(vww_batch, tmp_path):
-    assert_one_line_error(_emulate(data=vww_batch, model=("--model", "bert-base")), "--model", "mcu-vww")
+    assert_one_line_error(_emulate(data=vww_batch, model=("--model", "resnet34")), "--model", "mcu-vww")
     data = tmp_path / "b.npz"
     np.savez(data, x=np.ones((1, 1, 96, 96), np.float32), y=np.array([7]))
     assert_one_line_error(_emulate(data=data), "--data", "[0, 2)")

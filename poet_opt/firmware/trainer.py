@@ -202,10 +202,12 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
     the firmware's predict gives before and after training; ``bar``: a progress bar on stderr
     (firmware/dataset.py)."""
     from poet_opt.firmware.dataset import Feeder, check_set, load_set
-    from poet_opt.model.zoo_twins import zoo_module
+    from poet_opt.model.zoo_twins import check_trains, zoo_module
 
     if (model is None) == (torch_model is None):
         raise PoetError("give a zoo model or a torch model, not both or neither", field="--model")
+    if model is not None:
+        check_trains(model)
     if (steps is None) == (epochs is None):
         raise PoetError("give the training's length as --steps N or --epochs N, one of the two", field="--epochs")
     for value, option in ((steps, "--steps"), (epochs, "--epochs"), (batch_size, "--batch-size")):
