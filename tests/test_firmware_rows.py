@@ -55,7 +55,7 @@ def test_features_in_pieces_and_heads_across_them_train_equal_to_torch_sgd(batch
     pieces, each linear layer is 16 tiles and each token's layer-norm statistics chain over 4; as
     straight-line C and as a step program (firmware/program.py), which a large plan's step becomes."""
     result = emulate_rows(small_encoder_classifier, batch, tile_budget=3 * 1024, program=program)
-    assert [tuple(c) for c in result.network.graph.meta["rows"]["cols"]["q"]] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert [tuple(c) for c in result.network.graph.meta["rows"].cols["q"]] == [(0, 8), (8, 16), (16, 24), (24, 32)]
     largest, worst = worst_against_sgd(small_encoder_classifier, batch, result.weights)
     assert worst <= 1e-4 * largest, worst
 
