@@ -49,7 +49,9 @@ class _Replay:
         self.parts = {name: [tuple(r) for r in rows] for name, rows in tiling.tensors.items()}
         self.values: dict = {}
         self.weight_grads: dict = {}
-        self.channels = _slice_channels(graph.meta.get("tiles") or {}, self.layers)
+        # weight slice L#j -> the output channels [lo, hi) of L it computes
+        self.channels = {name: lohi for slices in (graph.meta.get("tiles") or {}).values()
+                         for name, lohi in slices.ranges().items()}
 
     def run(self) -> dict:
         for node in self.graph.nodes:
@@ -340,18 +342,6 @@ def size_of_window(g, shape, window, m0: int, m1: int) -> tuple[int, ...]:
     """The padded input a window operator's output rows [m0, m1) read."""
     k, s, p = window
     return (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
-
-
-def _slice_channels(tiles: dict, layers) -> dict[str, tuple[int, int]]:
-    """Weight slice L#j -> the output channels [lo, hi) of L it computes."""
-    out = {}
-    for names in tiles.values():
-        lo = 0
-        for name in names:
-            hi = lo + layers[name].shape[0]
-            out[name] = (lo, hi)
-            lo = hi
-    return out
 
 
 def run_plan(graph, steps, params: dict, x, y, lr: float) -> dict:
