@@ -1,5 +1,6 @@
 """The digits fine-tuning walkthrough (docs/firmware.md, "Fine-tuning on digits"), run longer: 5 epochs
-(200 steps of 16) on the emulated nRF52840 at 64 KiB, all layers and the last two, beside the same
+(200 steps of 16) on the emulated nRF52840 at 64 KiB, all layers and the last two, and all layers
+with recomputation off (--mode paging: the step pages to the SD card, and wears it), beside the same
 fine-tuning in plain PyTorch (model.train(), torch.optim.SGD, the same batches in the same order).
 
 Prints one table: accuracy on the held-out 5-9 before and after from the firmware's predict and from
@@ -28,7 +29,9 @@ from poet_opt.examples import digits  # noqa: E402
 from poet_opt.firmware.trainer import emulate_training  # noqa: E402
 
 DEVICE, RAM, BATCH, LR, EPOCHS, SEED = "nrf52840", "64KiB", 16, 0.1, 5, 0
-CASES = ["all", "last:2"]
+# (layers trained, joint or paging): the same 64 KiB forces recomputation in joint mode and, with
+# recomputation off, page-outs to the SD card, whose wear the walkthrough reports
+CASES = [("all", "joint"), ("last:2", "joint"), ("all", "paging")]
 
 
 def order(n: int, steps: int) -> list[np.ndarray]:
@@ -78,16 +81,18 @@ def main() -> None:
             f"{'max|dw|/max|w|':>14} {'pred mJ':>8} {'pred ms':>8} {'est ms':>7} {'est/pred':>8} "
             f"{'written B':>9} {'RAM KiB':>7} {'torch 0-4':>9}")
     rows = []
-    for trainable in CASES:
+    for trainable, mode in CASES:
         fw = emulate_training(torch_model="poet_opt.examples.digits:pretrained_cnn", input_shape=f"{BATCH},1,8,8",
                               batch_size=BATCH, device=DEVICE, ram=RAM, steps=None, epochs=EPOCHS, lr=LR, seed=SEED,
-                              data=digits.TRAIN_FILE, eval_data=digits.EVAL_FILE, trainable=trainable, time_limit=60)
+                              data=digits.TRAIN_FILE, eval_data=digits.EVAL_FILE, trainable=trainable, time_limit=60,
+                              mode=mode)
         ref = torch_fine_tuning(trainable, x, y, ex, ey, parts["pretrain_test"])
         largest = max(float(np.abs(w).max()) for w in ref["weights"].values())
         diff = max(float(np.abs(fw.weights[n] - w).max()) for n, w in ref["weights"].items() if n in fw.weights)
         s, totals = fw.summary(), fw.schedule.totals
         plan = f"{totals.get('recomputes', 0)} rec, {totals.get('page_outs', 0)} out"
-        rows.append(f"{trainable:8} {plan:>12} {s['accuracy_before']:>9.2%} {s['accuracy_after']:>8.2%} "
+        label = trainable + (" pg" if mode == "paging" else "")
+        rows.append(f"{label:8} {plan:>12} {s['accuracy_before']:>9.2%} {s['accuracy_after']:>8.2%} "
                     f"{ref['before']:>9.2%} {ref['after']:>9.2%} {diff / largest:>14.1e} "
                     f"{s['predicted_energy_j_per_step'] * 1e3:>8.2f} {s['predicted_runtime_s_per_step'] * 1e3:>8.1f} "
                     f"{s['estimated_runtime_s_per_step'] * 1e3:>7.1f} {s['estimated_over_predicted']:>8.2f} "
@@ -97,7 +102,9 @@ def main() -> None:
                     else f"{fw.flash_lifetime_steps:,} steps")
         rows.append(f"{'':8} loss: firmware {fw.losses[0]:.4f} -> {fw.losses[-1]:.4f}, torch {ref['losses'][0]:.4f} -> "
                     f"{ref['losses'][-1]:.4f}; max |loss diff| {loss_diff:.1e}; "
-                    f"{fw.instructions_per_step / 1e6:.2f} M instructions a step; storage lifetime {lifetime}")
+                    f"{fw.instructions_per_step / 1e6:.2f} M instructions a step; storage lifetime {lifetime}; "
+                    f"{fw.flash_wear_events:,} allocation-unit wear event(s) in the run, "
+                    f"{s['storage_bus_s_per_step'] * 1e3:.1f} ms of storage transfers a step")
     print(head)
     print("-" * len(head))
     print("\n".join(rows))

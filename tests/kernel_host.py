@@ -80,6 +80,7 @@ PROTOTYPES = {
     "poet_global_avgpool_backward": (None, [F, F, U, U]),
     "poet_batchnorm_forward": (None, [F, F, F, F, F, F, F, F, BN]),
     "poet_batchnorm_backward": (None, [F, F, F, F, F, F, F, F, BN]),
+    "poet_batchnorm_eval_forward": (None, [F, F, F, F, F, F, U, U, U, FL]),
     "poet_layernorm_forward": (None, [F, F, F, F, F, F, U, U, FL]),
     "poet_layernorm_backward": (None, [F, F, F, F, F, F, F, F, U, U]),
     "poet_gemm": (None, [F, U, F, U, U, F, U, U, U, U, U, FL]),

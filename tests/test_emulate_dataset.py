@@ -1,6 +1,6 @@
 """`emulate` on a data set (issue 29, item 3): shuffled batches handed to the firmware one at a time
 in one emulator run train it as the same batches train it in PyTorch, and --eval's accuracy is the
-firmware's predict agreeing with PyTorch's predictions."""
+firmware's predict agreeing with PyTorch's eval-mode predictions."""
 
 from __future__ import annotations
 
@@ -42,13 +42,16 @@ def documented_order(n: int, batch: int, steps: int, seed: int) -> list[np.ndarr
 
 
 def _accuracy(module, x, y) -> float:
-    """Train-mode batch norm (the batch's statistics, as the firmware's predict), whole batches only."""
+    """Eval mode (batch norm with the running statistics, as the firmware's predict), whole batches
+    only; predicting moves no running statistics, here as on the board."""
     whole = x.shape[0] // BATCH * BATCH
     right = 0
+    module.eval()
     with torch.no_grad():
         for k in range(0, whole, BATCH):
             logits = module(torch.from_numpy(x[k:k + BATCH]))
             right += int((logits.argmax(1).numpy() == y[k:k + BATCH]).sum())
+    module.train()
     return right / whole
 
 
@@ -65,7 +68,8 @@ def _torch_reference(x, y, steps: int, seed: int, ex, ey):
         opt.step()
         losses.append(loss.item())
     after = _accuracy(module, ex, ey)
-    return losses, {n: p.detach().numpy() for n, p in module.named_parameters()}, before, after
+    state = {n: t.detach().numpy() for n, t in module.state_dict().items() if not n.endswith("num_batches_tracked")}
+    return losses, state, before, after
 
 
 def _assert_equal_to_torch(weights, losses, reference):
@@ -111,7 +115,7 @@ def test_steps_run_on_into_the_next_epoch_with_a_bar_on_stderr(tmp_path, capsys)
                               ram="20KiB", steps=4, seed=7, lr=LR, data=tmp_path / "d.npz",
                               eval_data=tmp_path / "e.npz", time_limit=10, bar=True)
     reference = _torch_reference(x, y, 4, 7, ex, ey)
-    _assert_equal_to_torch(result.weights, result.losses, reference)
+    _assert_equal_to_torch({**result.weights, **result.running}, result.losses, reference)
     summary = result.summary()
     assert summary["epoch_loss"] == pytest.approx([np.mean(result.losses[:3]), result.losses[3]])
     assert (summary["accuracy_before"], summary["accuracy_after"]) == (reference[2], reference[3])

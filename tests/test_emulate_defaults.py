@@ -83,24 +83,48 @@ def test_the_mlp_trains_at_96_kib_with_defaults_equal_to_torch(mlp):
 
 
 @pytest.mark.parametrize("name", ["mcu-vww", "mlp", "mlp-residual", "vgg16-cifar", "vgg16-imagenet", "resnet18-cifar",
-                                  "resnet18-imagenet", "resnet50", "mobilenetv2"])
-def test_each_zoo_model_with_a_firmware_build_has_a_twin_lowered_to_the_zoo_graph(name):
+                                  "resnet18-imagenet", "resnet50", "mobilenetv2", "transformer-block", "bert-base"])
+def test_each_zoo_model_has_a_twin_lowered_to_the_zoo_graph(name):
     """`emulate --model NAME` trains a seeded PyTorch module (for resnet18-cifar the one
     `--torch ...:resnet18` names), and its lowering is the zoo's graph node for node: kinds, sizes,
-    parameters, dependencies and FLOPs."""
-    from poet_opt.model.zoo_twins import FACTORIES, zoo_module
-    from poet_opt.model.network import lower_network
+    parameters, dependencies and FLOPs, and the names of the layers with weights (what --trainable
+    selects). The transformers' attention is unfused, its scaling and head join folded as the zoo
+    folds them (zoo_twins.lower_twin); bert-base is whole, at its 128 tokens."""
+    from poet_opt.model.zoo_twins import FACTORIES, lower_twin, twin_input_shape, zoo_module
     from poet_opt.model.zoo import build_model
 
     assert name in FACTORIES
     zoo = build_model(name)
-    network = lower_network(zoo_module(name), (zoo.meta["batch_size"], *zoo.meta["input_shape"]))
-    lowered = network.graph
+    module = zoo_module(name, training=False)
+    lowered = lower_twin(name, module, twin_input_shape(name, zoo.meta["batch_size"], tuple(zoo.meta["input_shape"])))
     assert [(n.kind, n.bytes, n.param_bytes, n.deps) for n in lowered.nodes] == \
         [(n.kind, n.bytes, n.param_bytes, n.deps) for n in zoo.nodes]
     assert [n.flops for n in lowered.nodes] == pytest.approx([n.flops for n in zoo.nodes], rel=1e-9)
-    again = zoo_module(name)  # seeded: the same weights
-    assert all(torch.equal(a, b) for a, b in zip(network.module.parameters(), again.parameters()))
+    assert [n.name for n in lowered.nodes if n.param_bytes] == [n.name for n in zoo.nodes if n.param_bytes]
+    if name == "transformer-block":  # a --torch transformer's row lowering (model/torch_rows.py) folds alike
+        from poet_opt.model.torch_import import lower_module
+        from poet_opt.model.torch_rows import row_ops
+
+        kept, divisors = row_ops(module, *lower_module(module, (1, 128, 768)))
+        assert [(o.name, o.op, o.flops) for o in kept] == \
+            [(n.name, n.op, n.flops) for n in lowered.nodes if n.kind == "forward"]
+        assert list(divisors.values()) == [8.0]  # sqrt(d_head): the scaling the zoo leaves implicit
+    again = zoo_module(name, training=False)  # seeded: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), again.parameters()))
+
+
+@pytest.mark.parametrize("name, why", [("transformer-block", "no classifier head"),
+                                       ("bert-base", "embeddings of token ids")])
+@pytest.mark.parametrize("command", ["emulate", "run"])
+def test_a_twin_the_firmware_and_run_cannot_train_is_refused_up_front_saying_what_to_use(name, why, command,
+                                                                                        tmp_path):
+    """Before the data is read or anything solved (--data names a file that is not there): one
+    line, exit 2, naming why, that `solve` plans it, and the encoder with a head to train instead."""
+    from test_cli import assert_one_line_error
+
+    result = cli(command, "--model", name, "--device", "nrf52840", "--ram", "200KiB", "--steps", "1", "--lr", "0.1",
+                 "--data", tmp_path / "missing.npz")
+    assert_one_line_error(result, "--model", why, f"solve --model {name}", "torch_models:encoder_classifier")
 
 
 def test_a_zoo_model_with_a_new_twin_trains_in_firmware_equal_to_torch(tmp_path):

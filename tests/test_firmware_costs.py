@@ -159,3 +159,21 @@ def test_measure_device_shares_emulates_options_and_defaults():
         if not (measure[name].required or emulate[name].required):
             assert default(measure[name]) == default(emulate[name]), name
         assert getattr(measure[name].type, "choices", None) == getattr(emulate[name].type, "choices", None), name
+
+
+def test_a_paging_plans_storage_commands_take_the_time_the_plan_gives_its_transfers(measured):
+    """The emulated card answers at once; the estimate adds the commands the firmware issued at the
+    profile's rates. A plan that only pages (no streamed weights, nothing read besides the paged
+    tensors) issues one write per page-out and one read per page-in, so that time is the plan's
+    paging time: a firmware that wrote a tensor in pieces, or read one twice, would be more."""
+    _, _, data = measured
+    result = cli("emulate", *MODEL, "--mode", "paging", "--steps", 2, "--lr", 0.01, "--data", data,
+                 "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    plan = json.loads(cli("solve", *MODEL, "--mode", "paging", "--json").stdout)["totals"]
+    assert plan["page_outs"] >= 1
+    profile = load_profile("nrf52840")
+    paging_s = (plan["page_in_j"] / profile.storage.read.power_w + plan["page_out_j"] / profile.storage.write.power_w)
+    assert summary["storage_bus_s_per_step"] == pytest.approx(paging_s, rel=0.02)
+    assert summary["estimated_runtime_s_per_step"] > summary["storage_bus_s_per_step"] > 0

@@ -1,8 +1,9 @@
 """The firmware runs row-tile plans (issue 27, item 5): a transformer written out in PyTorch, its
 tokens in row blocks and its features in pieces (model/rows.py), trains on the emulated core as one
 torch.optim.SGD step does (firmware/row_codegen.py); what it has no row kernel for is refused
-before solving, naming the option. The full-size encoder block of the issue at 200 KiB is in
-benchmarks/FIRMWARE.md ("Row tiles"): minutes, too long for the suite."""
+before solving, naming the option; the library's predict on a row plan gives PyTorch's logits. The
+full-size encoder block of the issue at 200 KiB is in benchmarks/FIRMWARE.md ("Row tiles"):
+minutes, too long for the suite."""
 
 from __future__ import annotations
 
@@ -86,3 +87,52 @@ def test_a_transformer_that_fits_whole_but_has_views_the_firmware_cannot_move_is
     result = cli("emulate", "--torch", SPEC, "--input-shape", "1,16,32", "--device", "nrf52840", "--ram", "200KiB",
                  "--steps", "1", "--lr", LR, "--data", batch, "-q")
     assert_one_line_error(result, "--strips", "transpose", "give --strips N")
+
+
+def test_predict_on_a_row_plan_of_four_blocks_gives_torch_s_logits_before_and_after_a_step():
+    """The library's ``predict`` on a row plan, as the data-set harness calls it for --eval: a block
+    with four times the tokens and twice the features of the ones above (64 tokens of 64, 4 heads,
+    FFN 128), its tokens in 4 row blocks. On two eval samples it gives PyTorch's logits for the fresh
+    module, then, after one training step, for the module after one torch.optim.SGD step; the
+    weights are SGD's too."""
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.examples.torch_models import EncoderClassifier
+    from poet_opt.firmware.dataset import Feeder
+    from poet_opt.firmware.fit import solve_for_export
+    from poet_opt.firmware.row_codegen import check_rows
+    from poet_opt.firmware.trainer import run_schedule
+    from poet_opt.model.network import lower_network
+
+    def factory():
+        torch.manual_seed(0)
+        return EncoderClassifier(d=64, h=4, ff=128, classes=5)
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((1, 64, 64)).astype(np.float32), np.array([3])
+    eval_x, eval_y = rng.standard_normal((2, 64, 64)).astype(np.float32), np.array([1, 4])
+    # at 64 KiB the tiles keep the 64 features whole (the pieces are the tests' above): a plan of
+    # 288 nodes, which the arena places in seconds
+    network = lower_network(factory(), x.shape, weights="streamed", strips=4, strip_budget=64 * 1024)
+    check_rows(network)
+    assert [tuple(b) for b in network.graph.meta["rows"]["blocks"]] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    profile = load_profile("nrf52840")
+    plan = solve_for_export(network.graph, profile, ram=200 * 1024, time_limit=5)
+    feed = Feeder(x, y, 1, 1, 0, eval_x, eval_y)
+    result = run_schedule(network, plan, profile, steps=1, lr=LR, x=x, y=y, feed=feed)
+
+    module = factory()
+    with torch.no_grad():
+        before = module(torch.from_numpy(eval_x)).numpy()
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+    opt.step()
+    with torch.no_grad():
+        after = module(torch.from_numpy(eval_x)).numpy()
+    for phase, want in (("before", before), ("after", after)):
+        got = np.concatenate(feed.predictions[phase])
+        assert got.shape == want.shape == (2, 5)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), phase
+    assert not np.allclose(before, after)  # the step moved the logits predict gives
+    reference = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    largest = max(float(np.abs(w).max()) for w in reference.values())
+    assert max(float(np.abs(result.weights[n] - w).max()) for n, w in reference.items()) <= 1e-4 * largest

@@ -423,6 +423,15 @@ def test_batchnorm(k, shape, affine, running):
         check("batchnorm backward gamma", dg, dg0 + grad_of(tg))
         check("batchnorm backward beta", db, db0 + grad_of(tb))
 
+    # eval mode (model.eval()): the running statistics normalise, each sample alone, also in place
+    want = Fn.batch_norm(t64(x), t64(rm0), t64(rv0), tg, tb, training=False, eps=eps)
+    ye = np.full(shape, np.nan, np.float32)
+    k.batchnorm_eval_forward(ptr(ye), ptr(x), ptr(rm0), ptr(rv0), ptr(gamma), ptr(beta), n, c, spatial, eps)
+    check("batchnorm eval forward", ye, want)
+    inplace = x.copy()
+    k.batchnorm_eval_forward(ptr(inplace), ptr(inplace), ptr(rm0), ptr(rv0), ptr(gamma), ptr(beta), n, c, spatial, eps)
+    np.testing.assert_array_equal(inplace, ye)
+
 
 @pytest.mark.parametrize("shape,affine", [((6, 10), True), ((2, 3, 16), True), ((5, 7), False)])
 def test_layernorm(k, shape, affine):

@@ -74,7 +74,7 @@ def _batch(path, shape, classes, seed):
     return path
 
 
-def _sgd_step(module, data):
+def _sgd_step(module, data, running: bool = False):
     with np.load(data) as d:
         x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
     module.train()
@@ -82,7 +82,10 @@ def _sgd_step(module, data):
     opt.zero_grad()
     torch.nn.functional.cross_entropy(module(x), y).backward()
     opt.step()
-    return {n: p.detach().numpy() for n, p in module.named_parameters()}
+    out = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    if running:  # emulate's --weights-out keeps batch norm's running statistics too
+        out.update({n: b.numpy() for n, b in module.named_buffers() if n.endswith(("running_mean", "running_var"))})
+    return out
 
 
 def test_the_registry_describes_both():
@@ -158,7 +161,7 @@ def test_poet_opt_emulate_trains_them_as_torch_does(models, factory, tmp_path):
     for kernel in ("poet_silu_forward", "poet_silu_backward") + (
             ("poet_hardswish_forward", "poet_hardswish_backward") if factory == "silu_cnn" else ()):
         assert kernel in source
-    reference = _sgd_step(ns[factory](), data)
+    reference = _sgd_step(ns[factory](), data, running=True)
     with np.load(weights) as trained:
         assert set(trained.files) == set(reference)
         largest = max(float(np.abs(w).max()) for w in reference.values())

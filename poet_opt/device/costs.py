@@ -87,6 +87,16 @@ def node_costs(graph: TrainingGraph, profile: DeviceProfile) -> NodeCosts:
     return costs
 
 
+def storage_bus_seconds(storage, *, read_ops: int, bytes_read: int, write_ops: int, bytes_written: int) -> float:
+    """The seconds the profile's storage model gives transfers of these totals: each command pays
+    its latency once and its bytes at the rate, as a page-in or page-out does in :func:`node_costs`.
+    Exact from totals, because the model is linear in commands and bytes; the firmware's emulated
+    storage counts what the generated code actually issued (its commands need not be the plan's)."""
+    read, write = storage.read, storage.write
+    return (read_ops * read.latency_s + bytes_read / read.bytes_per_second
+            + write_ops * write.latency_s + bytes_written / write.bytes_per_second)
+
+
 def _check_finite(costs: NodeCosts, graph: TrainingGraph, profile: DeviceProfile) -> None:
     """The loaders bound every figure (docs/graphs.md, docs/profiles.md), so this should never fire;
     if a new importer or profile field slips past them, a total of inf must be bad input naming

@@ -14,9 +14,9 @@ The images are load_digits' 1,797 8x8 images, which the scikit-learn wheel ships
 downloaded. Everything follows from ``--seed``: the split and the pretraining's order and
 initial weights.
 
-The network has no batch norm: the firmware's ``predict`` normalises with the batch's statistics
-(training mode), where a deployed model would use the running ones, so a batch-norm network's
-accuracy on the board would differ from PyTorch's eval mode.
+The network has no batch norm. The firmware's ``predict`` is PyTorch's eval mode (batch norm with
+the running statistics), so a batch-norm network's accuracy on the board would be its eval-mode
+accuracy in PyTorch all the same.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import sys
 import click
 
 from poet_opt.errors import PoetError
-from poet_opt.model.zoo_twins import FACTORIES
+from poet_opt.model.zoo_twins import TRAINED, check_trains
 from poet_opt.solver.time_budget import parse_time_limit
 
 
@@ -25,7 +25,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
 
     @main.command()
     @click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
-    @click.option("--model", help=f"instead of --torch: a zoo model's PyTorch twin ({', '.join(sorted(FACTORIES))})")
+    @click.option("--model", help=f"instead of --torch: a zoo model's PyTorch twin ({', '.join(TRAINED)})")
     @click.option("--input-shape", default=None, help="the whole input, batch first, e.g. 8,3,32,32 (with --torch; "
                   "with --model, --data's x)")
     @click.option("--schedule", "schedule_file", default=None, type=click.Path(dir_okay=False),
@@ -80,6 +80,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
 
         if (model is None) == (torch_spec is None):
             raise PoetError("give --torch FILE.py:FACTORY or --model NAME, one of the two", field="--torch")
+        if model is not None:
+            check_trains(model)
         if weights_out is not None:
             _check_writable(weights_out, field="--weights-out")
         _check_not_inputs([("--weights-out", weights_out)], device=device or (), torch_spec=torch_spec, data=data,

@@ -14,7 +14,7 @@ import json
 import click
 
 from poet_opt.errors import PoetError
-from poet_opt.model.zoo_twins import FACTORIES
+from poet_opt.model.zoo_twins import TRAINED, check_trains
 from poet_opt.solver.time_budget import parse_time_limit
 
 
@@ -24,7 +24,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
         one_line_errors, check_writable, check_not_inputs, weights_option)
 
     @main.command()
-    @click.option("--model", help=f"zoo model name with a firmware build ({', '.join(sorted(FACTORIES))})")
+    @click.option("--model", help=f"zoo model name with a firmware build ({', '.join(TRAINED)})")
     @click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
     @click.option("--input-shape", default=None, help="--torch: the whole input, batch first, e.g. 2,3,32,32")
     @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
@@ -41,7 +41,10 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
                   help="BATCH.npz or a data set: x (float32, samples first) and y (integer class labels)")
     @click.option("--trainable", default="all", show_default=True, help="all, last:N or NAME,NAME,...")
     @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
-                  help="write every trainable parameter after the steps here (.npz, PyTorch's names and shapes)")
+                  help="write every trainable parameter and the norms' running statistics after the steps here "
+                       "(.npz, PyTorch's state_dict names and shapes)")
+    @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True,
+                  help="as for `poet-opt solve`: what the plan may trade memory with (none: plain training)")
     @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
                   help="per-node time/energy the plan is solved with, as for `poet-opt solve --costs` (`poet-opt measure "
                        "--device` writes them from this firmware)")
@@ -57,7 +60,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
     @click.option("--quiet", "-q", is_flag=True, help="no progress on stderr")
     @_one_line_errors
     def emulate(model, torch_spec, input_shape, device, ram, steps, epochs, batch_size, seed, eval_data, lr, data,
-                trainable, weights_out, costs_file, time_limit, as_json, out_dir, prefix, weights, weight_tile, strips,
+                trainable, weights_out, mode, costs_file, time_limit, as_json, out_dir, prefix, weights, weight_tile, strips,
                 quiet):
         """Solve, export, generate C, cross-compile and train N steps or epochs on an emulated Cortex-M.
 
@@ -71,6 +74,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
 
         if (model is None) == (torch_spec is None):
             raise click.UsageError("give --model NAME or --torch FILE.py:FACTORY (with --input-shape)")
+        if model is not None:
+            check_trains(model)
         if weights_out is not None:
             _check_writable(weights_out, field="--weights-out")
         kept = [("-o", path) for path in output_files(out_dir, prefix)] if out_dir is not None else []
@@ -79,12 +84,12 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
         say = None if quiet else (lambda text: click.echo(f"poet-opt: {text}", err=True))
         result = emulate_training(model=model, torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram,
                                   steps=steps, lr=lr, data=data, trainable=trainable, out_dir=out_dir,
-                                  time_limit=parse_time_limit(time_limit), progress=say, weights=weights,
+                                  time_limit=parse_time_limit(time_limit), mode=mode, progress=say, weights=weights,
                                   tile_bytes=weight_tile, strips=strips, costs=costs_file, prefix=prefix,
                                   epochs=epochs, batch_size=batch_size, seed=seed, eval_data=eval_data,
                                   bar=sys.stderr.isatty() and not as_json and not quiet)
         if weights_out is not None and not result.diverged:  # NaN weights are no one's trained model
-            write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
+            write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights, **result.running), field="--weights-out", binary=True)
         click.echo(json.dumps(result.summary(), indent=1, allow_nan=False) if as_json
                    else result.text(device, None if result.diverged else weights_out, out_dir))
         if result.diverged:
@@ -121,7 +126,8 @@ def measure_on_device(*, device, ram, out, model=None, torch_spec=None, input_sh
         f"({summary['recomputes']} recompute(s), {summary['page_outs']} page-out(s)), {len(found.nodes)} nodes "
         f"measured",
         f"  cycles   {summary['step_cycles']:,} estimated ({summary['instructions']:,} instructions): "
-        f"{est * 1e3:,.2f} ms at {found.clock_hz / 1e6:g} MHz",
+        f"{(est - summary['storage_bus_s_per_step']) * 1e3:,.2f} ms at {found.clock_hz / 1e6:g} MHz, and "
+        f"{summary['storage_bus_s_per_step'] * 1e3:,.2f} ms of storage transfers at the profile's rates",
         f"  nodes    {summary['node_cycles']:,} cycles, {node_s * 1e3:,.2f} ms; paging {summary['paging_cycles']:,} "
         f"cycles and {summary['outside_cycles']:,} outside the plan's steps (start-up, SGD) are not written",
         f"  profile  the plan predicted {pred * 1e3:,.2f} ms from the profile's costs: estimate/prediction "

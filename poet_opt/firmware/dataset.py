@@ -109,8 +109,9 @@ def harness(prefix: str, lr_literal: str) -> str:
 @dataclass
 class Feeder:
     """The host's side of the harness: the training batches in order, and the eval set's whole
-    batches before and after training (the last partial batch is dropped: predict normalises with
-    the batch's statistics, so padding would change the other samples' logits)."""
+    batches before and after training (the last partial batch is dropped: predict takes whole
+    batches, and a batch norm without running statistics normalises with the batch's own, so
+    padding would change the other samples' logits there)."""
 
     x: np.ndarray
     y: np.ndarray
@@ -122,6 +123,9 @@ class Feeder:
     bar: bool = False  # a tqdm bar on stderr
     losses: list = field(default_factory=list)
     accuracy: dict = field(default_factory=dict)  # "before"/"after" -> fraction of eval samples right
+    # "before"/"after" -> the logits predict gave for each eval batch, in order: what the accuracy is
+    # counted from, kept so that a test can hold them against PyTorch's
+    predictions: dict = field(default_factory=lambda: {"before": [], "after": []})
 
     def __post_init__(self):
         self.per_epoch = self.x.shape[0] // self.batch
@@ -171,7 +175,8 @@ class Feeder:
                     if step == self.steps:  # the last step shown before the bar clears, whatever the rate limit
                         self._progress.refresh()
             else:
-                logits = emu.read_symbol("harness_logits", np.float32).reshape(self.batch, -1)
+                logits = emu.read_symbol("harness_logits", np.float32).reshape(self.batch, -1).copy()
+                self.predictions[phase].append(logits)
                 self._right[phase] += int((logits.argmax(axis=1) == self.eval_y[ix]).sum())
                 if self._next == len(self.commands) or self.commands[self._next][1] != phase:
                     self.accuracy[phase] = self._right[phase] / self.eval_samples

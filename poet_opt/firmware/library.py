@@ -4,7 +4,8 @@ header ``<prefix>train.h``, plus the example ``main()`` the emulator runs (``poe
 An application owns ``main()``, its data and its learning rate, so none of them is compiled into
 the library: ``<prefix>train_step`` takes the batch, its labels and the rate from the caller, and
 ``<prefix>predict`` runs the schedule's forward part (its steps up to the first compute of the
-logits) in the same arena. ``<prefix>save_weights`` / ``<prefix>load_weights`` keep what training
+logits) in the same arena, in PyTorch's eval mode: batch norm normalises with its running
+statistics, so a sample's logits do not depend on the rest of its batch. ``<prefix>save_weights`` / ``<prefix>load_weights`` keep what training
 changed (the resident trainable weights and the norms' running statistics) in a storage area after
 every region of the plan, so training survives a reset; streamed weights already live on storage
 and are rewritten by every step.
@@ -72,6 +73,15 @@ def check_library_prefix(prefix: str) -> None:
     if clash:
         raise PoetError(f"{prefix!r} makes {clash[0]}, a name of the firmware's own library; choose another prefix",
                         field="--prefix")
+
+
+def running_statistics(emulator, network) -> dict[str, np.ndarray]:
+    """The norms' running statistics an emulated run left in RAM, under the names torch's
+    ``named_buffers()`` gives them, so that ``load_state_dict`` takes them beside the weights and
+    the module's ``eval()`` predicts as the firmware's predict does."""
+    return {b.torch_name: emulator.read_symbol(identifier("poet", role, k), np.float32)[:b.value.size]
+            .reshape(b.value.shape).copy()
+            for k, layer in enumerate(network.layers.values()) for role, b in layer.buffers.items()}
 
 
 def _fnv1a(text: str) -> int:
@@ -175,8 +185,8 @@ class Library:
             f"{status} {p}train_step(const float *inputs, const int32_t *labels, float lr, float *loss);",
             "",
             f"/* The forward pass with the current weights: logits receives {P}LOGITS_FLOATS floats",
-            " * (batch x classes). Normalisation uses the batch's statistics, as the training step does,",
-            " * and moves no running statistics. */",
+            " * (batch x classes), as PyTorch's model.eval(): batch norm normalises with its running",
+            " * statistics and moves none, so each sample's logits depend on that sample alone. */",
             f"{status} {p}predict(const float *inputs, float *logits);",
             "",
             "/* Write what training changed to the storage device, after the plan's regions; load it",

@@ -12,8 +12,9 @@ What is written (the file `solve --costs`, `emulate --costs` and `run --costs` r
 cycles over the profile's ``compute.clock_hz``, joules as those seconds at the profile's active
 power. Not written, so that the profile's storage model keeps pricing them: the nodes that read
 streamed weights from storage (``param:``), and paging. The emulator's storage answers at once, so
-what the firmware spends on a transfer's bus time is not in any cycle count here; the paging steps'
-own cycles (the driver's) are reported beside, not written. Nor is anything outside the schedule's
+a transfer's bus time is in no cycle count: the estimate adds the commands the firmware issued at
+the profile's storage latencies and rates (``storage_bus_s``); the paging steps' own cycles (the
+driver's) are reported beside, not written. Nor is anything outside the schedule's
 steps: zeroing the resident weights' gradients and their SGD update, start-up (``outside_cycles``).
 """
 
@@ -53,6 +54,8 @@ class FirmwareCosts:
     paging_cycles: int  # the page-out and page-in steps, and reading streamed weights (param:)
     instructions: int
     skipped: list[str] = field(default_factory=list)  # nodes left to the storage model
+    # the step's storage commands at the profile's latencies and rates (the emulated card takes no time)
+    storage_bus_s: float = 0.0
     plan: object = None  # the FirmwarePlan that ran (its .schedule is ``schedule``)
 
     @property
@@ -80,7 +83,8 @@ class FirmwareCosts:
             "instructions": self.instructions, "step_cycles": self.step_cycles,
             "schedule_cycles": self.schedule_cycles, "node_cycles": node_cycles,
             "paging_cycles": self.paging_cycles, "outside_cycles": self.outside_cycles,
-            "estimated_runtime_s_per_step": self.seconds(self.step_cycles),
+            "estimated_runtime_s_per_step": self.seconds(self.step_cycles) + self.storage_bus_s,
+            "storage_bus_s_per_step": self.storage_bus_s,
             "predicted_runtime_s_per_step": float(totals["runtime_s"]),
             "predicted_energy_j_per_step": float(totals["energy_j"]),
             "recomputes": int(totals["recomputes"]), "page_outs": int(totals.get("page_outs", 0)),
@@ -144,4 +148,5 @@ def measure_firmware(module, shape, device, *, ram, name=None, trainable="all", 
     return FirmwareCosts(network=network, schedule=plan.schedule, device=profile.name, clock_hz=float(clock),
                          power_w=float(profile.compute.power_w), nodes=measured, step_cycles=int(result.cycles),
                          schedule_cycles=int(result.marks[-1][1] - result.marks[0][1]), paging_cycles=paging,
-                         instructions=int(result.instructions), skipped=skipped, plan=plan)
+                         instructions=int(result.instructions), skipped=skipped, plan=plan,
+                         storage_bus_s=result.storage_bus_s)

@@ -194,6 +194,8 @@ class StripWriter(StepWriter):
         if op in WINDOWED:
             return self.window_forward(layer, a, b, out, ops)
         xs = [self.buf(ops, x, j) for x in layer.operands]
+        if op == "batchnorm" and self.evaluating and layer.buffers:
+            return [self.batchnorm_eval(layer, out, xs[0], ops, n, (b - a) * w)]
         if op == "batchnorm":
             k = self.layer_index[name]
             stats = self.at(ops, f"stats:{name}@s{len(self.strips(name)) - 1}", f"{name}'s strips")
@@ -210,6 +212,11 @@ class StripWriter(StepWriter):
             return [f"poet_copy_strided({out} + {first}u, {x}, {n}u, {part}u, {whole}u, {part}u);"
                     for x, (first, part, whole) in zip(xs, self.concat_slices(layer, b - a, w))]
         raise PoetError(f"node {name!r}: no strip kernel for operator {op}", field="--strips")
+
+    def eval_unneeded(self) -> set[int]:
+        # the chained batch statistics: eval mode normalises each strip with the running statistics
+        return {self.by_name[name] for name, rec in self.records.items()
+                if rec["role"] == "bn_stats" and self.net.layers[rec["layer"]].buffers and name in self.by_name}
 
     def chunk_rows(self, total: int, floats) -> int:
         """Output rows per kernel call: the most whose scratch, ``floats(rows)``, stays within

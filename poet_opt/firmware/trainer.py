@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from poet_opt.device.costs import storage_bus_seconds
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.files import check_not_inputs, write_files
@@ -69,12 +70,16 @@ class EmulatedTraining:
     # erase events over the run: erases on raw flash, on a card each allocation unit a write touched
     flash_wear_events: int = 0
     cycles: int = 0  # the emulator's cycle estimate for the run (poet_opt/firmware/cycles.py)
+    # the run's storage commands at the profile's latencies and rates: the emulated card answers at
+    # once, a real one holds the step for this long (device/costs.py storage_bus_seconds)
+    storage_bus_s: float = 0.0
     clock_hz: Optional[float] = None  # the profile's core clock, when it gives one
     # a profiling build (run_schedule(marks=True)): (schedule step, or len(steps) at the end of a
     # training step; estimated cycles when it began), every training step's in turn
     marks: list[tuple[int, int]] = field(default_factory=list)
     # a data set's run (firmware/dataset.py): batch size, epochs, each epoch's mean loss, accuracy
     dataset: Optional[dict] = None
+    running: dict[str, np.ndarray] = field(default_factory=dict)  # the norms' running statistics, by torch name
 
     @property
     def instructions_per_step(self) -> float:
@@ -93,11 +98,13 @@ class EmulatedTraining:
                "flash_erases_max_block": self.flash_erases_max_block, "instructions": self.instructions}
         # beside the plan's prediction: the estimated cycles, and with the profile's clock, seconds
         steps, totals = max(1, len(self.losses)), self.schedule.totals
-        estimated = self.cycles / steps / self.clock_hz if self.clock_hz else None
+        # the cycle estimate covers start-up too (shared by the steps); the storage's bus time is the
+        # commands the firmware issued, priced by the profile as the plan prices its transfers
+        estimated = (self.cycles / self.clock_hz + self.storage_bus_s) / steps if self.clock_hz else None
         predicted = float(totals["runtime_s"])
         out.update(cycles=self.cycles, predicted_runtime_s_per_step=predicted,
                    predicted_energy_j_per_step=float(totals["energy_j"]), estimated_runtime_s_per_step=estimated,
-                   # the cycle estimate covers start-up too (shared by the steps) but no storage bus time
+                   storage_bus_s_per_step=self.storage_bus_s / steps,
                    estimated_over_predicted=estimated / predicted if estimated is not None and predicted else None,
                    costs=self.network.graph.meta.get("measured_costs"))
         if self.weights_placement == "streamed":  # (resident runs keep the summary they always had)
@@ -147,8 +154,9 @@ class EmulatedTraining:
             f"  storage  {summary['flash_bytes_written'] / 1024:.1f} KiB written, at most "
             f"{summary['flash_erases_max_block']} erase(s) of one block",
             f"  executed {summary['instructions']:,} instructions"
-            + (f", about {summary['estimated_runtime_s_per_step'] * 1e3:,.2f} ms a step at the profile's clock (the "
-               f"plan predicts {summary['predicted_runtime_s_per_step'] * 1e3:,.2f} ms)"
+            + (f", about {summary['estimated_runtime_s_per_step'] * 1e3:,.2f} ms a step at the profile's clock "
+               f"with {summary['storage_bus_s_per_step'] * 1e3:,.2f} ms of storage transfers (the plan predicts "
+               f"{summary['predicted_runtime_s_per_step'] * 1e3:,.2f} ms)"
                if summary["estimated_runtime_s_per_step"] is not None else ""),
             *([f"  weights  streamed from storage: {summary['flash_bytes_read'] / 1024:.1f} KiB read in all, "
                f"{summary['flash_bytes_written_per_step'] / 1024:.1f} KiB written per step (plan), storage lasts "
@@ -194,10 +202,12 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
     the firmware's predict gives before and after training; ``bar``: a progress bar on stderr
     (firmware/dataset.py)."""
     from poet_opt.firmware.dataset import Feeder, check_set, load_set
-    from poet_opt.model.zoo_twins import zoo_module
+    from poet_opt.model.zoo_twins import check_trains, zoo_module
 
     if (model is None) == (torch_model is None):
         raise PoetError("give a zoo model or a torch model, not both or neither", field="--model")
+    if model is not None:
+        check_trains(model)
     if (steps is None) == (epochs is None):
         raise PoetError("give the training's length as --steps N or --epochs N, one of the two", field="--epochs")
     for value, option in ((steps, "--steps"), (epochs, "--epochs"), (batch_size, "--batch-size")):
@@ -588,7 +598,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say, f
     from poet_opt.firmware.emulator import Emulator, EmulatorError
     from poet_opt.firmware.strip_codegen import scratch_bytes
 
-    from poet_opt.firmware.library import HARNESS_FILE, HARNESS_LOSSES, provenance
+    from poet_opt.firmware.library import HARNESS_FILE, HARNESS_LOSSES, provenance, running_statistics
 
     work.mkdir(parents=True, exist_ok=True)
     source, harness = work / f"{generated.prefix}train.c", work / HARNESS_FILE
@@ -637,19 +647,17 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say, f
         losses = list(feed.losses) if feed is not None else emulator.read_symbol(HARNESS_LOSSES, np.float32).tolist()
         # torch name -> (parameter, its trained value): one pair per tile of a tiled layer
         trained: dict[str, list] = {}
-        if generated.param_layers:
-            for node, layer in generated.param_layers.items():
-                if not layer.trainable:
-                    continue
-                stored = np.frombuffer(emulator.storage.dump(plan.flash.offsets[node], int(layer_bytes(layer))),
-                                       np.float32)
-                for p in layer.params.values():
-                    trained.setdefault(p.torch_name, []).append((p, stored[:p.value.size]))
-                    stored = stored[p.value.size:]
-        else:
-            for p in network.trainable_parameters:
-                value = emulator.read_symbol(generated.param_symbols[p.torch_name], np.float32)[:p.value.size]
-                trained.setdefault(p.torch_name, []).append((p, value))
+        for node, layer in generated.param_layers.items():
+            if not layer.trainable:
+                continue
+            stored = np.frombuffer(emulator.storage.dump(plan.flash.offsets[node], int(layer_bytes(layer))), np.float32)
+            for p in layer.params.values():
+                trained.setdefault(p.torch_name, []).append((p, stored[:p.value.size]))
+                stored = stored[p.value.size:]
+        for p in [] if generated.param_layers else network.trainable_parameters:
+            value = emulator.read_symbol(generated.param_symbols[p.torch_name], np.float32)[:p.value.size]
+            trained.setdefault(p.torch_name, []).append((p, value))
+        running = running_statistics(emulator, network)
     except EmulatorError as exc:
         raise PoetError(f"the firmware failed on the emulated {profile.name}: {str(exc).splitlines()[0]}") from None
     finally:
@@ -683,5 +691,7 @@ def _build_and_run(network, plan, generated, target, profile, work: Path, say, f
         flash_bytes_read=int(storage.bytes_read), flash_bytes_written_per_step=int(flash.bytes_written_per_step),
         flash_lifetime_steps=flash.lifetime_steps, region_bytes_written=regions,
         flash_wear_events=int(storage.erases_total), cycles=int(result.cycles or 0),
+        storage_bus_s=storage_bus_seconds(profile.storage, read_ops=storage.read_ops, bytes_read=storage.bytes_read,
+                                          write_ops=storage.write_ops, bytes_written=storage.bytes_written),
         clock_hz=getattr(profile.compute, "clock_hz", None), marks=marks,
-        dataset=feed.summary() if feed is not None else None)
+        dataset=feed.summary() if feed is not None else None, running=running)

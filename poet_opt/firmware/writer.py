@@ -169,6 +169,8 @@ class StepWriter:
         self.streamed = streams_weights(doc)
         self.param_layers = self.weight_regions() if self.streamed else {}
         self.param_node = {layer.name: n for n, layer in self.param_layers.items()}
+        # while predict's forward part is written: batch norm as after model.eval()
+        self.evaluating = False
 
     def weight_regions(self) -> dict[int, Layer]:
         """The layer whose parameters each streamed ``param:`` node's region holds (row tiles cut
@@ -254,6 +256,9 @@ class StepWriter:
             return [f"poet_copy({out}, poet_input, {n}u);"]
         if op == "conv2d":
             return [f"poet_conv2d_forward({out}, {x[0]}, {self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {S});"]
+        if op == "batchnorm" and self.evaluating and layer.buffers:
+            xs = layer.operand_shapes[0]
+            return [self.batchnorm_eval(layer, out, x[0], ops, xs[0], math.prod(xs[2:]))]
         if op == "batchnorm":
             rm, rv = ((c_ident(k, "running_mean"), c_ident(k, "running_var")) if first and layer.buffers else ("NULL", "NULL"))
             return [f"poet_batchnorm_forward({out}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, {rm}, {rv}, {x[0]}, "
@@ -284,6 +289,14 @@ class StepWriter:
             return [f"poet_copy_strided({out} + {lo * inner}u, {tile}, {outer}u, {count}u, {whole}u, {count}u);"
                     for tile, (lo, inner, outer, count, whole) in zip(x, self.slices(layer))]
         raise PoetError(f"node {layer.name!r}: no kernel for operator {op}", field="--torch")
+
+    def batchnorm_eval(self, layer: Layer, out: str, x: str, ops: dict[int, int], n: int, spatial: int) -> str:
+        """Batch norm with the running statistics over ``n`` samples of ``spatial`` values a channel
+        (PyTorch's eval mode): what predict runs, so that a sample's logits do not depend on its batch."""
+        k = self.layer_index[layer.name]
+        return (f"poet_batchnorm_eval_forward({out}, {x}, {c_ident(k, 'running_mean')}, {c_ident(k, 'running_var')}, "
+                f"{self.param(layer, 'weight', ops)}, {self.param(layer, 'bias', ops)}, {n}u, {layer.shape[1]}u, "
+                f"{spatial}u, {c_float(layer.attrs['eps'])});")
 
     @staticmethod
     def slices(concat: Layer) -> list[tuple[int, int, int, int, int]]:
@@ -394,7 +407,10 @@ class StepWriter:
 
     def step_body(self, upto: int | None = None, predict: bool = False) -> list[str]:
         """The C of the schedule's steps, or of its first ``upto`` steps; ``predict``: a forward pass
-        only, which moves no running statistics (every compute is taken for a recompute)."""
+        only, in eval mode: batch norm normalises with its running statistics and moves none (every
+        compute is taken for a recompute), and what only the batch's statistics need is left out."""
+        self.evaluating = predict
+        skip = self.eval_unneeded() if predict else set()
         lines: list[str] = []
         computed: set[int] = set()
         # a forward pass pages out only what it pages back in: the rest is kept for the backward
@@ -407,7 +423,7 @@ class StepWriter:
             off = self.plan.step_offsets[s]
             out = f"(poet_arena + {off // 4}u)"
             kind = step["op"]
-            if kind == "free":
+            if kind == "free" or node in skip:
                 continue
             if kind == "page_out" and predict and node not in read_back:
                 continue
@@ -434,7 +450,13 @@ class StepWriter:
             lines += self.compute(node, info, out, ops, first)
         if self.marks and not predict:  # closes the last step
             lines.append(f"poet_mark({len(self.doc['steps'])}u);")
+        self.evaluating = False
         return lines
+
+    def eval_unneeded(self) -> set[int]:
+        """The nodes a forward pass in eval mode need not compute: whole tensors keep the batch's
+        statistics outside the arena, so none here (strip plans hold them in nodes)."""
+        return set()
 
     def finish(self, lines: list[str]) -> None:
         """Settle the declarations once every body that uses them (``lines``) is written."""

@@ -1,7 +1,9 @@
 """PyTorch modules for the zoo's models, layer for layer as the zoo builds them (same operators,
 shapes and names; a test lowers each to the zoo's graph node for node), with PyTorch's default
 initialisation under ``torch.manual_seed(SEED)``: `poet-opt emulate --model NAME` and `run --model
-NAME` train these. The zoo keeps its own builders because `solve --model` works without PyTorch."""
+NAME` train these, all but the two transformers (``UNTRAINED`` says why, and the commands refuse them
+before reading anything). The zoo keeps its own builders because `solve --model` works without
+PyTorch."""
 
 from __future__ import annotations
 
@@ -178,17 +180,186 @@ def _example(factory: str):
     return make
 
 
+def _encoder(d: int, heads: int, d_ff: int):
+    """The zoo's post-LN encoder block (model/zoo.py) as PyTorch writes it: attention unfused, Q, K
+    and V split into heads by view and transpose, scores divided by sqrt(d_head), heads joined by a
+    transposing reshape. The zoo folds the division into the scores and the join into the context,
+    as model/torch_rows.py maps a traced --torch transformer; :func:`lower_twin` does the same."""
+    import torch
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+            self.ln = nn.LayerNorm(d)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (m(x).view(b, s, heads, d // heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+            probs = torch.softmax(q @ k.transpose(-2, -1) / (d // heads) ** 0.5, dim=-1)
+            return self.ln(x + self.out((probs @ v).transpose(1, 2).reshape(b, s, d)))
+
+    class FeedForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.gelu, self.fc2 = nn.Linear(d, d_ff), nn.GELU(), nn.Linear(d_ff, d)
+            self.ln = nn.LayerNorm(d)
+
+        def forward(self, x):
+            return self.ln(x + self.fc2(self.gelu(self.fc1(x))))
+
+    class EncoderBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.ffn = Attention(), FeedForward()
+
+        def forward(self, x):
+            return self.ffn(self.attn(x))
+
+    return EncoderBlock()
+
+
+def _transformer_block():
+    import torch
+    from torch import nn
+
+    class TransformerBlock(nn.Module):
+        """One encoder block on hidden states (batch, tokens, 768), no head: its output is the
+        block's, as the zoo's graph puts its loss there."""
+
+        def __init__(self):
+            super().__init__()
+            self.block = _encoder(768, 12, 3072)
+
+        def forward(self, x):
+            return self.block(x)
+
+    torch.manual_seed(SEED)
+    return TransformerBlock()
+
+
+def _bert_base():
+    import torch
+    from torch import nn
+
+    class Embeddings(nn.Module):
+        """The zoo's one gather for positions and token types: a table of 512 + 2 rows indexed by
+        position (rows 512 and 513 are never read). The positions are a view of the token ids'
+        shape, so that the trace sees this gather read the input, as the zoo's graph has it."""
+
+        def __init__(self):
+            super().__init__()
+            self.word, self.position_type = nn.Embedding(30522, 768), nn.Embedding(512 + 2, 768)
+            self.ln = nn.LayerNorm(768)
+
+        def forward(self, ids):
+            positions = torch.arange(ids.shape[1]).expand_as(ids)
+            return self.ln(self.word(ids) + self.position_type(positions))
+
+    class Pooler(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense, self.tanh = nn.Linear(768, 768), nn.Tanh()
+
+        def forward(self, x):
+            return self.tanh(self.dense(x[:, 0]))  # the [CLS] token's
+
+    class BertBase(nn.Module):
+        """BERT-base as the zoo builds it: no attention mask, no dropout, a 2-class head."""
+
+        def __init__(self):
+            super().__init__()
+            self.embeddings = Embeddings()
+            for i in range(12):
+                setattr(self, f"layer{i}", _encoder(768, 12, 3072))
+            self.pooler, self.classifier = Pooler(), nn.Linear(768, 2)
+
+        def forward(self, ids):
+            x = self.embeddings(ids)
+            for i in range(12):
+                x = getattr(self, f"layer{i}")(x)
+            return self.classifier(self.pooler(x))
+
+    torch.manual_seed(SEED)
+    return BertBase()
+
+
 FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "mlp-residual": _mlp_residual, "vgg16-cifar": _vgg16(imagenet=False),
              "vgg16-imagenet": _vgg16(imagenet=True),
              "resnet18-cifar": _example("resnet18"), "mobilenetv2": _example("mobilenetv2"),
              "resnet18-imagenet": _resnet((2, 2, 2, 2), bottleneck=False),
-             "resnet50": _resnet((3, 4, 6, 3), bottleneck=True)}
+             "resnet50": _resnet((3, 4, 6, 3), bottleneck=True),
+             "transformer-block": _transformer_block, "bert-base": _bert_base}
+
+_TRANSFORMERS = ("transformer-block", "bert-base")
+_INSTEAD = "--torch poet_opt.examples.torch_models:encoder_classifier trains an encoder block with a classifier head"
+# Twins that `emulate` and `run` cannot train, and why: refused before anything is read or solved
+UNTRAINED = {
+    "transformer-block": "ends in the block's hidden states (tokens x 768), with no classifier head: the firmware and "
+                         "`run` train with cross-entropy on logits, which hidden states are not",
+    "bert-base": "starts with embeddings of token ids, which neither the firmware (whole or in row tiles) nor `run` "
+                 "has kernels for",
+}
+TRAINED = tuple(sorted(n for n in FACTORIES if n not in UNTRAINED))
 
 
-def zoo_module(name: str):
-    """The seeded PyTorch module of zoo model ``name``."""
-    key = str(name).strip().lower()
+def _key(name) -> str:
+    return str(name).strip().lower().replace("_", "-")  # as the zoo spells its names
+
+
+def check_trains(name: str) -> None:
+    """Refuse, naming why and what to train instead, a zoo model `emulate` or `run` cannot train."""
+    key = _key(name)
+    if key in UNTRAINED:
+        raise PoetError(f"zoo model {key!r} {UNTRAINED[key]}; `solve --model {key}` plans it, and {_INSTEAD}",
+                        field="--model")
     if key not in FACTORIES:
-        raise PoetError(f"no PyTorch twin of zoo model {name!r} yet; train one of {', '.join(sorted(FACTORIES))}, "
+        raise PoetError(f"no PyTorch twin of zoo model {name!r}; train one of {', '.join(TRAINED)}, "
                         "or give --torch FILE.py:FACTORY", field="--model")
+
+
+def twin_input_shape(name: str, batch: int, sample: tuple[int, ...]) -> tuple[int, ...]:
+    """The twin's whole input for the zoo's per-sample input shape: a lone encoder block reads
+    hidden states (tokens, 768), not the token ids the zoo's shape counts."""
+    if _key(name) == "transformer-block":
+        return (batch, *sample, 768)
+    return (batch, *sample)
+
+
+def lower_twin(name: str, module, input_shape):
+    """The training graph of ``module`` (zoo model ``name``'s twin) as the zoo shapes it. A
+    transformer's attention is traced as PyTorch writes it, with a division of the scores by a
+    constant and a copy that joins the heads; the zoo's graph has neither node (the division is
+    folded into the scores, the join is a view of the context), so they are folded here."""
+    from dataclasses import replace
+
+    from poet_opt.model.network import lower_network
+    from poet_opt.model.operators import finish
+    from poet_opt.model.torch_import import lower_module
+
+    if _key(name) not in _TRANSFORMERS:
+        return lower_network(module, input_shape).graph
+    ops, output = lower_module(module, input_shape)
+    src, kept, index = ops.ops, [], {}
+    for i, o in enumerate(src):
+        of_heads = o.inputs and src[o.inputs[0]].op == "matmul" and len(src[o.inputs[0]].shape) == 4
+        if of_heads and o.op in ("div", "mul") and len(o.inputs) == 1 and not o.params:
+            index[i] = index[o.inputs[0]]
+        elif of_heads and o.op == "copy":
+            index[i] = index[o.inputs[0]]
+            kept[index[i]] = replace(kept[index[i]], shape=o.shape)
+        else:
+            index[i] = len(kept)
+            kept.append(replace(o, inputs=tuple(index[x] for x in o.inputs)))
+    meta = {"source": name, "format": "torch.fx", "input_shape": list(input_shape), "batch_size": input_shape[0]}
+    return finish(name, kept, index[output], bytes_per_element=4, trainable="all", meta=meta, field="--model")
+
+
+def zoo_module(name: str, *, training: bool = True):
+    """The seeded PyTorch module of zoo model ``name``; ``training``: one `emulate` and `run` train
+    (:func:`check_trains`), else any twin (to compare its lowering with the zoo's)."""
+    key = _key(name)
+    if training or key not in FACTORIES:
+        check_trains(key)
     return FACTORIES[key]()

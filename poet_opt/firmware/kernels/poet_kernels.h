@@ -232,6 +232,14 @@ void poet_batchnorm_backward_params_sgd(float *gamma, float *beta, const float *
                                         const float *mean, const float *invstd, const poet_batchnorm_shape *s,
                                         float lr);
 
+/* nn.BatchNorm1d/2d in eval mode over x [n][c][spatial] (a strip's rows, or the whole tensor): y =
+ * (x - running_mean) / sqrt(running_var + eps) * gamma + beta, as torch after model.eval(). Each
+ * sample is normalised alone, so a prediction does not depend on the rest of its batch, and no
+ * statistics are saved or moved. gamma and beta may be NULL; y may be x. */
+void poet_batchnorm_eval_forward(float *y, const float *x, const float *running_mean, const float *running_var,
+                                 const float *gamma, const float *beta, uint32_t n, uint32_t channels,
+                                 uint32_t spatial, float eps);
+
 /* nn.LayerNorm(d) over the last d elements of x [rows][d]; mean[rows] and invstd[rows] saved as for
  * batch norm; gamma/beta [d] may be NULL (elementwise_affine=False) */
 void poet_layernorm_forward(float *y, float *mean, float *invstd, const float *x, const float *gamma,

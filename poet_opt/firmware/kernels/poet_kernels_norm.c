@@ -1,4 +1,4 @@
-/* Batch norm (training mode) and layer norm.
+/* Batch norm (training and eval mode) and layer norm.
  *
  * The variance takes two passes (mean first, then squared deviations): the one-pass
  * E[x^2] - E[x]^2 cancels catastrophically in float when the mean is large against the spread.
@@ -130,6 +130,25 @@ void poet_batchnorm_backward_params_sgd(float *gamma, float *beta, const float *
             gamma[c] -= lr * sum_dy_xhat;
         if (beta)
             beta[c] -= lr * sum_dy;
+    }
+}
+
+void poet_batchnorm_eval_forward(float *y, const float *x, const float *running_mean, const float *running_var,
+                                 const float *gamma, const float *beta, uint32_t n, uint32_t channels,
+                                 uint32_t spatial, float eps)
+{
+    uint32_t c, s, i;
+    for (c = 0; c < channels; ++c) {
+        const float inv = 1.0f / poet_sqrtf(running_var[c] + eps);
+        const float mu = running_mean[c];
+        const float scale = gamma ? gamma[c] * inv : inv;
+        const float shift = beta ? beta[c] : 0.0f;
+        for (s = 0; s < n; ++s) {
+            const float *xc = x + (s * channels + c) * spatial;
+            float *yc = y + (s * channels + c) * spatial;
+            for (i = 0; i < spatial; ++i)
+                yc[i] = (xc[i] - mu) * scale + shift;
+        }
     }
 }
 
