@@ -114,7 +114,7 @@ def test_predict_on_a_row_plan_of_four_blocks_gives_torch_s_logits_before_and_af
     # 288 nodes, which the arena places in seconds
     network = lower_network(factory(), x.shape, weights="streamed", strips=4, strip_budget=64 * 1024)
     check_rows(network)
-    assert [tuple(b) for b in network.graph.meta["rows"]["blocks"]] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert [tuple(b) for b in network.graph.meta["rows"].blocks] == [(0, 16), (16, 32), (32, 48), (48, 64)]
     profile = load_profile("nrf52840")
     plan = solve_for_export(network.graph, profile, ram=200 * 1024, time_limit=5)
     feed = Feeder(x, y, 1, 1, 0, eval_x, eval_y)

@@ -216,7 +216,7 @@ class StripWriter(StepWriter):
     def eval_unneeded(self) -> set[int]:
         # the chained batch statistics: eval mode normalises each strip with the running statistics
         return {self.by_name[name] for name, rec in self.records.items()
-                if rec["role"] == "bn_stats" and self.net.layers[rec["layer"]].buffers and name in self.by_name}
+                if rec.role == "bn_stats" and self.net.layers[rec.layer].buffers and name in self.by_name}
 
     def chunk_rows(self, total: int, floats) -> int:
         """Output rows per kernel call: the most whose scratch, ``floats(rows)``, stays within
