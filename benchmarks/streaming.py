@@ -187,11 +187,11 @@ def traffic(graph: TrainingGraph, profile, ram) -> tuple[dict, dict]:
     costs = node_costs(graph, profile)
     budgets = resolve_budgets(graph, profile, costs, parse_size(ram))
     steps = build_steps(graph, spill_plan(graph, costs, budgets))
-    records = graph.meta["strips"]["nodes"]
+    records = graph.meta["strips"].nodes
 
     def stage(node) -> str:
-        record = records.get(node.name, {})
-        layer = record.get("layer") or record.get("of") or node.name
+        record = records.get(node.name)
+        layer = (record.tensor if record is not None else None) or node.name
         return layer.split(".")[0] if layer.startswith("layer") else "stem, head"
 
     moved: dict[str, Counter] = defaultdict(Counter)
@@ -235,7 +235,7 @@ def traffic_report(ram="200KiB", device="nrf52840") -> str:
 
     profile = load_profile(device)
     blocks = streamed_graph("resnet18-cifar", ram, device=profile)
-    counts = {int(h): k for h, k in blocks.meta["strips"]["per_height"].items()}
+    counts = {int(h): k for h, k in blocks.meta["strips"].per_height.items()}
     greedy = low_memory(build_model("resnet18-cifar", weights="streamed", tile_bytes=parse_size(ram) // 4,
                                     strips=counts))
     out = []

@@ -56,7 +56,7 @@ def test_features_in_pieces_and_heads_across_them_train_equal_to_torch_sgd(batch
     pieces, each linear layer is 16 tiles and each token's layer-norm statistics chain over 4; as
     straight-line C and as a step program (firmware/program.py), which a large plan's step becomes."""
     result = emulate_rows(small_encoder_classifier, batch, tile_budget=3 * 1024, program=program)
-    assert [tuple(c) for c in result.network.graph.meta["rows"]["cols"]["q"]] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert [tuple(c) for c in result.network.graph.meta["rows"].cols["q"]] == [(0, 8), (8, 16), (16, 24), (24, 32)]
     largest, worst = worst_against_sgd(small_encoder_classifier, batch, result.weights)
     assert worst <= 1e-4 * largest, worst
 
@@ -114,7 +114,7 @@ def test_predict_on_a_row_plan_of_four_blocks_gives_torch_s_logits_before_and_af
     # 288 nodes, which the arena places in seconds
     network = lower_network(factory(), x.shape, weights="streamed", strips=4, strip_budget=64 * 1024)
     check_rows(network)
-    assert [tuple(b) for b in network.graph.meta["rows"]["blocks"]] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert [tuple(b) for b in network.graph.meta["rows"].blocks] == [(0, 16), (16, 32), (32, 48), (48, 64)]
     profile = load_profile("nrf52840")
     plan = solve_for_export(network.graph, profile, ram=200 * 1024, time_limit=5)
     feed = Feeder(x, y, 1, 1, 0, eval_x, eval_y)

@@ -41,8 +41,9 @@ def _check_tiles(result, tile: str) -> None:
     a step, whole SD blocks."""
     params = _params(result)
     tiles = result.network.graph.meta["tiles"]
-    for layer, names in tiles.items():
+    for layer, slices in tiles.items():
         assert result.network.layers[layer].op == "concat"
+        names = slices.names
         assert [result.network.layers[n].operands for n in names] == [result.network.layers[names[0]].operands] * len(names)
         for name in names:
             node = params["param:" + name]

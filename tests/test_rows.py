@@ -86,13 +86,13 @@ def _assemble(values, graph, layer, prefix=""):
     """The whole tensor (or gradient) from its pieces; None where a block is missing (pruned, or a
     gradient that is zero), as a mask of which rows were there."""
     meta = graph.meta["rows"]
-    lay = meta["layers"][layer]
-    heads = lay["op"] == "softmax" or lay["op"] == "matmul" and len(lay["shape"]) == 3
-    blocks = [(0, 1)] if len(lay["shape"]) == 1 else meta["blocks"]
+    lay = meta.layers[layer]
+    heads = lay.op == "softmax" or lay.op == "matmul" and len(lay.shape) == 3
+    blocks = [(0, 1)] if len(lay.shape) == 1 else meta.blocks
     rows, present = [], []
     for b in range(len(blocks)):
         mark = "@h" if heads else "@c"
-        names = [f"{prefix}{layer}@r{b}{mark}{j}" for j in range(len(meta["cols"][layer]))]
+        names = [f"{prefix}{layer}@r{b}{mark}{j}" for j in range(len(meta.cols[layer]))]
         if all(nm in values for nm in names):
             parts = [values[nm] for nm in names]
             rows.append(torch.stack(parts, dim=1) if heads else torch.cat(parts, dim=2))
@@ -175,7 +175,7 @@ def test_frozen_layers_stay_and_trained_ones_step_as_sgd(trainable):
     for p in (p for layer in params.values() for p in layer.values()):
         p.requires_grad_(True)
     F.cross_entropy(_reference(net.ops, params, ids)[-1], y).backward()
-    trained = {graph.meta["rows"]["nodes"][graph.nodes[p].name]["layer"] for n in graph.nodes for p in n.updates}
+    trained = {graph.meta["rows"].nodes[graph.nodes[p].name].layer for n in graph.nodes for p in n.updates}
     assert trained and trained != set(params)
     for name, layer in params.items():
         for role, p in layer.items():
@@ -203,12 +203,12 @@ def test_bert_base_rows_fit_the_nrf52840(bert_nrf52840):
     pooler = [n for n in graph.nodes if n.name.startswith("pooler.dense@r0")]
     assert pooler and all(graph.nodes[d].name.startswith(("layer11.ffn.ln@r0@", "param:", "pooler.dense@r0"))
                           for n in pooler for d in n.deps)
-    assert not any(n.name.startswith("layer11.ffn.ln@r1") for n in graph.nodes) or len(rows["blocks"]) == 1
+    assert not any(n.name.startswith("layer11.ffn.ln@r1") for n in graph.nodes) or len(rows.blocks) == 1
     updated = {p for n in graph.nodes for p in n.updates}  # every tile read is updated and written back once
     assert updated == {n.id for n in graph.nodes if n.op == "param"}
     assert sum(n.writes_bytes for n in graph.nodes) == sum(graph.nodes[p].bytes for p in updated)
-    assert {rows["nodes"][graph.nodes[p].name]["layer"] for p in updated} == \
-        {name for name, layer in rows["layers"].items() if layer["params"]}
+    assert {rows.nodes[graph.nodes[p].name].layer for p in updated} == \
+        {name for name, layer in rows.layers.items() if layer.params}
 
 
 def test_bert_base_plans_on_the_stock_nrf52840_and_its_8gb_card(bert_nrf52840):

@@ -55,7 +55,7 @@ def test_solve_and_run_tile_the_block_s_tokens_alike_by_default():
     solved, _ = load_training_graph(torch=SPEC, input_shape=SHAPE, weights="auto", ram_bytes=RAM,
                                     tile_bytes=default_tile_bytes([RAM]), **MKR)
     network = lower_for_run(SPEC, SHAPE, ram_bytes=RAM, **MKR)
-    assert solved.streams_weights and len(solved.meta["rows"]["blocks"]) >= 2
+    assert solved.streams_weights and len(solved.meta["rows"].blocks) >= 2
     assert _graph_shape(network.graph) == _graph_shape(solved)
     assert network.graph.largest_working_set()[0] <= RAM
 
@@ -132,7 +132,7 @@ def test_the_row_graph_keeps_the_module_s_own_scaling(scale):
     module = _Scaled(scale)
     reference = copy.deepcopy(module)
     network = lower_network(module, (1, 9, 16), weights="streamed", strips=3, strip_budget=10 ** 9)
-    assert len(network.graph.meta["rows"]["blocks"]) == 3
+    assert len(network.graph.meta["rows"].blocks) == 3
     params = {name: {r: torch.tensor(p.value) for r, p in layer.params.items()}
               for name, layer in network.layers.items() if layer.params}
     gen = torch.Generator().manual_seed(2)

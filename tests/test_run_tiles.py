@@ -71,7 +71,7 @@ def test_run_lowers_the_module_as_solve_does(tile):
     solved, _ = load_training_graph(torch=SPEC, input_shape=SHAPE, weights="auto", ram_bytes=RAM,
                                     tile_bytes=tile or default_tile_bytes([RAM]), **NRF)
     network = lower_for_run(SPEC, SHAPE, ram_bytes=RAM, tile_bytes=tile, **NRF)
-    assert solved.streams_weights and solved.meta["strips"]["tensors"]
+    assert solved.streams_weights and solved.meta["strips"].tensors
     assert _graph_shape(network.graph) == _graph_shape(solved)
     assert bool(network.graph.meta.get("tiles")) == (tile is not None)  # at 40 KiB no layer of it is sliced
 

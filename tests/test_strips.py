@@ -141,7 +141,7 @@ def _assert_replay_is_autograd(net, graph):
     result = replay(graph, mine, x, y, lr)
 
     _close(result["loss"], loss.detach(), "loss")
-    parts = graph.meta["strips"]["tensors"]
+    parts = graph.meta["strips"].tensors
     values = result["values"]
     checked = 0
     for o, t in zip(net.ops, tensors):
@@ -178,7 +178,7 @@ def _sliced(net, graph, params) -> dict:
         if o.name in tiles:
             lo = 0
             for name in tiles[o.name]:
-                hi = lo + graph.meta["strips"]["layers"][name]["shape"][0]
+                hi = lo + graph.meta["strips"].layers[name].shape[0]
                 mine[name] = {r: v.detach()[lo:hi].clone() for r, v in params[o.name].items()}
                 lo = hi
         else:
@@ -345,7 +345,7 @@ def test_resnet18_plans_on_the_nrf52840_in_strips():
                                    stack_reserve_bytes=profile.memory.stack_reserve_bytes, tile_bytes=budget // 4,
                                    ram_bytes=budget)
     assert graph.streams_weights and graph.largest_working_set()[0] <= budget
-    assert graph.meta["strips"]["per_height"] == {"8": 4, "16": 8, "32": 16}
+    assert graph.meta["strips"].per_height == {"8": 4, "16": 8, "32": 16}
     costs = node_costs(graph, profile)
     budgets = Budgets(budget, float("inf"), profile.storage.capacity_bytes - stored_param_bytes(graph, profile.storage))
     decisions = farthest_use_paging(graph, budgets)
@@ -379,7 +379,7 @@ def test_resnet18_slice_blocks_start_reads_fewer_weights_than_the_greedy_order()
     graph, _ = load_training_graph("resnet18-cifar", weights="auto", device_ram_bytes=profile.memory.ram_bytes,
                                    stack_reserve_bytes=profile.memory.stack_reserve_bytes, tile_bytes=budget // 4,
                                    ram_bytes=budget)
-    counts = {int(h): k for h, k in graph.meta["strips"]["per_height"].items()}
+    counts = {int(h): k for h, k in graph.meta["strips"].per_height.items()}
     greedy = low_memory(build_model("resnet18-cifar", weights="streamed", tile_bytes=budget // 4, strips=counts))
     assert sorted(n.name for n in greedy.nodes) == sorted(n.name for n in graph.nodes)
     totals = {}

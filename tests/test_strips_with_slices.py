@@ -21,10 +21,10 @@ SHAPE = (1, 1, 96, 96)
 def test_the_torch_lowering_cuts_strips_and_slices_together():
     net = lower_network(strip_cnn(), SHAPE, weights="streamed", strips=4, tile_bytes=1024)
     meta = net.graph.meta
-    assert meta["tiles"]["head"] == [f"head#{j}" for j in range(len(meta["tiles"]["head"]))]
+    assert meta["tiles"]["head"].names == tuple(f"head#{j}" for j in range(len(meta["tiles"]["head"])))
     assert len(meta["tiles"]["head"]) > 1
     # every slice of the head's output is split into the head's strips, and reads the concat's gradient
-    assert {f"head#{j}" for j in range(len(meta["tiles"]["head"]))} <= set(meta["strips"]["grad_alias"])
+    assert {f"head#{j}" for j in range(len(meta["tiles"]["head"]))} <= set(meta["strips"].grad_alias)
     assert "head#0@s1" in {n.name for n in net.graph.nodes}
     # each slice layer holds its rows of the torch weight, and the rows cover it once
     weight = dict(strip_cnn().named_parameters())["head.weight"].detach().numpy()
@@ -106,7 +106,7 @@ def test_a_resnet_written_independently_lowers_into_strips_and_replays_to_autogr
     shape = (1, 1, 32, 32)
     net = lower_network(module, shape, weights="streamed", strips=4, tile_bytes=256)
     assert net.layers["adaptive_avg_pool2d"].op == "global_avgpool"
-    assert net.graph.meta["strips"]["tensors"] and net.graph.meta["tiles"]
+    assert net.graph.meta["strips"].tensors and net.graph.meta["tiles"]
     x = torch.from_numpy(np.random.default_rng(4).standard_normal(shape).astype(np.float32))
     y = torch.tensor([1])
     params = {name: {role: torch.from_numpy(p.value.copy()) for role, p in layer.params.items()}
@@ -134,7 +134,7 @@ def test_solve_gives_resnet18_the_same_graph_from_the_zoo_and_from_torch():
     zoo, _ = load_training_graph("resnet18-cifar", **common)
     traced, _ = load_training_graph(torch="poet_opt.examples.torch_models:resnet18", input_shape="1,3,32,32",
                                     **common)
-    assert zoo.meta["strips"]["per_height"] == traced.meta["strips"]["per_height"]
+    assert zoo.meta["strips"].per_height == traced.meta["strips"].per_height
     assert [(n.name, n.kind, n.bytes, n.deps, n.flops) for n in zoo.nodes] == \
         [(n.name, n.kind, n.bytes, n.deps, n.flops) for n in traced.nodes]
 

@@ -503,7 +503,7 @@ def test_strips(name):
     x, y = _batch(module, shape)
     named = dict(module.named_parameters())
     params = {}
-    for layer, info in graph.meta["strips"]["layers"].items():
+    for layer, info in graph.meta["strips"].layers.items():
         base = layer.split("#")[0]
         roles = {role: named[f"{base}.{role}"].detach().clone() for role in ("weight", "bias")
                  if f"{base}.{role}" in named}
@@ -512,7 +512,7 @@ def test_strips(name):
     for base, tiles in (graph.meta.get("tiles") or {}).items():  # a slice: its rows of the layer's tensors
         lo = 0
         for piece in tiles:
-            hi = lo + graph.meta["strips"]["layers"][piece]["shape"][0]
+            hi = lo + graph.meta["strips"].layers[piece].shape[0]
             params[piece] = {r: v[lo:hi].clone() for r, v in params[piece].items()}
             lo = hi
     try:
@@ -527,8 +527,8 @@ def test_strips(name):
         for role, mine in roles.items():
             ref = named[f"{layer.split('#')[0]}.{role}"].grad
             if "#" in layer:  # a slice: its rows of the gradient
-                lo = sum(graph.meta["strips"]["layers"][t]["shape"][0]
-                         for t in graph.meta["tiles"][layer.split("#")[0]][:int(layer.split("#")[1])])
+                lo = sum(graph.meta["strips"].layers[t].shape[0]
+                         for t in graph.meta["tiles"][layer.split("#")[0]].names[:int(layer.split("#")[1])])
                 ref = ref[lo:lo + mine.shape[0]]
             assert torch.allclose(mine, ref, atol=1e-6, rtol=1e-4), (name, layer, role)
     # the firmware: lowering refuses it, or the strips chain covers it

@@ -51,11 +51,11 @@ class _Replay:
         import torch
 
         self.t, self.graph, self.params, self.ids, self.y, self.lr = torch, graph, params, ids, y, lr
-        meta = graph.meta["rows"]
-        self.blocks = [tuple(b) for b in meta["blocks"]]
-        self.layers, self.records, self.tiles = meta["layers"], meta["nodes"], meta["tiles"]
-        self.cols = {name: [tuple(c) for c in cs] for name, cs in meta["cols"].items()}
-        self.vocab_rows = meta["vocab_rows"]
+        tiling = graph.meta["rows"]
+        self.blocks = [tuple(b) for b in tiling.blocks]
+        self.layers, self.records, self.tiles = tiling.layers, tiling.nodes, tiling.tiles
+        self.cols = {name: [tuple(c) for c in cs] for name, cs in tiling.cols.items()}
+        self.vocab_rows = tiling.vocab_rows
         self.values: dict = {}
         self.weight_grads: dict = {}
         self.seq = self.blocks[-1][1]
@@ -69,11 +69,11 @@ class _Replay:
     # -- layout ------------------------------------------------------------------------------------
 
     def vector(self, layer: str) -> bool:
-        return len(self.layers[layer]["shape"]) == 1 and self.layers[layer]["op"] != "input"
+        return len(self.layers[layer].shape) == 1 and self.layers[layer].op != "input"
 
     def heads(self, layer: str) -> bool:
         lay = self.layers[layer]
-        return lay["op"] == "softmax" or lay["op"] == "matmul" and len(lay["shape"]) == 3
+        return lay.op == "softmax" or lay.op == "matmul" and len(lay.shape) == 3
 
     def name(self, layer: str, b: int, j: int, prefix: str = "") -> str:
         return f"{prefix}{layer}@r{b}{'@h' if self.heads(layer) else '@c'}{j}"
@@ -90,7 +90,7 @@ class _Replay:
         return self.t.cat([self.gather(env, layer, b, lo, hi) for b in range(len(self.blocks))], dim=1)
 
     def dh(self, scores: str) -> int:
-        return self.layers[self.layers[scores]["inputs"][0]]["shape"][-1] // self.layers[scores]["shape"][0]
+        return self.layers[self.layers[scores].inputs[0]].shape[-1] // self.layers[scores].shape[0]
 
     def param(self, env, layer: str, tile) -> dict:
         """The weights of one tile, as the tile's own tensors: what its ``param:`` node holds in RAM."""
@@ -98,9 +98,9 @@ class _Replay:
 
     def tile_where(self, layer: str, tile) -> dict:
         """role -> the index of a tile's part of the layer's whole parameter."""
-        kind = self.tiles[layer]["kind"]
+        kind = self.tiles[layer].kind
         if kind == "linear":
-            (o0, o1), (i0, i1) = self.cols[layer][tile[0]], self.cols[self.layers[layer]["inputs"][0]][tile[1]]
+            (o0, o1), (i0, i1) = self.cols[layer][tile[0]], self.cols[self.layers[layer].inputs[0]][tile[1]]
             return {"weight": (slice(o0, o1), slice(i0, i1)), **({"bias": (slice(o0, o1),)} if tile[1] == 0 else {})}
         if kind == "norm":
             (c0, c1) = self.cols[layer][tile[0]]
@@ -114,14 +114,14 @@ class _Replay:
         return {role: self.params[layer][role][where] for role, where in self.tile_where(layer, tile).items()}
 
     def divisor(self, scores: str) -> float:
-        return self.layers[scores].get("divisor") or math.sqrt(self.dh(scores))
+        return self.layers[scores].divisor or math.sqrt(self.dh(scores))
 
     # -- nodes -------------------------------------------------------------------------------------
 
     def compute(self, node, rec, env):
-        role = rec["role"]
+        role = rec.role
         if role == "param":
-            return self.tile_values(rec["layer"], tuple(rec["tile"]))
+            return self.tile_values(rec.layer, tuple(rec.tile))
         if role == "loss":
             return self.loss(rec, env)
         if role in ("forward", "scores", "context"):
@@ -129,41 +129,41 @@ class _Replay:
         if role == "embed":
             return self.embed(rec, env)
         if role == "mean":  # the mean over tokens, summed block by block
-            x = self.layers[rec["layer"]]["inputs"][0]
-            part = env[self.name(x, rec["b"], rec["j"])].sum(dim=1, keepdim=True) / self.seq
-            return part if rec["prev"] is None else env[rec["prev"]] + part
+            x = self.layers[rec.layer].inputs[0]
+            part = env[self.name(x, rec.b, rec.j)].sum(dim=1, keepdim=True) / self.seq
+            return part if rec.prev is None else env[rec.prev] + part
         if role == "linear":
-            lay = self.layers[rec["layer"]]
-            x = self.layers[rec["layer"]]["inputs"][0]
-            xb = env[self.name(x, 0 if lay["cls"] else rec["b"], rec["k"])]
-            if lay["cls"]:
+            lay = self.layers[rec.layer]
+            x = self.layers[rec.layer].inputs[0]
+            xb = env[self.name(x, 0 if lay.cls else rec.b, rec.k)]
+            if lay.cls:
                 xb = xb[:, :1]
-            w = self.param(env, rec["layer"], (rec["j"], rec["k"]))
+            w = self.param(env, rec.layer, (rec.j, rec.k))
             out = xb @ w["weight"].T
-            if rec["k"] == 0:
+            if rec.k == 0:
                 out = out + w["bias"]
-            return out if rec["prev"] is None else env[rec["prev"]] + out
+            return out if rec.prev is None else env[rec.prev] + out
         if role == "ln_stats":
-            x = self.layers[rec["layer"]]["inputs"][0]
-            xs = env[self.name(x, rec["b"], rec["k"])]
+            x = self.layers[rec.layer].inputs[0]
+            xs = env[self.name(x, rec.b, rec.k)]
             count, mean = xs.shape[2], xs.mean(dim=2)
             m2 = ((xs - mean[:, :, None]) ** 2).sum(dim=2)
-            if rec["prev"] is None:
+            if rec.prev is None:
                 return (count, mean, m2)
-            n_a, mean_a, m2_a = env[rec["prev"]]  # Chan et al.: merge two parts' means and squared deviations
+            n_a, mean_a, m2_a = env[rec.prev]  # Chan et al.: merge two parts' means and squared deviations
             n = n_a + count
             delta = mean - mean_a
             return (n, mean_a + delta * count / n, m2_a + m2 + delta ** 2 * n_a * count / n)
         if role == "ln_gstats":
-            layer, b, k = rec["layer"], rec["b"], rec["k"]
-            x = self.layers[layer]["inputs"][0]
+            layer, b, k = rec.layer, rec.b, rec.k
+            x = self.layers[layer].inputs[0]
             gamma = self.param(env, layer, (k,))["weight"]
             gg = env[self.name(layer, b, k, "grad:")] * gamma
             xhat = self.xhat(env, layer, b, env[self.name(x, b, k)])
             sums = (gg.sum(dim=2), (gg * xhat).sum(dim=2))
-            if rec["prev"] is None:
+            if rec.prev is None:
                 return sums
-            prev = env[rec["prev"]]
+            prev = env[rec.prev]
             return (prev[0] + sums[0], prev[1] + sums[1])
         if role == "grad":
             return self.gradient(rec, env)
@@ -189,23 +189,23 @@ class _Replay:
         return self.ids[:, r0:r1]
 
     def embed(self, rec, env):
-        layer, b, j, v = rec["layer"], rec["b"], rec["j"], rec["v"]
+        layer, b, j, v = rec.layer, rec.b, rec.j, rec.v
         lay = self.layers[layer]
         (c0, c1) = self.cols[layer][j]
         v0, v1 = self._vocab(layer)[v]
         table = self.param(env, layer, (v, j))["weight"]
-        idx = self.token_rows(b, lay["positional"], env)
+        idx = self.token_rows(b, lay.positional, env)
         inside = (idx >= v0) & (idx < v1)
         out = table[(idx - v0).clamp(0, v1 - v0 - 1)] * inside[:, :, None]
-        return out if rec["prev"] is None else env[rec["prev"]] + out
+        return out if rec.prev is None else env[rec.prev] + out
 
     def _vocab(self, layer: str):
-        return [tuple(v) for v in self.tiles[layer]["vocab"]]
+        return [tuple(v) for v in self.tiles[layer].vocab]
 
     def forward(self, rec, env):
-        layer = rec["layer"]
+        layer = rec.layer
         lay = self.layers[layer]
-        op, inputs, b, j = lay["op"], lay["inputs"], rec["b"], rec["j"]
+        op, inputs, b, j = lay.op, lay.inputs, rec.b, rec.j
         if op == "input":
             r0, r1 = self.blocks[b]
             if self.ids.dim() == 3:  # hidden states, not token ids: their feature piece j
@@ -217,7 +217,7 @@ class _Replay:
             return self.xhat(env, layer, b, env[self.name(inputs[0], b, j)]) * w["weight"] + w["bias"]
         if op == "softmax":
             return self.t.softmax(env[self.name(inputs[0], b, j)], dim=-1)
-        if op == "matmul" and len(lay["shape"]) == 3:  # scores of head j for row block b
+        if op == "matmul" and len(lay.shape) == 3:  # scores of head j for row block b
             dh = self.dh(layer)
             q = self.gather(env, inputs[0], b, j * dh, (j + 1) * dh)
             k = self.all_rows(env, inputs[1], j * dh, (j + 1) * dh)
@@ -238,28 +238,28 @@ class _Replay:
         raise ValueError(f"no row kernel for {op}")
 
     def _scores_of(self, probs: str) -> str:
-        return self.layers[probs]["inputs"][0]
+        return self.layers[probs].inputs[0]
 
     def logits_rows(self, env, b: int):
         last = list(self.layers)[-1]
-        return last, self.gather(env, last, b, 0, self.layers[last]["shape"][-1])
+        return last, self.gather(env, last, b, 0, self.layers[last].shape[-1])
 
     def loss(self, rec, env):
-        last, logits = self.logits_rows(env, rec["b"])
+        last, logits = self.logits_rows(env, rec.b)
         if self.vector(last):
             return self.t.nn.functional.cross_entropy(logits[:, 0], self.y)
-        r0, r1 = self.blocks[rec["b"]]  # per-token labels: the mean over every token, block by block
+        r0, r1 = self.blocks[rec.b]  # per-token labels: the mean over every token, block by block
         part = self.t.nn.functional.cross_entropy(logits.flatten(0, 1), self.y[:, r0:r1].flatten(), reduction="sum")
         part = part / (self.y.numel())
-        return part if rec["prev"] is None else env[rec["prev"]] + part
+        return part if rec.prev is None else env[rec.prev] + part
 
     # -- gradients ---------------------------------------------------------------------------------
 
     def gradient(self, rec, env):
-        f, b, j = rec["of"], rec["b"], rec["j"]
-        total = env[rec["prev"]] if rec["prev"] else 0
+        f, b, j = rec.of, rec.b, rec.j
+        total = env[rec.prev] if rec.prev else 0
         (c0, c1) = (0, 0) if self.heads(f) else self.cols[f][j]
-        if rec["logits"]:
+        if rec.logits:
             last, logits = self.logits_rows(env, b)
             classes = logits.shape[2]
             if self.vector(last):
@@ -270,19 +270,19 @@ class _Replay:
                 onehot = self.t.nn.functional.one_hot(self.y[:, r0:r1], classes).to(logits.dtype)
                 scale = self.y.numel()
             total = total + ((self.t.softmax(logits, dim=-1) - onehot) / scale)[:, :, c0:c1]
-        for term in rec["terms"]:
+        for term in rec.terms:
             total = total + self.term(term, f, b, j, env)
         return total
 
     def term(self, term, f: str, b: int, j: int, env):
         t = self.t
-        kind, u = term["kind"], term["layer"]
+        kind, u = term.kind, term.layer
         if kind == "linear":
             lay = self.layers[u]
-            jj = term["j"]
-            g = env[self.name(u, 0 if lay["cls"] or self.vector(u) else b, jj, "grad:")]
+            jj = term.j
+            g = env[self.name(u, 0 if lay.cls or self.vector(u) else b, jj, "grad:")]
             part = g @ self.param(env, u, (jj, j))["weight"]
-            if lay["cls"]:  # the pooler read the [CLS] token: the block's other rows get nothing
+            if lay.cls:  # the pooler read the [CLS] token: the block's other rows get nothing
                 r0, r1 = self.blocks[b]
                 full = t.zeros(part.shape[0], r1 - r0, part.shape[2], dtype=part.dtype)
                 full[:, :1] = part
@@ -299,7 +299,7 @@ class _Replay:
                                        x=env[self.name(f, b, j)] if spec.saves == "in" else None,
                                        y=env[self.name(u, b, j)] if spec.saves == "out" else None)
         if kind == "layernorm":
-            d = self.layers[u]["shape"][-1]
+            d = self.layers[u].shape[-1]
             gamma = self.param(env, u, (j,))["weight"]
             _, var = self.stats(env, u, b)
             xhat = self.xhat(env, u, b, env[self.name(f, b, j)])
@@ -311,7 +311,7 @@ class _Replay:
             return p * (dp - (dp * p).sum(dim=-1, keepdim=True))
         if kind in ("scores_q", "scores_k"):
             dh = self.dh(u)
-            q_name, k_name = self.layers[u]["inputs"]
+            q_name, k_name = self.layers[u].inputs
             (c0, c1) = self.cols[f][j]
             out = []
             for h in range(c0 // dh, (c1 - 1) // dh + 1):
@@ -320,21 +320,21 @@ class _Replay:
                     ds = env[self.name(u, b, h, "grad:")]
                     out.append(ds @ self.all_rows(env, k_name, lo, hi) / self.divisor(u))
                 else:
-                    bq = term["b"]
+                    bq = term.b
                     r0, r1 = self.blocks[b]
                     ds = env[self.name(u, bq, h, "grad:")][:, :, r0:r1]
                     out.append(ds.transpose(1, 2) @ self.gather(env, q_name, bq, lo, hi) / self.divisor(u))
             return t.cat(out, dim=2)
         if kind == "context_p":
-            p_name, v_name = self.layers[u]["inputs"]
+            p_name, v_name = self.layers[u].inputs
             dh = self.dh(self._scores_of(p_name))
             dc = self.gather(env, u, b, j * dh, (j + 1) * dh, "grad:")
             return dc @ self.all_rows(env, v_name, j * dh, (j + 1) * dh).transpose(1, 2)
         if kind == "context_v":
-            p_name, _ = self.layers[u]["inputs"]
+            p_name, _ = self.layers[u].inputs
             dh = self.dh(self._scores_of(p_name))
             (c0, c1) = self.cols[f][j]
-            bq = term["b"]
+            bq = term.b
             r0, r1 = self.blocks[b]
             out = []
             for h in range(c0 // dh, (c1 - 1) // dh + 1):
@@ -348,10 +348,10 @@ class _Replay:
     # -- weight gradients --------------------------------------------------------------------------
 
     def weight_gradient(self, rec, env):
-        layer, tile, b = rec["layer"], rec["tile"], rec["b"]
+        layer, tile, b = rec.layer, rec.tile, rec.b
         lay = self.layers[layer]
-        x = lay["inputs"][0]
-        if lay["op"] == "layernorm":
+        x = lay.inputs[0]
+        if lay.op == "layernorm":
             (j,) = tile
             g = env[self.name(layer, b, j, "grad:")]
             xhat = self.xhat(env, layer, b, env[self.name(x, b, j)])
@@ -359,25 +359,25 @@ class _Replay:
         else:
             j, k = tile
             g = env[self.name(layer, 0 if self.vector(layer) else b, j, "grad:")]
-            xs = env[self.name(x, 0 if lay["cls"] else b, k)]
-            if lay["cls"]:
+            xs = env[self.name(x, 0 if lay.cls else b, k)]
+            if lay.cls:
                 xs = xs[:, :1]
             part = {"weight": g.flatten(0, 1).T @ xs.flatten(0, 1)}
             if k == 0:
                 part["bias"] = g.sum(dim=(0, 1))
-        if rec["prev"]:
-            part = {role: env[rec["prev"]][role] + v for role, v in part.items()}
-        if not rec["update"]:
+        if rec.prev:
+            part = {role: env[rec.prev][role] + v for role, v in part.items()}
+        if not rec.update:
             return part
         self.apply(env, layer, tuple(tile), part)
         return None
 
     def embed_update(self, rec, env):
-        layer, v, j = rec["layer"], rec["v"], rec["j"]
+        layer, v, j = rec.layer, rec.v, rec.j
         (v0, v1), (c0, c1) = self._vocab(layer)[v], self.cols[layer][j]
         grad = self.t.zeros(v1 - v0, c1 - c0, dtype=self.param(env, layer, (v, j))["weight"].dtype)
-        for b in rec["blocks"]:  # the sparse gradient: the rows of the tokens seen
-            idx = self.token_rows(b, self.layers[layer]["positional"], env)
+        for b in rec.blocks:  # the sparse gradient: the rows of the tokens seen
+            idx = self.token_rows(b, self.layers[layer].positional, env)
             g = env[self.name(layer, b, j, "grad:")]
             inside = (idx >= v0) & (idx < v1)
             grad.index_add_(0, (idx[inside] - v0), g[inside])

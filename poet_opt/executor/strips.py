@@ -9,7 +9,7 @@ gradients accumulated strip by strip; the SGD update applied in place where the 
 It keeps every tensor (no RAM budget): it checks the graph's maths, not a schedule. The
 reference it is compared with is torch autograd on the unsplit network (tests/test_strips.py).
 
-Layers are the zoo's forward operators as ``graph.meta["strips"]["layers"]`` records them; their
+Layers are the zoo's forward operators as ``graph.meta["strips"].layers`` records them; their
 parameters are given per layer: conv ``weight`` (and ``bias``), batch norm ``weight`` and ``bias``
 (gamma, beta), linear ``weight`` and ``bias``, in PyTorch's shapes; a weight slice ``L#j`` takes
 its rows of ``L``'s tensors.
@@ -44,12 +44,14 @@ class _Replay:
         import torch
 
         self.t, self.graph, self.params, self.x, self.y, self.lr = torch, graph, params, x, y, lr
-        meta = graph.meta["strips"]
-        self.layers, self.records, self.alias = meta["layers"], meta["nodes"], meta["grad_alias"]
-        self.parts = {name: [tuple(r) for r in rows] for name, rows in meta["tensors"].items()}
+        tiling = graph.meta["strips"]
+        self.layers, self.records, self.alias = tiling.layers, tiling.nodes, tiling.grad_alias
+        self.parts = {name: [tuple(r) for r in rows] for name, rows in tiling.tensors.items()}
         self.values: dict = {}
         self.weight_grads: dict = {}
-        self.channels = _slice_channels(graph.meta.get("tiles") or {}, self.layers)
+        # weight slice L#j -> the output channels [lo, hi) of L it computes
+        self.channels = {name: lohi for slices in (graph.meta.get("tiles") or {}).values()
+                         for name, lohi in slices.ranges().items()}
 
     def run(self) -> dict:
         for node in self.graph.nodes:
@@ -60,7 +62,7 @@ class _Replay:
     # -- strips ------------------------------------------------------------------------------------
 
     def strips(self, layer: str) -> list[tuple[int, int]]:
-        return self.parts.get(layer) or [(0, self.layers[layer]["shape"][1])]
+        return self.parts.get(layer) or [(0, self.layers[layer].shape[1])]
 
     def strip_name(self, layer: str, j: int, prefix: str = "") -> str:
         return f"{prefix}{layer}" if layer not in self.parts else f"{prefix}{layer}@s{j}"
@@ -79,7 +81,7 @@ class _Replay:
         return self.t.cat(pieces, dim=2)
 
     def whole(self, env, layer: str, prefix: str = ""):
-        shape = self.layers[layer]["shape"]
+        shape = self.layers[layer].shape
         if len(shape) != 3:
             return env[prefix + layer]
         return self.rows_of(env, layer, 0, shape[1], prefix)
@@ -91,16 +93,16 @@ class _Replay:
     # -- nodes -------------------------------------------------------------------------------------
 
     def compute(self, node, rec, env):
-        role = rec["role"]
+        role = rec.role
         if role == "param":
             return None
         if role == "loss":
             logits = env[self.graph.nodes[node.deps[0]].name]
             return self.t.nn.functional.cross_entropy(logits, self.y)
         if role == "forward":
-            return self.forward(rec["layer"], rec["rows"], env)
+            return self.forward(rec.layer, rec.rows, env)
         if role == "bn_stats":
-            xs = env[self.strip_name(self.layers[rec["layer"]]["inputs"][0], self._index(rec))]
+            xs = env[self.strip_name(self.layers[rec.layer].inputs[0], self._index(rec))]
             count = xs.numel() // xs.shape[1]
             mean = xs.mean(dim=(0, 2, 3))
             m2 = ((xs - mean[None, :, None, None]) ** 2).sum(dim=(0, 2, 3))
@@ -112,10 +114,10 @@ class _Replay:
             delta = mean - mean_a
             return (n, mean_a + delta * count / n, m2_a + m2 + delta ** 2 * n_a * count / n)
         if role == "bn_gstats":
-            layer = rec["layer"]
+            layer = rec.layer
             j = self._index(rec)
             g = env[self.strip_name(layer, j, "grad:")]
-            xhat = self._xhat(env, layer, env[self.strip_name(self.layers[layer]["inputs"][0], j)])
+            xhat = self._xhat(env, layer, env[self.strip_name(self.layers[layer].inputs[0], j)])
             sums = (g.sum(dim=(0, 2, 3)), (g * xhat).sum(dim=(0, 2, 3)))
             prev = self._previous(env, "gstats:", rec)
             return sums if prev is None else (prev[0] + sums[0], prev[1] + sums[1])
@@ -126,11 +128,11 @@ class _Replay:
         raise ValueError(f"unknown role {role!r} of node {node.name}")
 
     def _index(self, rec) -> int:
-        return self.strips(rec["layer"]).index(tuple(rec["rows"]))
+        return self.strips(rec.layer).index(tuple(rec.rows))
 
     def _previous(self, env, prefix, rec):
         j = self._index(rec)
-        return env[f"{prefix}{rec['layer']}@s{j - 1}"] if j else None
+        return env[f"{prefix}{rec.layer}@s{j - 1}"] if j else None
 
     def _stats(self, env, layer):
         n, mean, m2 = env[f"stats:{layer}@s{len(self.strips(layer)) - 1}"]
@@ -142,8 +144,8 @@ class _Replay:
 
     def _window_input(self, env, layer: dict, name_in: str, rows, prefix: str = "", fill: float = 0.0):
         """The input rows output rows [a, b) read, padded past the tensor with ``fill`` (and along W)."""
-        k, s, p = layer["window"]
-        h = self.layers[name_in]["shape"][1]
+        k, s, p = layer.window
+        h = self.layers[name_in].shape[1]
         r0, r1 = rows[0] * s - p, (rows[1] - 1) * s - p + k
         local = self.rows_of(env, name_in, max(0, r0), min(h, r1), prefix)
         pad = (p, p, max(0, -r0), max(0, r1 - h))
@@ -152,7 +154,7 @@ class _Replay:
     def forward(self, name: str, rows, env):
         F = self.t.nn.functional
         layer = self.layers[name]
-        op, inputs = layer["op"], layer["inputs"]
+        op, inputs = layer.op, layer.inputs
         if op == "input":
             return self.x if rows is None else self.x[:, :, rows[0]:rows[1]]
         if rows is None:  # a whole tensor (global pooling, the linear head)
@@ -165,14 +167,14 @@ class _Replay:
             return self._elementwise(op, xs, "whole")
         j = self.strips(name).index(tuple(rows))
         if op in ("conv2d", "maxpool", "avgpool"):
-            k, s, _ = layer["window"]
+            k, s, _ = layer.window
             local = self._window_input(env, layer, inputs[0], rows, fill=-math.inf if op == "maxpool" else 0.0)
             if op == "maxpool":
                 return F.max_pool2d(local, k, s)
             if op == "avgpool":
                 return F.avg_pool2d(local, k, s)
             w = self.weights(env, name)
-            return F.conv2d(local, w["weight"], w.get("bias"), stride=s, groups=layer.get("groups", 1))
+            return F.conv2d(local, w["weight"], w.get("bias"), stride=s, groups=layer.groups)
         xs = [env[self.strip_name(i, j)] for i in inputs]
         if op == "batchnorm":
             w = self.weights(env, name)
@@ -194,25 +196,25 @@ class _Replay:
     # -- gradients ---------------------------------------------------------------------------------
 
     def gradient(self, rec, env):
-        f, rows = rec["of"], rec["rows"]
-        shape = self.layers[f]["shape"]
+        f, rows = rec.of, rec.rows
+        shape = self.layers[f].shape
         j = self.strips(f).index(tuple(rows)) if rows is not None else 0
-        total = env[rec["prev"]] if rec["prev"] else 0
-        if rec["logits"]:
+        total = env[rec.prev] if rec.prev else 0
+        if rec.logits:
             logits = env[f]
             onehot = self.t.nn.functional.one_hot(self.y, logits.shape[1]).to(logits.dtype)
             total = total + (self.t.softmax(logits, dim=1) - onehot) / logits.shape[0]
-        for u in rec["terms"]:
+        for u in rec.terms:
             total = total + self.term(u, f, j, rows, shape, env)
-        for u in rec["updates"]:
+        for u in rec.updates:
             self.apply(u, self.fused_weight_gradient(u, env))
         return total
 
     def term(self, u: str, f: str, j: int, rows, shape, env):
         F, t = self.t.nn.functional, self.t
         layer = self.layers[u]
-        op = layer["op"]
-        if len(layer["shape"]) != 3:  # a whole user: global average pooling or the linear head
+        op = layer.op
+        if len(layer.shape) != 3:  # a whole user: global average pooling or the linear head
             g = env[f"grad:{u}"]
             if op == "avgpool":
                 full = (g / (shape[1] * shape[2]))[:, :, None, None].expand(-1, -1, shape[1], shape[2])
@@ -223,10 +225,10 @@ class _Replay:
             return full if rows is None else full[:, :, rows[0]:rows[1]]
         lo, hi = rows if rows is not None else (0, shape[1])
         if op in ("conv2d", "maxpool", "avgpool"):
-            k, s, p = layer["window"]
+            k, s, p = layer.window
             from poet_opt.model.strips import touching
 
-            m0, m1 = touching((lo, hi), layer["window"], layer["shape"][1])
+            m0, m1 = touching((lo, hi), layer.window, layer.shape[1])
             out = t.zeros(self.x.shape[0], shape[0], hi - lo, shape[2], dtype=self.x.dtype)
             if m0 >= m1:
                 return out
@@ -235,12 +237,12 @@ class _Replay:
             if op == "conv2d":
                 w = self.weights(env, u)["weight"]
                 size = (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
-                local = t.nn.grad.conv2d_input(size, w, g, stride=s, groups=layer.get("groups", 1))
+                local = t.nn.grad.conv2d_input(size, w, g, stride=s, groups=layer.groups)
             else:  # pooling: the vector-Jacobian product of the local window, re-run on its input rows
                 if op == "maxpool":  # where the maximum of every touched window is
                     xin = self._window_input(env, layer, f, (m0, m1), fill=-math.inf)
                 else:  # average pooling is linear: its gradient reads no input (the graph keeps none)
-                    xin = t.zeros(size_of_window(g, shape, layer["window"], m0, m1), dtype=g.dtype)
+                    xin = t.zeros(size_of_window(g, shape, layer.window, m0, m1), dtype=g.dtype)
                 xin = xin.detach().requires_grad_(True)
                 pooled = (F.max_pool2d if op == "maxpool" else F.avg_pool2d)(xin, k, s)
                 (local,) = t.autograd.grad(pooled, xin, g)
@@ -264,7 +266,7 @@ class _Replay:
         else:
             _, var = self._stats(env, u)
             xhat = self._xhat(env, u, xs)
-            n = self.x.shape[0] * layer["shape"][1] * layer["shape"][2]
+            n = self.x.shape[0] * layer.shape[1] * layer.shape[2]
             sums = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
             rstd = 1 / t.sqrt(var + EPS)
         scale = (w["weight"] * rstd)[None, :, None, None]
@@ -275,13 +277,13 @@ class _Replay:
         output gradient ``g``; ``x`` and ``y`` give u's input and output, called only where the
         registry says its backward reads them (the plan may have freed the others)."""
         layer = self.layers[u]
-        op = layer["op"]
+        op = layer.op
         spec = registry.get(op)
         if spec is not None and op in ELEMENTWISE and spec.arity == 1:
             return spec.torch_gradient(self.t, g, x=x() if spec.saves == "in" else None,
                                        y=y() if spec.saves == "out" else None)
         if op == "add":  # x + x (its input recorded once) passes the gradient on twice
-            return g if len(layer["inputs"]) == 2 else 2 * g
+            return g if len(layer.inputs) == 2 else 2 * g
         if op == "concat":
             c0, c1 = self.channels[f]
             return g[:, c0:c1]
@@ -290,7 +292,7 @@ class _Replay:
     def fused_weight_gradient(self, u: str, env) -> dict:
         """The weight gradient of layer u whose update a data-gradient node applies."""
         layer = self.layers[u]
-        op = layer["op"]
+        op = layer.op
         if op == "batchnorm" and u in self.parts:
             s0, s1 = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
             return {"weight": s1, "bias": s0}
@@ -299,8 +301,8 @@ class _Replay:
     def strip_weight_gradient(self, u: str, rows, env) -> dict:
         t = self.t
         layer = self.layers[u]
-        op, (x,) = layer["op"], layer["inputs"]
-        shape = layer["shape"]
+        op, (x,) = layer.op, layer.inputs
+        shape = layer.shape
         if op == "linear":
             g, xs = env[f"grad:{u}"], self.whole(env, x).flatten(1)
             return {"weight": g.t() @ xs, "bias": g.sum(0)}
@@ -311,20 +313,20 @@ class _Replay:
             mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
             xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + EPS)[None, :, None, None]
             return {"weight": (g * xhat).sum(dim=(0, 2, 3)), "bias": g.sum(dim=(0, 2, 3))}
-        k, s, _ = layer["window"]
+        k, s, _ = layer.window
         local = self._window_input(env, layer, x, (lo, hi))
         w = self.params[u]
-        out = {"weight": t.nn.grad.conv2d_weight(local, w["weight"].shape, g, stride=s, groups=layer.get("groups", 1))}
+        out = {"weight": t.nn.grad.conv2d_weight(local, w["weight"].shape, g, stride=s, groups=layer.groups)}
         if "bias" in w:
             out["bias"] = g.sum(dim=(0, 2, 3))
         return out
 
     def weight_gradient(self, rec, env):
-        u = rec["layer"]
-        part = self.strip_weight_gradient(u, rec.get("rows"), env)
-        if rec.get("prev"):
-            part = {role: env[rec["prev"]][role] + v for role, v in part.items()}
-        if rec["role"] == "update" or rec["update"]:
+        u = rec.layer
+        part = self.strip_weight_gradient(u, rec.rows, env)
+        if rec.prev:
+            part = {role: env[rec.prev][role] + v for role, v in part.items()}
+        if rec.role == "update" or rec.update:
             self.apply(u, part)
             return None
         return part
@@ -340,18 +342,6 @@ def size_of_window(g, shape, window, m0: int, m1: int) -> tuple[int, ...]:
     """The padded input a window operator's output rows [m0, m1) read."""
     k, s, p = window
     return (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
-
-
-def _slice_channels(tiles: dict, layers: dict) -> dict[str, tuple[int, int]]:
-    """Weight slice L#j -> the output channels [lo, hi) of L it computes."""
-    out = {}
-    for names in tiles.values():
-        lo = 0
-        for name in names:
-            hi = lo + layers[name]["shape"][0]
-            out[name] = (lo, hi)
-            lo = hi
-    return out
 
 
 def run_plan(graph, steps, params: dict, x, y, lr: float) -> dict:

@@ -49,9 +49,9 @@ def check_runnable(network: Network) -> None:
     (the row replay runs every operator the row builder takes)."""
     if network.graph.meta.get("rows") is not None:
         return
-    for name, info in network.graph.meta["strips"]["layers"].items():
-        if not replays(info["op"]):
-            raise PoetError(f"layer {name!r} ({info['op']}) has no strip kernel in the PyTorch executor, which runs "
+    for name, info in network.graph.meta["strips"].layers.items():
+        if not replays(info.op):
+            raise PoetError(f"layer {name!r} ({info.op}) has no strip kernel in the PyTorch executor, which runs "
                             "streamed weights through them; with --weights resident it runs whole layers, if they "
                             "fit (poet-opt emulate trains the streamed plan in firmware)", field="--weights")
 

@@ -36,11 +36,11 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
     from poet_opt.model.rows import refuse_rows
     from poet_opt.model.strips import refuse_strips
 
-    rows = bool(network.graph.meta.get("rows"))
+    rows = network.graph.meta.get("rows") is not None
     if not rows:  # a row plan needs the network lowered with its row tiles (model/torch_rows.py)
         refuse_rows(doc["graph"]["nodes"], "the firmware generator for a network lowered without row tiles",
                     "--model")
-    if not network.graph.meta.get("strips"):  # a strip plan needs the network lowered with its strips
+    if network.graph.meta.get("strips") is None:  # a strip plan needs the network lowered with its strips
         refuse_strips(doc["graph"]["nodes"], "the firmware generator for a network lowered without strips",
                       "--model")
     names = [str(n["name"]) for n in doc["graph"]["nodes"]]
@@ -56,6 +56,6 @@ def generate(network: Network, doc: dict, plan: ArenaPlan, flash: FlashPlan, *, 
     from poet_opt.firmware import library
 
     library.check_library_prefix(prefix)
-    kind = RowWriter if rows else StripWriter if network.graph.meta.get("strips") else StepWriter
+    kind = RowWriter if rows else StripWriter if network.graph.meta.get("strips") is not None else StepWriter
     writer = kind(network, doc, plan, flash, lr, program, marks)
     return library.render(writer, steps=steps, lr=lr, x=x, y=y, prefix=prefix, storage_defines=storage_defines)

@@ -3,7 +3,7 @@
 
 Each node of a row graph computes one block of tokens by one piece of features of one tensor (a
 head's block of scores, a layer norm's statistics, a link of a partial sum), and
-``graph.meta["rows"]["nodes"]`` records what: the generator reads that record, as
+``graph.meta["rows"].nodes`` records what: the generator reads that record, as
 poet_opt/executor/rows.py does in PyTorch, and emits the same maths on the tiles the plan holds in
 the arena, each laid out [batch][block][piece]:
 
@@ -44,15 +44,15 @@ def check_rows(network) -> None:
     graph = network.graph
     if graph is None:
         return
-    missing = [f"node {name!r} ({lay['op']})" for name, lay in graph.meta["rows"]["layers"].items()
-               if lay["op"] != "input" and not support.runs(registry.spec(lay["op"]), "rows", "firmware")]
+    missing = [f"node {name!r} ({lay.op})" for name, lay in graph.meta["rows"].layers.items()
+               if lay.op != "input" and not support.runs(registry.spec(lay.op), "rows", "firmware")]
     if missing:  # every one at once, so that a fix is not followed by the next refusal
         them = "them" if len(missing) > 1 else "it"
         raise PoetError(f"{', '.join(missing)}: the firmware has no row-tile kernel for {them}; it runs "
                         f"{', '.join(sorted(firmware_row_ops()))} in row tiles", field=FIELD)
-    layers = graph.meta["rows"]["layers"]
+    layers = graph.meta["rows"].layers
     logits = list(layers)[-1]
-    if len(layers[logits]["shape"]) != 1 or len(graph.meta["rows"]["cols"][logits]) != 1:
+    if len(layers[logits].shape) != 1 or len(graph.meta["rows"].cols[logits]) != 1:
         raise PoetError(f"node {logits!r}: the firmware runs row tiles of a classifier, whose logits are one "
                         "vector (a head on pooled tokens), not per-token logits", field=FIELD)
 
@@ -66,10 +66,10 @@ class RowWriter(StepWriter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_rows(self.net)
-        meta = self.net.graph.meta["rows"]
-        self.blocks = [tuple(b) for b in meta["blocks"]]
-        self.layers_meta, self.records, self.tiles = meta["layers"], meta["nodes"], meta["tiles"]
-        self.cols = {name: [tuple(c) for c in cs] for name, cs in meta["cols"].items()}
+        tiling = self.net.graph.meta["rows"]
+        self.blocks = [tuple(b) for b in tiling.blocks]
+        self.layers_meta, self.records, self.tiles = tiling.layers, tiling.nodes, tiling.tiles
+        self.cols = {name: [tuple(c) for c in cs] for name, cs in tiling.cols.items()}
         self.seq = self.blocks[-1][1]
         self.batch = self.net.input_shape[0]
         self.scratch_floats = 0
@@ -80,22 +80,22 @@ class RowWriter(StepWriter):
         """Each ``param:L#tile`` node's region: the tile's block of L's weight (and its bias, in a
         linear layer's first input piece, as executor/rows.py cuts them), a layer of its own whose
         parameters say which part of the torch parameters they are."""
-        meta = self.net.graph.meta["rows"]
+        tiling = self.net.graph.meta["rows"]
         out: dict[int, Layer] = {}
         for n, node in enumerate(self.nodes):
             if node.get("op") != "param":
                 continue
             name, _, tile = str(node["name"])[len("param:"):].rpartition("#")
             layer = self.net.layers.get(name)
-            kind = meta["tiles"].get(name, {}).get("kind")
+            kind = tiling.tiles[name].kind if name in tiling.tiles else None
             if layer is None or kind not in ("linear", "norm"):
                 raise PoetError(f"node {node['name']!r}: the firmware streams row tiles of linear layers and layer "
                                 "norms only", field=FIELD)
             index = tuple(int(t) for t in tile.split("."))
-            (o0, o1) = meta["cols"][name][index[0]]
+            (o0, o1) = tiling.cols[name][index[0]]
             w, b = layer.params["weight"], layer.params["bias"]
             if kind == "linear":
-                (i0, i1) = meta["cols"][meta["layers"][name]["inputs"][0]][index[1]]
+                (i0, i1) = tiling.cols[tiling.layers[name].inputs[0]][index[1]]
                 params = {"weight": Parameter(w.torch_name, w.value[o0:o1, i0:i1].copy(), (o0, o1), w.value.shape,
                                               (i0, i1))}
                 if index[1] == 0:
@@ -130,11 +130,11 @@ class RowWriter(StepWriter):
 
     def vector(self, layer: str) -> bool:
         lay = self.layers_meta[layer]
-        return len(lay["shape"]) == 1 and lay["op"] != "input"
+        return len(lay.shape) == 1 and lay.op != "input"
 
     def heads(self, layer: str) -> bool:
         lay = self.layers_meta[layer]
-        return lay["op"] == "softmax" or lay["op"] == "matmul" and len(lay["shape"]) == 3
+        return lay.op == "softmax" or lay.op == "matmul" and len(lay.shape) == 3
 
     def name(self, layer: str, b: int, j: int, prefix: str = "") -> str:
         return f"{prefix}{layer}@r{b}{'@h' if self.heads(layer) else '@c'}{j}"
@@ -160,10 +160,10 @@ class RowWriter(StepWriter):
         """(the weight, the bias or NULL) of a tile in the arena: the bias after the weights."""
         name = f"param:{layer}#{'.'.join(map(str, tile))}"
         base = self.at(ops, name, f"{layer}'s weights")
-        if self.tiles[layer]["kind"] == "norm":
+        if self.tiles[layer].kind == "norm":
             return base, f"{base} + {self.width(layer, tile[0])}u"
         o = self.width(layer, tile[0])
-        i = self.width(self.layers_meta[layer]["inputs"][0], tile[1])
+        i = self.width(self.layers_meta[layer].inputs[0], tile[1])
         return base, f"{base} + {o * i}u" if tile[1] == 0 else "NULL"
 
     def overlap(self, layer: str, lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -171,11 +171,11 @@ class RowWriter(StepWriter):
         return [(j, max(lo, a), min(hi, c)) for j, (a, c) in enumerate(self.cols[layer]) if a < hi and lo < c]
 
     def dh(self, scores: str) -> int:
-        return self.layers_meta[self.layers_meta[scores]["inputs"][0]]["shape"][-1] // \
-            self.layers_meta[scores]["shape"][0]
+        return self.layers_meta[self.layers_meta[scores].inputs[0]].shape[-1] // \
+            self.layers_meta[scores].shape[0]
 
     def divisor(self, scores: str) -> float:
-        return self.layers_meta[scores].get("divisor") or math.sqrt(self.dh(scores))
+        return self.layers_meta[scores].divisor or math.sqrt(self.dh(scores))
 
     def eps(self, layer: str) -> str:
         return c_float(self.net.layers[layer].attrs.get("eps", 1e-5))
@@ -193,7 +193,7 @@ class RowWriter(StepWriter):
 
     def compute(self, node: int, info: dict, out: str, ops: dict[int, int], first: bool) -> list[str]:
         rec = self.records[info["name"]]
-        role = rec["role"]
+        role = rec.role
         if role == "param":
             return super().compute(node, info, out, ops, first)
         handler = {"forward": self.forward_tile, "scores": self.scores, "context": self.context, "mean": self.mean,
@@ -210,12 +210,12 @@ class RowWriter(StepWriter):
         return lines
 
     def forward_tile(self, rec, out, ops) -> list[str]:
-        layer, b, j = rec["layer"], rec["b"], rec["j"]
+        layer, b, j = rec.layer, rec.b, rec.j
         lay = self.layers_meta[layer]
-        op, inputs = lay["op"], lay["inputs"]
+        op, inputs = lay.op, lay.inputs
         n, rows, w = self.batch, self.rows(layer, b), self.width(layer, j)
         if op == "input":  # the block's rows of the piece's features, sample by sample
-            d = lay["shape"][-1]
+            d = lay.shape[-1]
             r0, _ = self.blocks[b]
             c0, _ = self.cols[layer][j]
             return [f"poet_copy_strided({out} + {s * rows * w}u, poet_input + {(s * self.seq + r0) * d + c0}u, "
@@ -224,7 +224,7 @@ class RowWriter(StepWriter):
         if op == "layernorm":
             gamma, beta = self.weights(ops, layer, (j,))
             return [f"poet_layernorm_rows_forward({out}, {x}, {self.stats(ops, layer, b)}, {gamma}, {beta}, "
-                    f"{n * rows}u, {w}u, {lay['shape'][-1]}u, {self.eps(layer)});"]
+                    f"{n * rows}u, {w}u, {lay.shape[-1]}u, {self.eps(layer)});"]
         if op == "softmax":
             return [f"poet_softmax_forward({out}, {x}, {n * rows}u, {self.seq}u);"]
         xs = ", ".join(self.tile(ops, i, b, j) for i in inputs)  # add, GELU, ...: the registry's kernel
@@ -233,8 +233,8 @@ class RowWriter(StepWriter):
     def scores(self, rec, out, ops) -> list[str]:
         """Head h's scores of block b, Q K^T / divisor, summed over the parts of the head's columns
         (Q's pieces) and the key blocks (K's tiles), each product in place."""
-        layer, b, h = rec["layer"], rec["b"], rec["j"]
-        q, k = self.layers_meta[layer]["inputs"]
+        layer, b, h = rec.layer, rec.b, rec.j
+        q, k = self.layers_meta[layer].inputs
         dh, rows = self.dh(layer), self.rows(layer, b)
         lines = [f"poet_zero({out}, {self.count(layer, b, h)}u);"]
         for s in range(self.batch):
@@ -254,9 +254,9 @@ class RowWriter(StepWriter):
     def context(self, rec, out, ops) -> list[str]:
         """Piece j of block b of P V: per head in the piece, its probabilities times V's rows of every
         block, in V's pieces."""
-        layer, b, j = rec["layer"], rec["b"], rec["j"]
-        p, v = self.layers_meta[layer]["inputs"]
-        dh, rows, w = self.dh(self.layers_meta[p]["inputs"][0]), self.rows(layer, b), self.width(layer, j)
+        layer, b, j = rec.layer, rec.b, rec.j
+        p, v = self.layers_meta[layer].inputs
+        dh, rows, w = self.dh(self.layers_meta[p].inputs[0]), self.rows(layer, b), self.width(layer, j)
         c0, c1 = self.cols[layer][j]
         lines = [f"poet_zero({out}, {self.count(layer, b, j)}u);"]
         for s in range(self.batch):
@@ -271,10 +271,10 @@ class RowWriter(StepWriter):
         return lines
 
     def mean(self, rec, out, ops) -> list[str]:
-        layer, b, j = rec["layer"], rec["b"], rec["j"]
-        x = self.layers_meta[layer]["inputs"][0]
+        layer, b, j = rec.layer, rec.b, rec.j
+        x = self.layers_meta[layer].inputs[0]
         w = self.width(layer, j)
-        start = f"poet_copy({out}, {self.at(ops, rec['prev'], rec['prev'])}, {self.batch * w}u);" if rec["prev"] \
+        start = f"poet_copy({out}, {self.at(ops, rec.prev, rec.prev)}, {self.batch * w}u);" if rec.prev \
             else f"poet_zero({out}, {self.batch * w}u);"
         return [start, f"poet_rows_mean_forward({out}, {self.tile(ops, x, b, j)}, {self.batch}u, {self.rows(x, b)}u, "
                        f"{w}u, {self.seq}u);"]
@@ -282,7 +282,7 @@ class RowWriter(StepWriter):
     def linear_rows(self, layer: str, b: int, x: str, k: int):
         """(sample strides of the layer's input tile and output tile, rows per call, calls): the
         pooler reads its input's first row only, sample by sample."""
-        cls = self.layers_meta[layer]["cls"]
+        cls = self.layers_meta[layer].cls
         xb = 0 if cls else b
         wx = self.width(x, k)
         if cls and self.batch > 1:
@@ -290,67 +290,67 @@ class RowWriter(StepWriter):
         return [(0, 0)], self.batch * (1 if cls else self.rows(layer, b))
 
     def linear(self, rec, out, ops) -> list[str]:
-        layer, b, j, k = rec["layer"], rec["b"], rec["j"], rec["k"]
-        x = self.layers_meta[layer]["inputs"][0]
-        cls = self.layers_meta[layer]["cls"]
+        layer, b, j, k = rec.layer, rec.b, rec.j, rec.k
+        x = self.layers_meta[layer].inputs[0]
+        cls = self.layers_meta[layer].cls
         w, bias = self.weights(ops, layer, (j, k))
         wo, wi = self.width(layer, j), self.width(x, k)
         xt = self.tile(ops, x, 0 if cls else b, k)
         calls, rows = self.linear_rows(layer, b, x, k)
         lines = [f"poet_linear_forward({out} + {s * wo}u, {xt} + {at}u, {w}, {bias}, {rows}u, {wi}u, {wo}u);"
                  for at, s in calls]
-        if rec["prev"]:
-            lines.append(f"poet_accumulate({out}, {self.at(ops, rec['prev'], rec['prev'])}, "
+        if rec.prev:
+            lines.append(f"poet_accumulate({out}, {self.at(ops, rec.prev, rec.prev)}, "
                          f"{self.count(layer, b, j)}u);")
         return lines
 
     def ln_stats(self, rec, out, ops) -> list[str]:
-        layer, b, k = rec["layer"], rec["b"], rec["k"]
-        x = self.layers_meta[layer]["inputs"][0]
-        prev = self.at(ops, rec["prev"], rec["prev"]) if rec["prev"] else "NULL"
+        layer, b, k = rec.layer, rec.b, rec.k
+        x = self.layers_meta[layer].inputs[0]
+        prev = self.at(ops, rec.prev, rec.prev) if rec.prev else "NULL"
         return [f"poet_layernorm_rows_stats({out}, {prev}, {self.tile(ops, x, b, k)}, "
                 f"{self.batch * self.rows(x, b)}u, {self.width(x, k)}u, {self.cols[layer][k][0]}u);"]
 
     def ln_gstats(self, rec, out, ops) -> list[str]:
-        layer, b, k = rec["layer"], rec["b"], rec["k"]
-        x = self.layers_meta[layer]["inputs"][0]
-        prev = self.at(ops, rec["prev"], rec["prev"]) if rec["prev"] else "NULL"
+        layer, b, k = rec.layer, rec.b, rec.k
+        x = self.layers_meta[layer].inputs[0]
+        prev = self.at(ops, rec.prev, rec.prev) if rec.prev else "NULL"
         gamma, _ = self.weights(ops, layer, (k,))
         return [f"poet_layernorm_rows_grad_stats({out}, {prev}, {self.tile(ops, layer, b, k, 'grad:')}, "
                 f"{self.tile(ops, x, b, k)}, {self.stats(ops, layer, b)}, {gamma}, {self.batch * self.rows(x, b)}u, "
-                f"{self.width(x, k)}u, {self.layers_meta[layer]['shape'][-1]}u, {self.eps(layer)});"]
+                f"{self.width(x, k)}u, {self.layers_meta[layer].shape[-1]}u, {self.eps(layer)});"]
 
     def loss(self, rec, out, ops) -> list[str]:
         logits = list(self.layers_meta)[-1]  # one vector tile (check_rows)
-        classes = self.layers_meta[logits]["shape"][-1]
+        classes = self.layers_meta[logits].shape[-1]
         return [f"poet_cross_entropy_forward({out}, {self.tile(ops, logits, 0, 0)}, poet_labels, {self.batch}u, "
                 f"{classes}u);"]
 
     # -- gradients -------------------------------------------------------------------------------
 
     def gradient(self, rec, out, ops) -> list[str]:
-        f, b, j = rec["of"], rec["b"], rec["j"]
+        f, b, j = rec.of, rec.b, rec.j
         n = self.count(f, b, j)
-        lines = [f"poet_copy({out}, {self.at(ops, rec['prev'], rec['prev'])}, {n}u);" if rec["prev"]
+        lines = [f"poet_copy({out}, {self.at(ops, rec.prev, rec.prev)}, {n}u);" if rec.prev
                  else f"poet_zero({out}, {n}u);"]
-        if rec["logits"]:
+        if rec.logits:
             lines.append(f"poet_cross_entropy_backward({out}, {self.tile(ops, f, 0, 0)}, poet_labels, {self.batch}u, "
-                         f"{self.layers_meta[f]['shape'][-1]}u);")
-        for term in rec["terms"]:
+                         f"{self.layers_meta[f].shape[-1]}u);")
+        for term in rec.terms:
             lines += self.term(term, f, b, j, out, ops)
         return lines
 
     def term(self, term: dict, f: str, b: int, j: int, out: str, ops) -> list[str]:
         """out += the data gradient back through the term's layer into tile (b, j) of f."""
-        kind, u = term["kind"], term["layer"]
+        kind, u = term.kind, term.layer
         lay = self.layers_meta[u]
         n, rows, w = self.batch, self.rows(f, b), self.width(f, j)
         if kind == "linear":
-            jj = term["j"]
-            g = self.tile(ops, u, 0 if lay["cls"] or self.vector(u) else b, jj, "grad:")
+            jj = term.j
+            g = self.tile(ops, u, 0 if lay.cls or self.vector(u) else b, jj, "grad:")
             weight, _ = self.weights(ops, u, (jj, j))
             wo = self.width(u, jj)
-            if lay["cls"]:  # the pooler read each sample's first token only
+            if lay.cls:  # the pooler read each sample's first token only
                 return [f"poet_linear_backward_input({out} + {s * rows * w}u, {g} + {s * wo}u, {weight}, 1u, {w}u, "
                         f"{wo}u);" for s in range(n)]
             return [f"poet_linear_backward_input({out}, {g}, {weight}, {n * rows}u, {w}u, {wo}u);"]
@@ -361,7 +361,7 @@ class RowWriter(StepWriter):
             gamma, _ = self.weights(ops, u, (j,))
             return [f"poet_layernorm_rows_backward({out}, {self.tile(ops, u, b, j, 'grad:')}, "
                     f"{self.tile(ops, f, b, j)}, {self.stats(ops, u, b)}, {self.stats(ops, u, b, 'lngstats')}, "
-                    f"{gamma}, {n * rows}u, {w}u, {lay['shape'][-1]}u, {self.eps(u)});"]
+                    f"{gamma}, {n * rows}u, {w}u, {lay.shape[-1]}u, {self.eps(u)});"]
         if kind == "softmax":
             return [f"poet_softmax_backward({out}, {self.tile(ops, u, b, j, 'grad:')}, {self.tile(ops, u, b, j)}, "
                     f"{n * rows}u, {self.seq}u);"]
@@ -371,15 +371,15 @@ class RowWriter(StepWriter):
             return self.context_gradient(term, f, b, j, out, ops)
         if registry.get(kind) is not None and registry.get(kind).c_backward:  # add, GELU, ...: one call an operand
             return [elementwise_backward(kind, out, self.tile(ops, u, b, j, "grad:"), self.count(f, b, j),
-                                         lambda x: self.tile(ops, x, b, j), u, lay["inputs"])
-                    for x in lay["inputs"] if x == f]
+                                         lambda x: self.tile(ops, x, b, j), u, lay.inputs)
+                    for x in lay.inputs if x == f]
         raise PoetError(f"node {u!r}: the firmware has no row-tile gradient for {kind}", field=FIELD)
 
     def scores_gradient(self, term, f: str, b: int, j: int, out: str, ops) -> list[str]:
         """dQ of block b: dS K / divisor; dK of block b: dS^T Q / divisor over the query block
-        ``term["b"]``'s rows of dS that are block b's keys."""
-        u = term["layer"]
-        q, k = self.layers_meta[u]["inputs"]
+        ``term.b``'s rows of dS that are block b's keys."""
+        u = term.layer
+        q, k = self.layers_meta[u].inputs
         dh, alpha = self.dh(u), 1.0 / self.divisor(u)
         rows, w = self.rows(f, b), self.width(f, j)
         c0, c1 = self.cols[f][j]
@@ -388,7 +388,7 @@ class RowWriter(StepWriter):
             for h in range(c0 // dh, (c1 - 1) // dh + 1):
                 lo, hi = max(c0, h * dh), min(c1, (h + 1) * dh)
                 c = f"{out} + {s * rows * w + lo - c0}u"
-                if term["kind"] == "scores_q":
+                if term.kind == "scores_q":
                     ds = f"{self.tile(ops, u, b, h, 'grad:')} + {s * rows * self.seq}u"
                     for bk, (k0, k1) in enumerate(self.blocks):
                         for jk, lo2, hi2 in self.overlap(k, lo, hi):
@@ -397,7 +397,7 @@ class RowWriter(StepWriter):
                             lines.append(self.gemm(f"{c} + {lo2 - lo}u", w, f"{ds} + {k0}u", (self.seq, 1), kb,
                                                    (wk, 1), rows, hi2 - lo2, k1 - k0, alpha))
                 else:
-                    bq = term["b"]
+                    bq = term.b
                     r0, _ = self.blocks[b]
                     rq = self.rows(q, bq)
                     ds = f"{self.tile(ops, u, bq, h, 'grad:')} + {s * rq * self.seq + r0}u"
@@ -410,14 +410,14 @@ class RowWriter(StepWriter):
 
     def context_gradient(self, term, f: str, b: int, j: int, out: str, ops) -> list[str]:
         """dP of block b, head j: dC V^T over the head's columns; dV of block b: P^T dC over the
-        query block ``term["b"]``'s probabilities of block b's keys."""
-        u = term["layer"]
-        p, v = self.layers_meta[u]["inputs"]
-        dh = self.dh(self.layers_meta[p]["inputs"][0])
+        query block ``term.b``'s probabilities of block b's keys."""
+        u = term.layer
+        p, v = self.layers_meta[u].inputs
+        dh = self.dh(self.layers_meta[p].inputs[0])
         rows = self.rows(f, b)
         lines = []
         for s in range(self.batch):
-            if term["kind"] == "context_p":  # f is P, j a head
+            if term.kind == "context_p":  # f is P, j a head
                 for jc, lo, hi in self.overlap(u, j * dh, (j + 1) * dh):
                     wc = self.width(u, jc)
                     dc = f"{self.tile(ops, u, b, jc, 'grad:')} + {s * rows * wc + lo - self.cols[u][jc][0]}u"
@@ -429,7 +429,7 @@ class RowWriter(StepWriter):
                                                    f"{dc} + {lo2 - lo}u", (wc, 1), vb, (1, wv), rows, v1 - v0,
                                                    hi2 - lo2))
                 continue
-            bq = term["b"]
+            bq = term.b
             r0, _ = self.blocks[b]
             rq, w = self.rows(u, bq), self.width(f, j)
             c0, c1 = self.cols[f][j]
@@ -447,24 +447,24 @@ class RowWriter(StepWriter):
     def wgrad(self, rec, out, ops) -> list[str]:
         """One link of a tile's weight-gradient chain over the row blocks: block b's part added to
         the sum so far; the last folds it into the tile in the arena (``w -= lr * g``)."""
-        layer, tile, b = rec["layer"], tuple(rec["tile"]), rec["b"]
+        layer, tile, b = rec.layer, tuple(rec.tile), rec.b
         lay = self.layers_meta[layer]
-        x = lay["inputs"][0]
+        x = lay.inputs[0]
         # the tile itself is an operand of the last link only, which updates it
-        w, bias = self.weights(ops, layer, tile) if rec["update"] else ("NULL", "NULL")
+        w, bias = self.weights(ops, layer, tile) if rec.update else ("NULL", "NULL")
         j = tile[0]
         wo = self.width(layer, j)
-        total = wo * (2 if lay["op"] == "layernorm" else self.width(x, tile[1]) + (1 if tile[1] == 0 else 0))
-        prev = self.at(ops, rec["prev"], rec["prev"]) if rec["prev"] else None
+        total = wo * (2 if lay.op == "layernorm" else self.width(x, tile[1]) + (1 if tile[1] == 0 else 0))
+        prev = self.at(ops, rec.prev, rec.prev) if rec.prev else None
         g = self.tile(ops, layer, 0 if self.vector(layer) else b, j, "grad:")
         lines = []
-        if rec["update"] and prev is None and lay["op"] == "linear" and not (lay["cls"] and self.batch > 1):
+        if rec.update and prev is None and lay.op == "linear" and not (lay.cls and self.batch > 1):
             # a single link: the gradient straight into the weights, with no buffer for it
             calls, rows = self.linear_rows(layer, b, x, tile[1])
-            xt = self.tile(ops, x, 0 if lay["cls"] else b, tile[1])
+            xt = self.tile(ops, x, 0 if lay.cls else b, tile[1])
             return [f"poet_linear_backward_params_sgd({w}, {bias}, {g}, {xt}, {rows}u, {self.width(x, tile[1])}u, "
                     f"{wo}u, {LR});"]
-        if not rec["update"]:
+        if not rec.update:
             into = out
             lines.append(f"poet_copy({out}, {prev}, {total}u);" if prev else f"poet_zero({out}, {total}u);")
         elif prev is not None:
@@ -473,18 +473,18 @@ class RowWriter(StepWriter):
             into = "poet_scratch"
             self.scratch_floats = max(self.scratch_floats, total)
             lines.append(f"poet_zero({into}, {total}u);")
-        if lay["op"] == "layernorm":
+        if lay.op == "layernorm":
             n = self.batch * self.rows(x, b)
             lines.append(f"poet_layernorm_rows_backward_params({into}, {into} + {wo}u, {g}, {self.tile(ops, x, b, j)}, "
-                         f"{self.stats(ops, layer, b)}, {n}u, {wo}u, {lay['shape'][-1]}u, {self.eps(layer)});")
+                         f"{self.stats(ops, layer, b)}, {n}u, {wo}u, {lay.shape[-1]}u, {self.eps(layer)});")
         else:
             k = tile[1]
             wi = self.width(x, k)
-            xt = self.tile(ops, x, 0 if lay["cls"] else b, k)
+            xt = self.tile(ops, x, 0 if lay.cls else b, k)
             gb = f"{into} + {wo * wi}u" if k == 0 else "NULL"
             calls, rows = self.linear_rows(layer, b, x, k)
             lines += [f"poet_linear_backward_params({into}, {gb}, {g} + {s * wo}u, {xt} + {at}u, {rows}u, {wi}u, "
                       f"{wo}u);" for at, s in calls]
-        if rec["update"]:
+        if rec.update:
             lines.append(f"poet_sgd_step({w}, {into}, {total}u, {LR});")
         return lines

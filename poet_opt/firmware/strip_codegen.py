@@ -1,6 +1,6 @@
 """The C of a schedule of an activation-strip graph (poet_opt/model/strips.py, docs/streaming.md).
 
-Each node of a strip graph computes rows [a, b) of one tensor, and ``graph.meta["strips"]["nodes"]``
+Each node of a strip graph computes rows [a, b) of one tensor, and ``graph.meta["strips"].nodes``
 records what: the generator reads that record, as poet_opt/executor/strips.py does in PyTorch, and
 emits the same maths on the strip buffers the plan holds in the arena:
 
@@ -44,11 +44,11 @@ SCRATCH_BYTES = 8 * 1024
 class StripWriter(StepWriter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        meta = self.net.graph.meta["strips"]
-        self.layers_meta, self.records = meta["layers"], meta["nodes"]
-        self.tensors = {name: [tuple(r) for r in rows] for name, rows in meta["tensors"].items()}
+        tiling = self.net.graph.meta["strips"]
+        self.layers_meta, self.records = tiling.layers, tiling.nodes
+        self.tensors = {name: [tuple(r) for r in rows] for name, rows in tiling.tensors.items()}
         # a weight slice over strips reads its channels of the concat's gradient strips (model/strips.py)
-        self.alias = dict(meta.get("grad_alias") or {})
+        self.alias = dict(tiling.grad_alias)
         self.scratch_floats = 0
         self.windows: dict[tuple, str] = {}
 
@@ -146,7 +146,7 @@ class StripWriter(StepWriter):
 
     def compute(self, node: int, info: dict, out: str, ops: dict[int, int], first: bool) -> list[str]:
         rec = self.records[info["name"]]
-        role = rec["role"]
+        role = rec.role
         if role in ("param", "loss"):
             return super().compute(node, info, out, ops, first)
         if role == "forward":
@@ -165,11 +165,11 @@ class StripWriter(StepWriter):
 
     def whole(self, layer: str) -> bool:
         """Whether the layer and its inputs are single tensors, run as unstriped graphs run them."""
-        names = [layer, *self.layers_meta[layer]["inputs"]]
+        names = [layer, *self.layers_meta[layer].inputs]
         return not any(self.striped(x) for x in names) and self.net.layers[layer].op not in WINDOWED
 
     def strip_forward(self, rec, out, ops, first) -> list[str]:
-        name, rows = rec["layer"], rec["rows"]
+        name, rows = rec.layer, rec.rows
         layer = self.net.layers[name]
         if self.whole(name):
             return self.forward(layer, out, ops, first)
@@ -216,7 +216,7 @@ class StripWriter(StepWriter):
     def eval_unneeded(self) -> set[int]:
         # the chained batch statistics: eval mode normalises each strip with the running statistics
         return {self.by_name[name] for name, rec in self.records.items()
-                if rec["role"] == "bn_stats" and self.net.layers[rec["layer"]].buffers and name in self.by_name}
+                if rec.role == "bn_stats" and self.net.layers[rec.layer].buffers and name in self.by_name}
 
     def chunk_rows(self, total: int, floats) -> int:
         """Output rows per kernel call: the most whose scratch, ``floats(rows)``, stays within
@@ -231,7 +231,7 @@ class StripWriter(StepWriter):
         a chunk reads are gathered into scratch, the kernel writes the chunk beside them (or
         straight into ``out`` when one chunk is the whole strip) and the chunk is copied into place."""
         x = layer.operands[0]
-        k, s, p = self.layers_meta[layer.name]["window"]
+        k, s, p = self.layers_meta[layer.name].window
         n, c, _, w = self.nchw(layer.name)
         _, cx, _, wx = self.nchw(x)
 
@@ -260,18 +260,18 @@ class StripWriter(StepWriter):
         return lines
 
     def stats(self, rec, out, ops) -> list[str]:
-        name, (a, b) = rec["layer"], rec["rows"]
+        name, (a, b) = rec.layer, rec.rows
         j = self.index(name, (a, b))
-        x = self.layers_meta[name]["inputs"][0]
+        x = self.layers_meta[name].inputs[0]
         n, c, _, w = self.nchw(name)
         prev = self.at(ops, f"stats:{name}@s{j - 1}", f"stats:{name}@s{j}") if j else "NULL"
         return [f"poet_batchnorm_strip_stats({out}, {prev}, {self.buf(ops, x, j)}, {n}u, {c}u, {(b - a) * w}u, "
                 f"{n * a * w}u);"]
 
     def grad_stats(self, rec, out, ops) -> list[str]:
-        name, (a, b) = rec["layer"], rec["rows"]
+        name, (a, b) = rec.layer, rec.rows
         j = self.index(name, (a, b))
-        x = self.layers_meta[name]["inputs"][0]
+        x = self.layers_meta[name].inputs[0]
         n, c, h, w = self.nchw(name)
         prev = self.at(ops, f"gstats:{name}@s{j - 1}", f"gstats:{name}@s{j}") if j else "NULL"
         stats = self.at(ops, f"stats:{name}@s{len(self.strips(name)) - 1}", f"gstats:{name}@s{j}")
@@ -282,16 +282,16 @@ class StripWriter(StepWriter):
     # -- gradients -------------------------------------------------------------------------------
 
     def gradient(self, node: int, rec, out, ops) -> list[str]:
-        f, rows = rec["of"], rec["rows"]
+        f, rows = rec.of, rec.rows
         layer = self.net.layers[f]
         count = layer.elements if rows is None else layer.elements // layer.shape[2] * (rows[1] - rows[0])
-        lines = [f"poet_copy({out}, {self.at(ops, rec['prev'], rec['prev'])}, {count}u);" if rec["prev"]
+        lines = [f"poet_copy({out}, {self.at(ops, rec.prev, rec.prev)}, {count}u);" if rec.prev
                  else f"poet_zero({out}, {count}u);"]
-        if rec["logits"]:
+        if rec.logits:
             labels = self.net.layers[self.net.output]
             lines.append(f"poet_cross_entropy_backward({out}, {self.at(ops, f, 'the loss gradient')}, poet_labels, "
                          f"{labels.shape[0]}u, {labels.elements // labels.shape[0]}u);")
-        for u in rec["terms"]:
+        for u in rec.terms:
             lines += self.term(u, f, rows, out, ops)
         for p in self.nodes[node].get("updates", ()):  # after the data gradients, which read the old weights
             lines += self.update(p, ops)
@@ -306,7 +306,7 @@ class StripWriter(StepWriter):
         lo, hi = rows
         n, c, h, w = self.nchw(f)
         count = n * c * (hi - lo) * w
-        if len(self.layers_meta[u]["shape"]) != 3:  # global pooling of the whole tensor
+        if len(self.layers_meta[u].shape) != 3:  # global pooling of the whole tensor
             if op != "global_avgpool":
                 raise PoetError(f"node {u!r}: no strip kernel back-propagates a whole {op}", field="--strips")
             return [f"poet_global_avgpool_strip_backward({out}, {self.at(ops, 'grad:' + u, u)}, {n * c}u, "
@@ -337,7 +337,7 @@ class StripWriter(StepWriter):
         their contributions add)."""
         u = user.name
         lo, hi = rows
-        window = self.layers_meta[u]["window"]
+        window = self.layers_meta[u].window
         k, s, p = window
         m0, m1 = touching((lo, hi), window, self.nchw(u)[2])
         n, c, _, w = self.nchw(f)
@@ -377,14 +377,14 @@ class StripWriter(StepWriter):
     def wgrad(self, node: int, rec, out, ops) -> list[str]:
         """One link of a convolution's weight-gradient chain over its output strips; the last
         applies the SGD step to the weights in the arena and writes them back."""
-        name, rows = rec["layer"], rec["rows"]
+        name, rows = rec.layer, rec.rows
         layer = self.net.layers[name]
         updates = self.nodes[node].get("updates", ())
         if layer.op != "conv2d" or rows is None:
             return [line for p in updates for line in self.update(p, ops)]
         a, b = rows
         x = layer.operands[0]
-        k, s, p = self.layers_meta[name]["window"]
+        k, s, p = self.layers_meta[name].window
         n, cx, _, wx = self.nchw(x)
         _, c, _, w = self.nchw(name)
         # a slice's gradient rows at batch > 1 lie in several blocks of the concat's: gathered
@@ -392,7 +392,7 @@ class StripWriter(StepWriter):
         gy_whole = None if gather_gy else self.buf(ops, name, self.index(name, rows), "grad:")
         weights = layer.params["weight"].value.size
         total = sum(q.value.size for q in layer.params.values())
-        prev = self.at(ops, rec["prev"], rec["prev"]) if rec["prev"] else None
+        prev = self.at(ops, rec.prev, rec.prev) if rec.prev else None
         last = bool(updates)
         own = last and prev is None  # a single link: its sum needs a buffer of its own, in scratch
 

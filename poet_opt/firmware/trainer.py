@@ -115,10 +115,10 @@ class EmulatedTraining:
             if tiles:
                 out["tiles"] = {layer: len(names) for layer, names in tiles.items()}
             strips, rows = self.network.graph.meta.get("strips"), self.network.graph.meta.get("rows")
-            if strips:
-                out.update(strips=dict(strips["per_height"]), scratch_bytes=self.scratch_bytes)
-            if rows:
-                out["rows"] = {"blocks": len(rows["blocks"]), "piece": rows["piece"]}
+            if strips is not None:
+                out.update(strips=dict(strips.per_height), scratch_bytes=self.scratch_bytes)
+            if rows is not None:
+                out["rows"] = {"blocks": len(rows.blocks), "piece": rows.piece}
         if self.dataset is not None:
             from poet_opt.firmware.dataset import MAX_LISTED_LOSSES
 

@@ -22,6 +22,7 @@ from poet_opt.model import ops as registry
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.operators import finish
 from poet_opt.model.tiling import feature_ranges
+from poet_opt.model.tiling_records import WeightSlices
 from poet_opt.model.torch_import import lower_module, resolve_module
 from poet_opt.model.torch_rows import is_row_model, row_training_graph
 
@@ -145,7 +146,7 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
     if strips is not None:
         graph = _strip_graph(name or default_name, ops, output, module, trainable, meta, strips, strip_budget,
                              tile_bytes)
-        kept = set(graph.meta["strips"]["layers"])
+        kept = set(graph.meta["strips"].layers)
     else:
         graph = finish(name or default_name, ops.ops, output, bytes_per_element=4, trainable=trainable, meta=meta,
                        field=FIELD, weights=weights, tile_bytes=tile_bytes)
@@ -259,7 +260,7 @@ def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, str
     return low_memory(build(strips), budget)
 
 
-def _tiled(layer: Layer, names: list[str], trainable_nodes: set[str]) -> dict[str, Layer]:
+def _tiled(layer: Layer, slices: WeightSlices, trainable_nodes: set[str]) -> dict[str, Layer]:
     """The tiles of ``layer`` as model/tiling.py slices it, then the concat that takes ``layer``'s
     name and place (with activation strips too, where a tile's nodes are its strips)."""
     if layer.op not in ("conv2d", "linear") or layer.op == "conv2d" and layer.attrs["groups"] != 1:
@@ -272,6 +273,7 @@ def _tiled(layer: Layer, names: list[str], trainable_nodes: set[str]) -> dict[st
     features = layer.shape[axis]
     out: dict[str, Layer] = {}
     bounds = []
+    names = list(slices.names)
     for name, (lo, hi) in feature_ranges(features, names).items():
         shape = tuple(hi - lo if a == axis else d for a, d in enumerate(layer.shape))
         attrs = dict(layer.attrs, features_out=hi - lo) if layer.op == "linear" else dict(layer.attrs)

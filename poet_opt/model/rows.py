@@ -26,8 +26,9 @@ into tiles of (output piece x input piece), ``param:L#j.k``, and an embedding ta
 - the pooler reads the [CLS] token only; nodes that feed nothing (the last block's other tokens)
   are left out, and their gradients, zero, with them.
 
-``graph.meta["rows"]`` records what every node computes, for the executor (executor/rows.py) and
-the tests that replay it against PyTorch's autograd.
+``graph.meta["rows"]``, a :class:`~poet_opt.model.tiling_records.RowTiling`, records what every
+node computes (a ``RowRecord``), for the executor (executor/rows.py), the firmware generator
+(firmware/row_codegen.py) and the tests that replay it against PyTorch's autograd.
 """
 
 from __future__ import annotations
@@ -39,19 +40,13 @@ from poet_opt.errors import PoetError
 from poet_opt.model import ops as registry
 from poet_opt.model.graph import Node, TrainingGraph
 from poet_opt.model.strips import first_node_of
+from poet_opt.model.tiling_records import RowRecord, RowTerm, RowTiling, TiledLayer, WeightTiles, partition
 
 ROW_MARK, COL_MARK, HEAD_MARK = "@r", "@c", "@h"
 # elementwise operators (the registry's) go piece by piece: block b, feature piece j of the output
 # reads the same piece of each input
 TOKENWISE = tuple(n for n in registry.names(split="elementwise", tiling="rows") if n != "input")
 ROW_OPS = ("input", "embedding", "linear", "layernorm", "matmul", "softmax", "avgpool", *TOKENWISE)
-
-
-def partition(n: int, k: int) -> list[tuple[int, int]]:
-    """k contiguous ranges covering 0..n, sizes differing by at most one (k capped at n)."""
-    k = max(1, min(k, n))
-    bounds = [round(n * j / k) for j in range(k + 1)]
-    return list(zip(bounds, bounds[1:]))
 
 
 def pieces(width: int, piece: int) -> list[tuple[int, int]]:
@@ -75,10 +70,10 @@ class _Builder:
         self.seq = seq
         self.blocks = partition(seq, blocks)
         self.nodes: list[Node] = []
-        self.info: dict[str, dict] = {}
+        self.info: dict[str, RowRecord] = {}
         self.fwd: list[dict] = []
         self.params: dict[tuple, int] = {}  # (layer, tile) -> param node
-        self.tiles: dict[str, dict] = {}  # layer -> how its weights are cut: kind and the ranges of each axis
+        self.tiles: dict[str, WeightTiles] = {}  # layer -> how its weights are cut
         self.stats: dict[int, dict] = {}
         self.acc: dict[tuple, int] = {}  # (layer, tile) -> the last link of its weight-gradient chain
         self.link_count: dict[str, int] = {}
@@ -120,7 +115,7 @@ class _Builder:
 
     # -- nodes -------------------------------------------------------------------------------------
 
-    def add(self, nm: str, kind: str, nbytes: int, deps, flops: float, op: str, record: dict, *,
+    def add(self, nm: str, kind: str, nbytes: int, deps, flops: float, op: str, record: RowRecord, *,
             updates=(), writes=0, trainable=False) -> int:
         i = len(self.nodes)
         self.nodes.append(Node(i, nm, kind, int(nbytes), tuple(sorted(set(deps))), float(flops), op, 0, trainable,
@@ -133,7 +128,7 @@ class _Builder:
         if key not in self.params:
             o = self.ops[u]
             self.params[key] = self.add(f"param:{o.name}#{'.'.join(map(str, tile))}", "forward", nparams * self.bpe,
-                                        (), 0.0, "param", {"role": "param", "layer": o.name, "tile": list(tile)},
+                                        (), 0.0, "param", RowRecord("param", o.name, tile=tuple(tile)),
                                         trainable=u in self.train)
         return self.params[key]
 
@@ -157,14 +152,13 @@ class _Builder:
         for i, o in enumerate(ops):
             ids: dict[tuple[int, int], int] = {}
             self.fwd.append(ids)
-            rec = {"role": "forward", "layer": o.name}
             if o.op == "input":
                 for b in range(len(self.blocks)):
                     for j in range(len(self.cols(i))):
                         ids[b, j] = self.add(self.name(i, b, j), "forward", self.nbytes(i, b, j), (), 0.0, "input",
-                                             {**rec, "b": b, "j": j})
+                                             RowRecord("forward", o.name, b=b, j=j))
             elif o.op == "embedding":
-                self.tiles[o.name] = {"kind": "embedding", "vocab": self.vocab(i), "cols": self.cols(i)}
+                self.tiles[o.name] = WeightTiles("embedding", tuple(self.cols(i)), vocab=tuple(self.vocab(i)))
                 per = o.flops / self.seq / self.width(i)
                 for j, (c0, c1) in enumerate(self.cols(i)):
                     for b, (r0, r1) in enumerate(self.blocks):
@@ -178,8 +172,8 @@ class _Builder:
                             prev = self.add(nm, "forward", self.nbytes(i, b, j),
                                             (self.fwd[0][b, 0], p, *(() if prev is None else (prev,))),
                                             per * (r1 - r0) * (c1 - c0) * self.batch, "embedding",
-                                            {**rec, "role": "embed", "b": b, "j": j, "v": v,
-                                             "prev": None if prev is None else self.nodes[prev].name})
+                                            RowRecord("embed", o.name, b=b, j=j, v=v,
+                                                      prev=None if prev is None else self.nodes[prev].name))
                         ids[b, j] = prev
             elif o.op == "linear":
                 self.forward_linear(i)
@@ -195,12 +189,13 @@ class _Builder:
                                  for c in _overlap(self.cols(k), h * dh, (h + 1) * dh)]
                         ids[b, h] = self.add(self.name(i, b, h), "forward", self.nbytes(i, b, h), deps,
                                              2.0 * (r1 - r0) * self.seq * dh * self.batch, "matmul",
-                                             {**rec, "role": "scores", "b": b, "j": h})
+                                             RowRecord("scores", o.name, b=b, j=h))
             elif o.op == "softmax":
                 (s,) = o.inputs
                 for (b, h), src in self.fwd[s].items():
                     ids[b, h] = self.add(self.name(i, b, h), "forward", self.nbytes(i, b, h), (src,),
-                                         o.flops * self.share(b) / o.shape[0], "softmax", {**rec, "b": b, "j": h})
+                                         o.flops * self.share(b) / o.shape[0], "softmax",
+                                         RowRecord("forward", o.name, b=b, j=h))
             elif o.op == "matmul":
                 p_, v_ = o.inputs
                 heads = ops[p_].shape[0]
@@ -213,7 +208,7 @@ class _Builder:
                                  for c in _overlap(self.cols(v_), c0, c1)]
                         ids[b, j] = self.add(self.name(i, b, j), "forward", self.nbytes(i, b, j), deps,
                                              2.0 * (r1 - r0) * self.seq * (c1 - c0) * self.batch, "matmul",
-                                             {**rec, "role": "context", "b": b, "j": j})
+                                             RowRecord("context", o.name, b=b, j=j))
             elif o.op == "avgpool":  # the mean over every token, a classifier's pooling
                 self.forward_mean(i)
             elif o.op in TOKENWISE:
@@ -221,7 +216,7 @@ class _Builder:
                     ids[b, j] = self.add(self.name(i, b, j), "forward", self.nbytes(i, b, j),
                                          [self.fwd[x][b, j] for x in o.inputs],
                                          o.flops * self.share(b, i) * self.colshare(i, j), o.op,
-                                         {**rec, "b": b, "j": j})
+                                         RowRecord("forward", o.name, b=b, j=j))
             else:
                 raise PoetError(f"{o.name} ({o.op}) cannot be tiled by rows", field="--strips")
         return self.loss()
@@ -258,11 +253,11 @@ class _Builder:
                     deps = [self.fwd[x][self.x_block(u, b), k], w, *((prev[b],) if b in prev else ())]
                     prev[b] = self.add(nm, "forward", self.nbytes(u, b, j), deps,
                                        2.0 * (r1 - r0) * (c1 - c0) * (i1 - i0) * self.batch, "linear",
-                                       {"role": "linear", "layer": o.name, "b": b, "j": j, "k": k,
-                                        "prev": self.nodes[prev[b]].name if b in prev else None})
+                                       RowRecord("linear", o.name, b=b, j=j, k=k,
+                                                 prev=self.nodes[prev[b]].name if b in prev else None))
                     if last:
                         ids[b, j] = prev[b]
-        self.tiles[o.name] = {"kind": "linear", "rows": self.cols(u), "cols": kin}
+        self.tiles[o.name] = WeightTiles("linear", tuple(kin), rows=tuple(self.cols(u)))
 
     def forward_mean(self, u: int) -> None:
         """Per feature piece, a chain over the row blocks, so that one block's rows of the input are
@@ -278,15 +273,15 @@ class _Builder:
                 prev = self.add(nm, "forward", self.nbytes(u, 0, j),
                                 (self.fwd[x][b, j], *(() if prev is None else (prev,))),
                                 o.flops * self.share(b) * self.colshare(u, j), "avgpool",
-                                {"role": "mean", "layer": o.name, "b": b, "j": j,
-                                 "prev": None if prev is None else self.nodes[prev].name})
+                                RowRecord("mean", o.name, b=b, j=j,
+                                          prev=None if prev is None else self.nodes[prev].name))
             self.fwd[u][0, j] = prev
 
     def forward_layernorm(self, u: int) -> None:
         o = self.ops[u]
         (x,) = o.inputs
         cols = self.cols(u)
-        self.tiles[o.name] = {"kind": "norm", "cols": cols}
+        self.tiles[o.name] = WeightTiles("norm", tuple(cols))
         stats = {}
         for b, (r0, r1) in enumerate(self.blocks):
             prev = None
@@ -295,8 +290,8 @@ class _Builder:
                                 2 * (r1 - r0) * self.bpe * self.batch,
                                 (self.fwd[x][b, k], *(() if prev is None else (prev,))),
                                 3 * o.flops / 5 * self.share(b) * self.colshare(u, k), "layernorm_stats",
-                                {"role": "ln_stats", "layer": o.name, "b": b, "k": k,
-                                 "prev": None if prev is None else self.nodes[prev].name})
+                                RowRecord("ln_stats", o.name, b=b, k=k,
+                                          prev=None if prev is None else self.nodes[prev].name))
             stats[b] = prev
         self.stats[u] = stats
         for j, (c0, c1) in enumerate(cols):
@@ -305,7 +300,7 @@ class _Builder:
                 self.fwd[u][b, j] = self.add(self.name(u, b, j), "forward", self.nbytes(u, b, j),
                                              (self.fwd[x][b, j], stats[b], g),
                                              2 * o.flops / 5 * self.share(b) * self.colshare(u, j), "layernorm",
-                                             {"role": "forward", "layer": o.name, "b": b, "j": j})
+                                             RowRecord("forward", o.name, b=b, j=j))
 
     def loss(self) -> int:
         last = len(self.ops) - 1
@@ -317,10 +312,10 @@ class _Builder:
                 prev = self.add("loss" if b == len(self.blocks) - 1 else f"loss{ROW_MARK}{b}", "loss",
                                 self.bpe * self.batch, (*deps, *(() if prev is None else (prev,))),
                                 5.0 * self.ops[last].elements * self.share(b) * self.batch, "loss",
-                                {"role": "loss", "b": b, "prev": None if prev is None else self.nodes[prev].name})
+                                RowRecord("loss", b=b, prev=None if prev is None else self.nodes[prev].name))
             return prev
         return self.add("loss", "loss", self.bpe * self.batch, list(logits.values()),
-                        5.0 * self.ops[last].elements * self.batch, "loss", {"role": "loss", "b": 0, "prev": None})
+                        5.0 * self.ops[last].elements * self.batch, "loss", RowRecord("loss", b=0))
 
     # -- liveness ----------------------------------------------------------------------------------
 
@@ -356,7 +351,7 @@ class _Builder:
                     rows = 1 if self.is_vector(u) else (r1 - r0)
                     out.append({"deps": {g[bu, jj], self.linear_tile(u, jj, j)}, "own": True, "tile": (u, jj, j, bu),
                                 "flops": 2.0 * rows * self.batch * (o1 - o0) * (c1 - c0),
-                                "rec": {"kind": "linear", "layer": o.name, "j": jj}})
+                                "rec": RowTerm("linear", o.name, j=jj)})
         elif o.op in TOKENWISE:
             if (b, j) in g:
                 deps = {g[b, j]}
@@ -365,20 +360,20 @@ class _Builder:
                 if "out" in o.saves:  # tanh: the output piece
                     deps.add(self.fwd[u][b, j])
                 out.append({"deps": deps, "own": False, "flops": o.flops * self.share(b, u) * self.colshare(u, j),
-                            "rec": {"kind": o.op, "layer": o.name}})
+                            "rec": RowTerm(o.op, o.name)})
         elif o.op == "avgpool":  # every token gets 1/seq of the mean's gradient
             if (0, j) in g:
                 out.append({"deps": {g[0, j]}, "own": False, "flops": float(n * (c1 - c0)),
-                            "rec": {"kind": "mean", "layer": o.name}})
+                            "rec": RowTerm("mean", o.name)})
         elif o.op == "layernorm":
             if (b, j) in g:
                 deps = {g[b, j], self.fwd[f][b, j], self.stats[u][b], self.gstats[u][b], self.params[u, (j,)]}
-                out.append({"deps": deps, "own": False, "tile": (u, j, None, b), "rec": {"kind": "layernorm",
-                            "layer": o.name}, "flops": 3 * o.flops / 5 * self.share(b) * self.colshare(u, j)})
+                out.append({"deps": deps, "own": False, "tile": (u, j, None, b), "rec": RowTerm("layernorm", o.name),
+                            "flops": 3 * o.flops / 5 * self.share(b) * self.colshare(u, j)})
         elif o.op == "softmax":
             if (b, j) in g:
                 out.append({"deps": {g[b, j], self.fwd[u][b, j]}, "own": False, "flops": o.flops * self.share(b)
-                            / o.shape[0], "rec": {"kind": "softmax", "layer": o.name}})
+                            / o.shape[0], "rec": RowTerm("softmax", o.name)})
         elif o.op == "matmul" and len(o.shape) == 3:  # scores = Q K^T / sqrt(dh), f is Q or K
             q, k = o.inputs
             dh = self.width(q) // o.shape[0]
@@ -386,14 +381,14 @@ class _Builder:
             if f == q and all((b, h) in g for h in hs):
                 deps = {g[b, h] for h in hs} | {self.fwd[k][bb, j] for bb in range(len(self.blocks))}
                 out.append({"deps": deps, "own": False, "flops": 2.0 * n * self.seq * (c1 - c0),
-                            "rec": {"kind": "scores_q", "layer": o.name}})
+                            "rec": RowTerm("scores_q", o.name)})
             if f == k:
                 for bq in range(len(self.blocks)):
                     if all((bq, h) in g for h in hs):
                         rq = self.blocks[bq]
                         out.append({"deps": {g[bq, h] for h in hs} | {self.fwd[q][bq, j]}, "own": True,
                                     "flops": 2.0 * (rq[1] - rq[0]) * self.batch * (r1 - r0) * (c1 - c0),
-                                    "rec": {"kind": "scores_k", "layer": o.name, "b": bq}})
+                                    "rec": RowTerm("scores_k", o.name, b=bq)})
         elif o.op == "matmul":  # context = P V, f is P (b, head j) or V
             p_, v_ = o.inputs
             if f == p_:
@@ -403,7 +398,7 @@ class _Builder:
                     deps = {g[b, c] for c in jj} | {self.fwd[v_][bb, c] for bb in range(len(self.blocks))
                                                    for c in _overlap(self.cols(v_), j * dh, (j + 1) * dh)}
                     out.append({"deps": deps, "own": False, "flops": 2.0 * n * self.seq * dh,
-                                "rec": {"kind": "context_p", "layer": o.name}})
+                                "rec": RowTerm("context_p", o.name)})
             if f == v_:
                 dh = self.width(v_) // self.ops[p_].shape[0]
                 hs = range(c0 // dh, (c1 - 1) // dh + 1)
@@ -412,7 +407,7 @@ class _Builder:
                         rq = self.blocks[bq]
                         out.append({"deps": {g[bq, j]} | {self.fwd[p_][bq, h] for h in hs}, "own": True,
                                     "flops": 2.0 * (rq[1] - rq[0]) * self.batch * (r1 - r0) * (c1 - c0),
-                                    "rec": {"kind": "context_v", "layer": o.name, "b": bq}})
+                                    "rec": RowTerm("context_v", o.name, b=bq)})
         return out
 
     def backward(self, loss: int) -> None:
@@ -469,10 +464,9 @@ class _Builder:
         nm = base if final else f"{base}+{self.link_count.get(base, 0)}"
         self.link_count[base] = self.link_count.get(base, 0) + 1
         prev[key] = self.add(nm, "backward", self.nbytes(f, b, j), deps, flops, f"{self.ops[f].op}_grad",
-                             {"role": "grad", "of": self.ops[f].name, "b": b, "j": j,
-                              "terms": [t["rec"] for t in group],
-                              "prev": self.nodes[prev[key]].name if key in prev else None,
-                              "logits": final and f == logits})
+                             RowRecord("grad", of=self.ops[f].name, b=b, j=j, terms=tuple(t["rec"] for t in group),
+                                       prev=self.nodes[prev[key]].name if key in prev else None,
+                                       logits=final and f == logits))
         for t in group:
             if "tile" in t:
                 self.host[t["tile"]] = prev[key]
@@ -493,8 +487,8 @@ class _Builder:
                                 (self.grad[u][b, k], self.fwd[x][b, k], self.stats[u][b], self.params[u, (k,)],
                                  *(() if prev is None else (prev,))),
                                 o.flops / 5 * self.share(b) * self.colshare(u, k), "layernorm_grad_stats",
-                                {"role": "ln_gstats", "layer": o.name, "b": b, "k": k,
-                                 "prev": None if prev is None else self.nodes[prev].name})
+                                RowRecord("ln_gstats", o.name, b=b, k=k,
+                                          prev=None if prev is None else self.nodes[prev].name))
             if prev is not None:
                 self.gstats[u][b] = prev
 
@@ -514,7 +508,7 @@ class _Builder:
                     self.add(f"update:{o.name}#{v}.{j}", "backward", 0,
                              {p, *(g[b, j] for b in blocks), *(self.fwd[0][b, 0] for b in blocks)},
                              sum(self.nbytes(u, b, j) / self.bpe for b in blocks) + self.fpw * n, "sgd_update",
-                             {"role": "embed_update", "layer": o.name, "v": v, "j": j, "blocks": blocks},
+                             RowRecord("embed_update", o.name, v=v, j=j, blocks=tuple(blocks)),
                              updates=(p,), writes=n * self.bpe)
             return
         if o.op == "layernorm":
@@ -556,8 +550,8 @@ class _Builder:
         self.acc[u, tile] = self.add(
             f"update:{label}" if last else f"wgrad:{label}{ROW_MARK}{b}", "backward", 0 if last else n * self.bpe, deps,
             2.0 * (r1 - r0) * self.batch * n + (self.fpw * n if last else 0), "sgd_update" if last else f"{o.op}_wgrad",
-            {"role": "wgrad", "layer": o.name, "tile": list(tile), "b": b, "update": last,
-             "prev": None if acc is None else self.nodes[acc].name}, **fields)
+            RowRecord("wgrad", o.name, tile=tuple(tile), b=b, update=last,
+                      prev=None if acc is None else self.nodes[acc].name), **fields)
 
 
 def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], needs_grad: list[bool], meta: dict,
@@ -583,14 +577,14 @@ def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], n
     keep = [n for n in built.nodes if n.kind != "forward" or built.live[n.id]]
     kept = {n.id for n in keep}
     assert all(d in kept for n in keep for d in n.deps), "a node reads a forward node the loss does not need"
-    layers = {o.name: {"op": o.op, "shape": list(o.shape), "inputs": [ops[x].name for x in o.inputs],
-                       "params": o.params, "cls": built.is_vector(i) and o.op == "linear" and
-                       not built.is_vector(o.inputs[0]), "positional": o.op == "embedding" and built.positional(i),
-                       **({"divisor": divisors[o.name]} if o.name in (divisors or {}) else {})}
+    layers = {o.name: TiledLayer(o.name, o.op, tuple(o.shape), tuple(ops[x].name for x in o.inputs), o.params,
+                                 cls=built.is_vector(i) and o.op == "linear" and not built.is_vector(o.inputs[0]),
+                                 positional=o.op == "embedding" and built.positional(i),
+                                 divisor=(divisors or {}).get(o.name))
               for i, o in enumerate(ops)}
-    meta = {**meta, "rows": {"blocks": built.blocks, "piece": piece, "vocab_rows": vocab_rows, "layers": layers,
-                             "cols": {o.name: built.cols(i) for i, o in enumerate(ops)},
-                             "tiles": built.tiles, "nodes": {n.name: built.info[n.name] for n in keep}}}
+    meta = {**meta, "rows": RowTiling(layers, {n.name: built.info[n.name] for n in keep}, blocks=built.blocks,
+                                      piece=piece, vocab_rows=vocab_rows,
+                                      cols={o.name: built.cols(i) for i, o in enumerate(ops)}, tiles=built.tiles)}
     return TrainingGraph.build(name, keep, meta=meta)
 
 

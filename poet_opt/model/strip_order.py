@@ -34,17 +34,18 @@ def sliced_grids(graph: TrainingGraph, budget_bytes: int) -> dict[int, tuple]:
     """{node id: (grid, block, slice, strip)} for the data-gradient and forward nodes of sliced layers
     over strips: ``grid`` names the grid, ``slice`` is the position in the gradient's chain of
     partial sums (or the slice's index, forward)."""
-    strips = graph.meta.get("strips") or {}
-    tensors, records, layers = strips.get("tensors") or {}, strips.get("nodes") or {}, strips.get("layers") or {}
-    alias = strips.get("grad_alias") or {}
+    strips = graph.meta.get("strips")
+    if strips is None:
+        return {}
+    tensors, records, layers, alias = strips.tensors, strips.nodes, strips.layers, strips.grad_alias
     tiles = graph.meta.get("tiles") or {}
     slice_of = {name: (layer, k) for layer, names in tiles.items() for k, name in enumerate(names)}
     by_name = {n.name: n for n in graph.nodes}
     strip_bytes: dict[str, int] = {}
     for n in graph.nodes:
-        record = records.get(n.name, {})
-        if record.get("role") == "forward" and record.get("rows") is not None:
-            strip_bytes[record["layer"]] = max(strip_bytes.get(record["layer"], 0), n.bytes)
+        record = records.get(n.name)
+        if record is not None and record.role == "forward" and record.rows is not None:
+            strip_bytes[record.layer] = max(strip_bytes.get(record.layer, 0), n.bytes)
 
     def weight_bytes(layer: str) -> int:
         node = by_name.get(f"param:{layer}")
@@ -68,21 +69,23 @@ def sliced_grids(graph: TrainingGraph, budget_bytes: int) -> dict[int, tuple]:
 
     depth: dict[str, int] = {}
     for n in graph.nodes:  # in a topological order: a partial sum after the one it extends
-        record = records.get(n.name, {})
-        role, rows = record.get("role"), record.get("rows")
-        if role == "grad" and rows is not None and record["of"] in tensors:
-            depth[n.name] = 0 if record["prev"] is None else depth[record["prev"]] + 1
-            weighted = [t for t in record["terms"] if layers.get(t, {}).get("params") and t in slice_of]
+        record = records.get(n.name)
+        if record is None:
+            continue
+        role, rows = record.role, record.rows
+        if role == "grad" and rows is not None and record.of in tensors:
+            depth[n.name] = 0 if record.prev is None else depth[record.prev] + 1
+            weighted = [t for t in record.terms if t in layers and layers[t].params and t in slice_of]
             if not weighted:
                 continue
-            x = record["of"]
+            x = record.of
             note(f"grad:{x}", len(tensors[x]), strip_bytes.get(x, 0),
                  max(strip_bytes.get(alias.get(t, t), 0) for t in weighted), max(map(weight_bytes, weighted)))
             members.append((n.id, f"grad:{x}", depth[n.name], strip_index(x, rows)))
-        elif role == "forward" and record["layer"] in slice_of and record["layer"] in tensors:
-            name = record["layer"]
+        elif role == "forward" and record.layer in slice_of and record.layer in tensors:
+            name = record.layer
             layer, k = slice_of[name]
-            (x,) = layers[name]["inputs"]
+            (x,) = layers[name].inputs
             note(layer, len(tensors[name]), strip_bytes.get(x, 0), strip_bytes.get(layer, 0),
                  max(weight_bytes(t) for t in tiles[layer]))
             members.append((n.id, layer, k, strip_index(name, rows)))

@@ -21,8 +21,9 @@ it needs, so the exact maths of the whole network is kept:
   for the same reason.
 
 Tensors that are not (C, H, W), such as global pooling and the linear head, stay whole. Strip j of
-tensor L is the node ``L@sj`` (``L`` when it has one strip). ``graph.meta["strips"]`` records, per
-node, what it computes, for the executors and for tests that replay the graph.
+tensor L is the node ``L@sj`` (``L`` when it has one strip). ``graph.meta["strips"]``, a
+:class:`~poet_opt.model.tiling_records.StripTiling`, records per node what it computes (a
+``StripRecord``), for the executors, the firmware generator and the tests that replay the graph.
 """
 
 from __future__ import annotations
@@ -33,19 +34,13 @@ from typing import Sequence
 from poet_opt.errors import PoetError
 from poet_opt.model import ops as registry
 from poet_opt.model.graph import Node, TrainingGraph
+from poet_opt.model.tiling_records import StripRecord, StripTiling, TiledLayer, partition
 
 # what the operator registry lets go strip by strip (activations, add, the concat of weight slices)
 # and what reads a window of rows (convolutions, pooling)
 ELEMENTWISE = tuple(n for n in registry.names(split=("elementwise", "channels"), tiling="strips") if n != "input")
 WINDOWED = registry.names(split="window", tiling="strips")
 STRIP_MARK = "@s"  # strip j of tensor L is named L@sj
-
-
-def partition(h: int, k: int) -> list[tuple[int, int]]:
-    """k contiguous row ranges covering 0..h, sizes differing by at most one (k capped at h)."""
-    k = max(1, min(k, h))
-    bounds = [round(h * j / k) for j in range(k + 1)]
-    return list(zip(bounds, bounds[1:]))
 
 
 def receptive(rows: tuple[int, int], window: Sequence[int], h_in: int) -> tuple[int, int]:
@@ -116,15 +111,15 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
                             f"(shape {tuple(o.shape)}); use --strips off", field="--strips")
 
     nodes: list[Node] = []
-    info: dict[str, dict] = {}
+    info: dict[str, StripRecord] = {}
     next_id = [0]
     # a trained layer's forward nodes are trainable, as in the zoo's graph without strips: one network
     # lowered with strips=1 or without them is the same graph (run checks a plan's against its own)
     trained = {ops[i].name for i in train}
 
-    def add(nm: str, kind: str, nbytes: int, deps, flops: float, op: str, record: dict, *, updates=(),
+    def add(nm: str, kind: str, nbytes: int, deps, flops: float, op: str, record: StripRecord, *, updates=(),
             writes=0, trainable=False) -> int:
-        trainable = trainable or (record.get("role") == "forward" and record.get("layer") in trained)
+        trainable = trainable or (record.role == "forward" and record.layer in trained)
         i = next_id[0]
         next_id[0] += 1
         nodes.append(Node(i, nm, kind, int(nbytes), tuple(sorted(set(deps))), float(flops), op, 0, trainable,
@@ -150,26 +145,26 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
     for i, o in enumerate(ops):
         if o.params:
             param[i] = add(f"param:{o.name}", "forward", o.params * bpe, (), 0.0, "param",
-                           {"role": "param", "layer": o.name}, trainable=i in train)
+                           StripRecord("param", o.name), trainable=i in train)
         extra = (param[i],) if i in param else ()
         ids = []
         pp = parts[i]
         if pp is None:
             deps = [d for j in o.inputs for d in fwd[j]]
             ids.append(add(o.name, "forward", strip_bytes(i, None), (*deps, *extra), o.flops * batch, o.op,
-                           {"role": "forward", "layer": o.name, "rows": None}))
+                           StripRecord("forward", o.name)))
         elif o.op == "batchnorm" and len(pp) > 1:
             x = o.inputs[0]
             prev = None
             for j, rows in enumerate(pp):  # 3 of batch norm's 5 FLOP per element: mean and deviations
                 prev = add(f"stats:{o.name}{STRIP_MARK}{j}", "forward", 2 * o.shape[0] * bpe,
                            (fwd[x][j], *(() if prev is None else (prev,))), 3 * o.flops / 5 * batch * share(i, rows),
-                           "batchnorm_stats", {"role": "bn_stats", "layer": o.name, "rows": rows})
+                           "batchnorm_stats", StripRecord("bn_stats", o.name, rows=rows))
             stats[i] = prev
             for j, rows in enumerate(pp):
                 ids.append(add(_name(o.name, pp, j), "forward", strip_bytes(i, rows), (fwd[x][j], prev, *extra),
                                2 * o.flops / 5 * batch * share(i, rows), o.op,
-                               {"role": "forward", "layer": o.name, "rows": rows}))
+                               StripRecord("forward", o.name, rows=rows)))
         else:
             for j, rows in enumerate(pp):
                 if o.op == "input":
@@ -180,13 +175,13 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
                 else:
                     deps = [fwd[x][j] for x in o.inputs]
                 ids.append(add(_name(o.name, pp, j), "forward", strip_bytes(i, rows), (*deps, *extra),
-                               o.flops * batch * share(i, rows), o.op, {"role": "forward", "layer": o.name, "rows": rows}))
+                               o.flops * batch * share(i, rows), o.op, StripRecord("forward", o.name, rows=rows)))
         fwd.append(ids)
     logits = len(ops) - 1
     if parts[logits] is not None and len(parts[logits]) > 1:
         raise PoetError("the network's output cannot be split into strips", field="--strips")
     loss = add("loss", "loss", bpe * batch, fwd[logits], 5.0 * math.prod(ops[logits].shape) * batch, "loss",
-               {"role": "loss"})
+               StripRecord("loss"))
 
     users: list[list[int]] = [[] for _ in ops]
     for u, o in enumerate(ops):
@@ -264,7 +259,7 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
                 raise PoetError(f"{o.name}: batch norm over strips right after the input is not supported",
                                 field="--strips")
             add(f"update:{o.name}", "backward", 0, {grad[u][0], *fwd[o.inputs[0]], param[u]},
-                o.flops * batch + flops_per_weight * o.params, "sgd_update", {"role": "update", "layer": o.name},
+                o.flops * batch + flops_per_weight * o.params, "sgd_update", StripRecord("update", o.name),
                 **update_fields(u))
             acc_of[u] = "done"
             return
@@ -288,8 +283,8 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
             acc = add(nm, "backward", 0 if last else o.params * bpe, deps,
                       o.flops * batch * share(u, rows) + (flops_per_weight * o.params if last else 0),
                       "sgd_update" if last else f"{o.op}_wgrad",
-                      {"role": "wgrad", "layer": o.name, "rows": rows, "prev": None if acc is None else nodes[acc].name,
-                       "update": last}, **fields)
+                      StripRecord("wgrad", o.name, prev=None if acc is None else nodes[acc].name, update=last,
+                                  rows=rows), **fields)
         acc_of[u] = "done" if upto_last else (len(rows_all) - 1, acc)
 
     for f in reversed(range(len(ops))):
@@ -304,7 +299,7 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
                     prev = add(f"gstats:{ops[u].name}{STRIP_MARK}{j}", "backward", 2 * ops[u].shape[0] * bpe,
                                (grad[u][j], fwd[f][j], stats[u], *(() if prev is None else (prev,))),
                                ops[u].flops / 5 * batch * share(u, rows), "batchnorm_grad_stats",
-                               {"role": "bn_gstats", "layer": ops[u].name, "rows": rows})
+                               StripRecord("bn_gstats", ops[u].name, rows=rows))
                 gstats[u] = prev
         ids = []
         only = users[f][0] if len(users[f]) == 1 else None
@@ -344,9 +339,9 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
                 # partial sums: grad:x@n as unstriped graphs name them, grad:x@sj+n for a strip
                 nm = base if final else f"{base}{'+' if len(strips_of(f)) > 1 else '@'}{n}"
                 op = f"{o_f.op}_grad" if final else f"{o_f.op}_grad_part"
-                record = {"role": "grad", "of": o_f.name, "rows": rows, "terms": [ops[u].name for u, *_ in group],
-                          "prev": None if prev is None else nodes[prev].name, "updates": [ops[u].name for u in hosted],
-                          "logits": final and f == logits}
+                record = StripRecord("grad", of=o_f.name, rows=rows, terms=tuple(ops[u].name for u, *_ in group),
+                                     prev=None if prev is None else nodes[prev].name,
+                                     updates=tuple(ops[u].name for u in hosted), logits=final and f == logits)
                 prev = add(nm, "backward", strip_bytes(f, rows), deps, flops, op, record,
                            updates=tuple(param[u] for u in hosted),
                            writes=sum(ops[u].params * bpe for u in hosted))
@@ -359,11 +354,11 @@ def strip_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int],
         for u in sorted({f, *users[f]}):
             if u in train and u in param and needs_own(u):
                 emit_wgrad(u, upto_last=u != f or not any(needs_grad[x] for x in ops[u].inputs))
-    layers = {o.name: {"op": o.op, "shape": list(o.shape), "inputs": [ops[x].name for x in o.inputs],
-                       "window": list(o.window), "params": o.params, **_conv_layout(o, ops)} for o in ops}
-    meta = {**meta, "strips": {"layers": layers, "grad_alias": alias, "per_height": {str(h): k for h, k in sorted(strips.items()) if k > 1},
-                               "tensors": {o.name: pp for o, pp in zip(ops, parts) if pp and len(pp) > 1},
-                               "nodes": info}}
+    layers = {o.name: TiledLayer(o.name, o.op, tuple(o.shape), tuple(ops[x].name for x in o.inputs), o.params,
+                                 tuple(o.window), **_conv_layout(o, ops)) for o in ops}
+    meta = {**meta, "strips": StripTiling(
+        layers, info, grad_alias=alias, per_height={str(h): k for h, k in sorted(strips.items()) if k > 1},
+        tensors={o.name: pp for o, pp in zip(ops, parts) if pp and len(pp) > 1})}
     return TrainingGraph.build(name, nodes, meta=meta)
 
 
@@ -378,11 +373,11 @@ def fit_strips(build, budget_bytes: int, max_rounds: int = 32) -> TrainingGraph:
         return graph
     # One build with every height in one-row strips first: when even that does not fit (a weights
     # slice or a whole tensor too large), no search can, and doubling up to it took 15 builds (20 s).
-    layers = [info for info in graph.meta["strips"]["layers"].values() if len(info["shape"]) == 3]
+    layers = [info for info in graph.meta["strips"].layers.values() if len(info.shape) == 3]
     # only heights whose every tensor strip_graph can split (an attention's (heads, seq, seq) scores cannot)
-    splittable = {info["shape"][1] for info in layers} - {
-        info["shape"][1] for info in layers
-        if info["op"] not in ("input", "batchnorm", *ELEMENTWISE) and not (info["op"] in WINDOWED and info["window"])}
+    splittable = {info.shape[1] for info in layers} - {
+        info.shape[1] for info in layers
+        if info.op not in ("input", "batchnorm", *ELEMENTWISE) and not (info.op in WINDOWED and info.window)}
     if splittable:
         finest = build({h: h for h in splittable})
         if finest.largest_working_set()[0] > budget_bytes:
@@ -391,12 +386,12 @@ def fit_strips(build, budget_bytes: int, max_rounds: int = 32) -> TrainingGraph:
         working, node = graph.largest_working_set()
         if working <= budget_bytes:
             break
-        layers = graph.meta["strips"]["layers"]
-        records = graph.meta["strips"]["nodes"]
+        layers = graph.meta["strips"].layers
+        records = graph.meta["strips"].nodes
         heights = set()
         for n in (node, *(graph.nodes[d] for d in node.deps)):
-            layer = records[n.name].get("layer") or records[n.name].get("of")
-            shape = layers[layer]["shape"] if layer in layers else []
+            layer = records[n.name].tensor
+            shape = layers[layer].shape if layer in layers else ()
             if len(shape) == 3 and counts.get(shape[1], 1) < shape[1]:
                 heights.add(shape[1])
         if not heights:
@@ -458,7 +453,8 @@ def low_memory(graph: TrainingGraph, budget_bytes: int | None = None) -> Trainin
     from poet_opt.model.orders import low_memory_order
     from poet_opt.model.strip_order import slice_block_order
 
-    if not (graph.meta.get("strips") or {}).get("tensors"):
+    strips = graph.meta.get("strips")
+    if strips is None or not strips.tensors:
         return graph
     order = low_memory_order(graph)
     if budget_bytes is not None and graph.meta.get("tiles"):

@@ -7,7 +7,8 @@ weight gradient of each slice is that slice's alone. The data gradient into the 
 sum over slices, which the training graph accumulates slice by slice (zoo._training_graph) so that
 only one slice of the weights is needed at a time. Slices are along the channel axis of a
 convolution's (C, H, W) output and along the last axis otherwise (a linear layer's features, for
-every token; an embedding's columns).
+every token; an embedding's columns). The graph records the slices of each layer in
+``graph.meta["tiles"]``, layer name -> :class:`~poet_opt.model.tiling_records.WeightSlices`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from poet_opt.model import ops as registry
+from poet_opt.model.tiling_records import WeightSlices, partition
 
 # the registry's layers that slice over their output features (concat joins the slices)
 TILEABLE = tuple(n for n in registry.names(tiling="slices") if n != "concat")
@@ -36,13 +38,13 @@ def tile_count(op, bytes_per_element: int, max_weight_bytes: int | None) -> int:
 
 
 def tile_weights(ops: Sequence, train: set[int], bytes_per_element: int,
-                 max_weight_bytes: int | None) -> tuple[list, set[int], dict[str, list[str]]]:
+                 max_weight_bytes: int | None) -> tuple[list, set[int], dict[str, WeightSlices]]:
     """The forward ops with every layer over ``max_weight_bytes`` of weights split into slices;
-    returns (ops, the trained ones among them, layer name -> its tiles' names)."""
+    returns (ops, the trained ones among them, layer name -> its slices)."""
     out: list = []
     new_index: dict[int, int] = {}
     trained: set[int] = set()
-    tiles_of: dict[str, list[str]] = {}
+    tiles_of: dict[str, WeightSlices] = {}
     for i, op in enumerate(ops):
         inputs = tuple(new_index[j] for j in op.inputs)
         k = tile_count(op, bytes_per_element, max_weight_bytes)
@@ -64,7 +66,7 @@ def tile_weights(ops: Sequence, train: set[int], bytes_per_element: int,
             # weights and FLOPs split with the output features (each feature owns its row and bias)
             out.append(replace(op, name=f"{op.name}{TILE_MARK}{j}", shape=shape, inputs=inputs,
                                flops=op.flops * share, params=_share(op.params, lo, hi, features)))
-        tiles_of[op.name] = [out[t].name for t in tile_ids]
+        tiles_of[op.name] = WeightSlices(op.name, tuple(out[t].name for t in tile_ids), features)
         new_index[i] = len(out)
         out.append(replace(op, op="concat", inputs=tuple(tile_ids), flops=float(math.prod(op.shape)), params=0,
                            saves=""))
@@ -80,9 +82,8 @@ def feature_axis(op) -> int:
 
 
 def slices(n: int, k: int) -> list[tuple[int, int]]:
-    """k contiguous ranges covering 0..n, sizes differing by at most one."""
-    bounds = [round(n * j / k) for j in range(k + 1)]
-    return list(zip(bounds, bounds[1:]))
+    """k contiguous ranges covering 0..n, sizes differing by at most one (k <= n: whole features)."""
+    return partition(n, k)
 
 
 def feature_ranges(features: int, tile_names) -> dict[str, tuple[int, int]]:

@@ -424,7 +424,7 @@ def _training_graph(name: str, ops: Sequence[_Op], batch: int, bpe: int, trainab
     train = _resolve_trainable(ops, trainable)
     if rows is not None:
         return _tiled_graph(name, ops, batch, bpe, trainable, train, meta, streamed, optimizer, rows=rows)
-    tiles: dict[str, list[str]] = {}
+    tiles: dict = {}  # layer -> its WeightSlices
     if streamed and tile_bytes is not None:
         from poet_opt.model.tiling import tile_weights
 

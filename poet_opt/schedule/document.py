@@ -154,7 +154,7 @@ def _tiling(graph: TrainingGraph) -> dict:
     meta = graph.meta
     if meta.get("weights") != "streamed":
         return {}
-    strips = (meta.get("strips") or {}).get("per_height") or {}
+    strips = meta["strips"].per_height if meta.get("strips") is not None else {}
     return {"tiling": {"weight_tile_bytes": meta.get("weight_tile_bytes"),
                        "strips_per_height": {str(h): int(k) for h, k in strips.items()}}}
 

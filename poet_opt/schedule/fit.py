@@ -66,7 +66,8 @@ def _streaming_hint(graph) -> str:
 
 def _strips_note(graph) -> str:
     """What activation strips (model/strips.py) did about the node that does not fit."""
-    if (graph.meta.get("strips") or {}).get("tensors"):
+    strips = graph.meta.get("strips")
+    if strips is not None and strips.tensors:
         return "even with its activations in strips"
     transformer = any(n.op == "matmul" for n in graph.nodes)
     if graph.meta.get("strips_tried"):

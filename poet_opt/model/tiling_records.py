@@ -1,0 +1,196 @@
+"""What every node of a tiled training graph computes, as typed records in ``graph.meta``.
+
+A tiling cuts a tensor or a layer's weights into ranges along one axis: activation strips cut
+(C, H, W) tensors along H (model/strips.py), row tiling cuts a transformer's (seq, d) tensors into
+blocks of tokens by pieces of features and its weight matrices into tiles (model/rows.py), weight
+slices cut a layer's output features (model/tiling.py). The builders record here what they cut,
+and the replays (executor/strips.py, executor/rows.py, firmware/strip_codegen.py,
+firmware/row_codegen.py) read the same records, so the PyTorch executor and the firmware generator
+compute what the solver planned:
+
+- ``graph.meta["strips"]``: a :class:`StripTiling`, its nodes :class:`StripRecord`;
+- ``graph.meta["rows"]``: a :class:`RowTiling`, its nodes :class:`RowRecord`, its weight tiles
+  :class:`WeightTiles`;
+- ``graph.meta["tiles"]``: the weight slices, layer name -> :class:`WeightSlices`.
+
+Every tiling answers the same questions: ``layers`` (forward operator -> :class:`TiledLayer`),
+``nodes`` (node name -> :class:`NodeRecord`, whose ``tensor`` is the layer it computes or whose
+gradient it computes) and ``ranges(name)`` (axis -> [lo, hi) of that tensor a node covers).
+Ranges are (lo, hi) tuples, as the partition routines return them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+Range = tuple[int, int]
+
+
+def partition(n: int, k: int) -> list[Range]:
+    """k contiguous ranges covering 0..n, sizes differing by at most one (k capped at n): how strips
+    cut rows, row tiling cuts tokens and features, and weight slices cut output features."""
+    k = max(1, min(k, n))
+    bounds = [round(n * j / k) for j in range(k + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+@dataclass(frozen=True)
+class TiledLayer:
+    """One forward operator of a tiled graph, per sample: ``shape`` without the batch, ``inputs``
+    by name. ``window`` (kernel, stride, padding) for convolutions and pooling; ``groups`` and
+    ``bias`` for a convolution under strips (the zoo records neither); ``cls`` (a linear over the
+    [CLS] token), ``positional`` (a position table) and ``divisor`` (what attention scores are
+    divided by, where not sqrt(d_head)) under row tiling."""
+    name: str
+    op: str
+    shape: tuple[int, ...]
+    inputs: tuple[str, ...]
+    params: int = 0
+    window: tuple[int, ...] = ()
+    groups: int = 1
+    bias: bool = False
+    cls: bool = False
+    positional: bool = False
+    divisor: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What one node computes. ``role`` says which kind of work (forward, grad, wgrad, ...);
+    ``layer`` the forward operator it computes, updates or normalises, ``of`` the tensor whose
+    gradient a ``grad`` node computes; ``prev`` the node whose partial result it continues (a chain
+    of sums); ``logits``: a gradient of the network's output (softmax minus target);
+    ``update``: the link of a weight-gradient chain that applies the SGD update."""
+    role: str
+    layer: str | None = None
+    of: str | None = None
+    prev: str | None = None
+    logits: bool = False
+    update: bool = False
+
+    @property
+    def tensor(self) -> str | None:
+        """The forward tensor this node computes a part of, or the gradient of."""
+        return self.layer if self.layer is not None else self.of
+
+
+@dataclass(frozen=True)
+class StripRecord(NodeRecord):
+    """A node of a strip graph: ``rows`` [a, b) of its tensor along H (None: the whole tensor);
+    a ``grad`` node's ``terms`` (the users whose gradients it sums) and ``updates`` (the layers
+    whose SGD update is fused into it)."""
+    rows: Range | None = None
+    terms: tuple[str, ...] = ()
+    updates: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RowTerm:
+    """One user's contribution to a row-tiled gradient link: ``kind`` names the backward rule
+    (linear, layernorm, scores_q, context_v, ...), ``j`` the output piece of a linear user, ``b``
+    the query block of an attention user."""
+    kind: str
+    layer: str
+    j: int | None = None
+    b: int | None = None
+
+
+@dataclass(frozen=True)
+class RowRecord(NodeRecord):
+    """A node of a row-tiled graph: row block ``b``, column piece (or head) ``j``, input piece or
+    layer-norm piece ``k``, vocabulary tile ``v``; a weight node's ``tile`` (output piece, input
+    piece) or (piece,); a gradient link's ``terms``; an embedding update's row ``blocks``."""
+    b: int | None = None
+    j: int | None = None
+    k: int | None = None
+    v: int | None = None
+    tile: tuple[int, ...] | None = None
+    terms: tuple[RowTerm, ...] = ()
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class WeightTiles:
+    """How row tiling cuts one layer's weights: ``kind`` linear (``rows`` output pieces by ``cols``
+    input pieces), embedding (``vocab`` table rows by ``cols`` feature pieces) or norm (``cols``)."""
+    kind: str
+    cols: tuple[Range, ...]
+    rows: tuple[Range, ...] = ()
+    vocab: tuple[Range, ...] = ()
+
+
+@dataclass(frozen=True)
+class WeightSlices:
+    """A layer whose weights were cut along its output ``features`` into slices, one layer each
+    (``names``, in order), joined by a concat under the layer's name."""
+    layer: str
+    names: tuple[str, ...]
+    features: int
+
+    def ranges(self) -> dict[str, Range]:
+        """Slice name -> the output features [lo, hi) it computes."""
+        return dict(zip(self.names, partition(self.features, len(self.names))))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass(frozen=True, eq=False)
+class Tiling:
+    """The common part of a tiled graph's record: its forward operators and what every node
+    computes."""
+    layers: Mapping[str, TiledLayer]
+    nodes: Mapping[str, NodeRecord]
+
+    def ranges(self, name: str) -> dict[str, Range]:
+        """Axis -> [lo, hi) of its tensor that node ``name`` covers; an axis it covers whole is
+        left out."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class StripTiling(Tiling):
+    """An activation-strip graph: ``tensors`` (tensor -> its row ranges, for the tensors in more
+    than one strip), ``per_height`` (H as a string -> strips, where more than one), and
+    ``grad_alias`` (weight slice -> the concat whose gradient strips it reads)."""
+    tensors: Mapping[str, list[Range]] = field(default_factory=dict)
+    per_height: Mapping[str, int] = field(default_factory=dict)
+    grad_alias: Mapping[str, str] = field(default_factory=dict)
+
+    def ranges(self, name: str) -> dict[str, Range]:
+        rows = self.nodes[name].rows
+        return {} if rows is None else {"H": tuple(rows)}
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class RowTiling(Tiling):
+    """A row-tiled graph: the token ``blocks`` (the same for every tensor), ``piece`` (features
+    per column piece), ``vocab_rows`` (table rows per embedding tile), ``cols`` (tensor -> its
+    feature pieces) and ``tiles`` (layer -> how its weights are cut)."""
+    blocks: Sequence[Range] = ()
+    piece: int = 0
+    vocab_rows: int = 0
+    cols: Mapping[str, list[Range]] = field(default_factory=dict)
+    tiles: Mapping[str, WeightTiles] = field(default_factory=dict)
+
+    def ranges(self, name: str) -> dict[str, Range]:
+        """"tokens" (a vector's one row: (0, 1)), and "features" or, for attention scores and
+        probabilities, "heads"; a weight tile's node (param, wgrad, embed_update) says its ``tile``
+        instead of features."""
+        rec = self.nodes[name]
+        lay = self.layers.get(rec.tensor)
+        if lay is None:
+            return {}
+        out: dict[str, Range] = {}
+        if rec.b is not None:
+            vector = len(lay.shape) == 1 and lay.op != "input"
+            out["tokens"] = (0, 1) if vector else tuple(self.blocks[rec.b])
+        piece = rec.k if rec.role in ("ln_stats", "ln_gstats") else rec.j
+        if piece is not None and rec.role not in ("param", "wgrad", "embed_update"):
+            heads = lay.op == "softmax" or lay.op == "matmul" and len(lay.shape) == 3
+            out["heads" if heads else "features"] = tuple(self.cols[lay.name][piece])
+        return out
