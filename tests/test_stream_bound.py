@@ -137,3 +137,31 @@ def test_a_solve_past_the_size_limit_reports_the_bound_with_recomputation_inputs
     assert solver["full_milp"].startswith("skipped")
     assert "recomputation inputs" in solver["bound_source"], solver["bound_source"]
     assert solver["plain_floor_j"] < without.objective < solver["bound"] <= exact.objective * (1 + REL)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, print_blob=True)
+@given(streamed_cases())
+def test_the_lp_with_recomputation_inputs_warm_started_has_the_cold_optimum(case):
+    """residency_bound starts the LP with recomputation inputs from the optimal basis of the LP
+    without them (ResidencyModel.widened_basis): a speed-up only, the same optimum as a cold solve."""
+    graph, mode, share, slow, storage = case
+    if mode == "paging":
+        return  # no recomputation, no rows for its inputs
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    budgets = Budgets(ram_bytes=int(lo + share * (hi - lo)), runtime_s=slow * float(costs.compute_s.sum()),
+                      storage_bytes=storage)
+    plain = ResidencyModel(graph, costs, budgets, mode)
+    wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)
+    first = solve_milp(plain.relaxed(), gap=0, time_limit=20)
+    if first.status != "optimal":
+        return
+    assert first.basis is not None
+    basis = plain.widened_basis(wider, first.basis)
+    assert basis is not None
+    assert len(basis[0]) == wider.milp.num_vars and len(basis[1]) == wider.milp.A.shape[0]
+    warm = solve_milp(wider.relaxed(), gap=0, time_limit=20, basis=basis)
+    cold = solve_milp(wider.relaxed(), gap=0, time_limit=20)
+    assert warm.status == cold.status
+    if cold.status == "optimal":
+        assert math.isclose(warm.objective, cold.objective, rel_tol=1e-7, abs_tol=1e-12), (warm.objective, cold.objective)

@@ -36,6 +36,11 @@ class Progress:
     phase: str = "branch and bound"
 
 
+# HiGHS's codes for a column's or row's place in a basis (highspy.HighsBasisStatus), for callers that
+# build a basis without importing highspy
+BASIS_LOWER, BASIS_BASIC = 0, 1
+
+
 @dataclass
 class SolveResult:
     status: str  # optimal | gap_limit | time_limit | interrupted | infeasible | no_solution | error
@@ -44,6 +49,9 @@ class SolveResult:
     bound: Optional[float]
     solve_s: float
     backend: str
+    # an LP's optimal basis, as (column statuses, row statuses) of BASIS_* codes: a warm start for a
+    # model that extends this one (residency.py)
+    basis: Optional[tuple] = None
 
     @property
     def gap(self) -> Optional[float]:
@@ -120,9 +128,12 @@ def interrupt_scope():
 def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float] = None,
                gap: float = 1e-3, threads: Optional[int] = None,
                progress: Optional[Callable[[Progress], None]] = None,
-               start: Optional[np.ndarray] = None, settle: Optional["Settle"] = None) -> SolveResult:
+               start: Optional[np.ndarray] = None, settle: Optional["Settle"] = None,
+               basis: Optional[tuple] = None) -> SolveResult:
     """settle (HiGHS only): stop before ``gap`` once the search is within ``settle.gap`` and has
-    stopped improving (see Settle); the status is then ``gap_limit``, as for the gap asked for."""
+    stopped improving (see Settle); the status is then ``gap_limit``, as for the gap asked for.
+    basis (HiGHS, an LP): a starting basis as SolveResult.basis gives one; an LP solved to optimality
+    returns its own there. Scaling the objective leaves a basis as it is."""
     if backend not in BACKENDS:
         raise PoetError(f"unknown solver {backend!r}; choose one of {', '.join(BACKENDS)}", field="--solver")
     # Energies in joules are tiny next to solver tolerances (HiGHS treats reduced costs under 1e-7
@@ -137,7 +148,7 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
             report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap, p.phase))
 
     if backend == "highs":
-        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle)
+        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle, basis)
     else:
         result = _solve_pulp(scaled, backend, time_limit, gap, threads)
     result.objective = _unscale(result.objective, scale)
@@ -238,9 +249,9 @@ def leave_now_if_abandoned(code: int, wait_s: float = 0.3) -> None:
         os._exit(code)
 
 
-def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> SolveResult:
+def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None, basis=None) -> SolveResult:
     try:
-        return _run_highs(milp, time_limit, gap, threads, progress, start, settle)
+        return _run_highs(milp, time_limit, gap, threads, progress, start, settle, basis)
     except KeyboardInterrupt:
         # A signal anywhere in here, before the run starts too (handing the model over takes
         # seconds): a Highs object the traceback keeps until the interpreter shuts down aborts it
@@ -249,7 +260,7 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None) -
         raise
 
 
-def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> SolveResult:
+def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None, basis=None) -> SolveResult:
     import highspy
 
     entered = time.perf_counter()
@@ -268,6 +279,13 @@ def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> 
     if start is not None:
         idx = np.arange(milp.num_vars, dtype=np.int32)
         h.setSolution(milp.num_vars, idx, np.asarray(start, dtype=float))
+    lp = not np.any(milp.integrality)
+    if basis is not None and lp:
+        given = highspy.HighsBasis()
+        given.col_status = [highspy.HighsBasisStatus(int(k)) for k in basis[0]]
+        given.row_status = [highspy.HighsBasisStatus(int(k)) for k in basis[1]]
+        given.valid = True
+        h.setBasis(given)  # one HiGHS rejects leaves the solve cold, as without it
     if time_limit is not None:
         # Handing a large model over takes seconds (1-1.3 s at 156k columns, element by element
         # through pybind11): they count against the limit the caller gave.
@@ -410,7 +428,13 @@ def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None) -> 
         name = "error"
     if name not in ("optimal", "infeasible") and x is None:
         name = "no_solution" if name in ("time_limit", "interrupted") else name
-    return SolveResult(name, x, objective, bound, solve_s, "highs")
+    found = None
+    if lp and name == "optimal":
+        b = h.getBasis()
+        if b.valid:
+            found = (np.array([int(k) for k in b.col_status], dtype=np.int8),
+                     np.array([int(k) for k in b.row_status], dtype=np.int8))
+    return SolveResult(name, x, objective, bound, solve_s, "highs", found)
 
 
 def _satisfies(milp: Milp, x: np.ndarray, tol: float = 1e-6) -> bool:

@@ -21,7 +21,7 @@ from poet_opt.solver.bounds import window_bound
 from poet_opt.solver.budgets import resolve_budgets
 from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
-from poet_opt.solver.gap_milp import gap_milp_plan
+from poet_opt.solver.gap_milp import gap_milp_plan, within_reach
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, refuse_on_storage
 from poet_opt.solver.lns import MAX_NODES as LNS_MAX_NODES
 from poet_opt.solver.lns import improve
@@ -359,7 +359,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     solve_s = 0.0
     reserve = 0.0 if time_limit is None else finish_s(graph)  # replay, validation, summary: last
     gap_milp_fits = time_limit is None or GAP_MILP_BUILD_S_PER_NODE_SQUARED * len(graph) ** 2 <= 0.5 * (
-        time_limit - (time.perf_counter() - began) - reserve)
+        time_limit - (time.perf_counter() - began) - reserve) and within_reach(graph, skip_full)
     # The caller's plan (a Pareto sweep passes the budget below's) is one more candidate, so every
     # path below can take it: the gap MILP's rival, the full MILP's start, the floor check, and the
     # plan kept on a skip.

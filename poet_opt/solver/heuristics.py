@@ -18,6 +18,7 @@ from poet_opt.schedule.decisions import (Budgets, Decisions, Keep, build_steps, 
 from poet_opt.solver.backends import interrupted
 from poet_opt.solver.baselines import dtr_decisions, sqrt_n_decisions, without_idle_keeps
 from poet_opt.solver.checkpointing import checkpoint_decisions
+from poet_opt.solver.rebuild import rebuild_paged
 
 
 def paging_decisions(graph: TrainingGraph, paged: set[int]) -> Decisions:
@@ -179,8 +180,11 @@ def starting_points(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     else:
         paging = mode in ("joint", "paging")
         if paging:  # tenths of a second at 10,000 nodes: first, so that a plan exists at any size
-            found.append(spill_plan(graph, costs, budgets, deadline))
-            spill = found[-1]
+            spill = spill_plan(graph, costs, budgets, deadline)
+            if spill is not None and mode == "joint" and not late():
+                # it pages every activation it drops; many are cheaper rebuilt where they are read
+                spill = rebuild_paged(graph, costs, budgets, spill, deadline)[0]
+            found.append(spill)
             if good_enough is not None and _admissible(graph, costs, budgets, spill) and \
                     plan_energy_j(graph, costs, spill) <= good_enough and plan_runtime_s(costs, spill) <= budgets.runtime_s:
                 return [spill]
