@@ -99,6 +99,8 @@ def test_measure_refuses_options_of_the_other_kind_of_measuring(tmp_path):
     assert_one_line_error(cli("measure", "--torch", CNN, "--input-shape", SHAPE, "--ram", RAM, "-o", out), "--ram",
                           "--device", out=out)
     assert_one_line_error(cli("measure", "--model", "mcu-vww", "--input-shape", SHAPE, "-o", out), "--model", out=out)
+    assert_one_line_error(cli("measure", "--torch", CNN, "--input-shape", SHAPE, "--mode", "paging", "-o", out),
+                          "--mode", "--device", out=out)
     assert_one_line_error(cli("measure", *MODEL[:-4], "--device", "rpi4", "--ram", RAM, "-o", out), "--device",
                           out=out)
     # cycles without a clock are no seconds
@@ -161,7 +163,7 @@ def test_measure_device_shares_emulates_options_and_defaults():
         assert getattr(measure[name].type, "choices", None) == getattr(emulate[name].type, "choices", None), name
 
 
-def test_a_paging_plans_storage_commands_take_the_time_the_plan_gives_its_transfers(measured):
+def test_a_paging_plans_storage_commands_take_the_time_the_plan_gives_its_transfers(measured, tmp_path):
     """The emulated card answers at once; the estimate adds the commands the firmware issued at the
     profile's rates. A plan that only pages (no streamed weights, nothing read besides the paged
     tensors) issues one write per page-out and one read per page-in, so that time is the plan's
@@ -177,3 +179,7 @@ def test_a_paging_plans_storage_commands_take_the_time_the_plan_gives_its_transf
     paging_s = (plan["page_in_j"] / profile.storage.read.power_w + plan["page_out_j"] / profile.storage.write.power_w)
     assert summary["storage_bus_s_per_step"] == pytest.approx(paging_s, rel=0.02)
     assert summary["estimated_runtime_s_per_step"] > summary["storage_bus_s_per_step"] > 0
+    # measure --device runs the same plan and prices the same commands
+    found = cli("measure", *MODEL, "--mode", "paging", "-o", tmp_path / "paging.csv", "--json")
+    assert found.exit_code == 0, found.stderr
+    assert json.loads(found.stdout)["storage_bus_s_per_step"] == pytest.approx(summary["storage_bus_s_per_step"])

@@ -147,6 +147,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
                   "each node's generated kernels on the emulated core, not PyTorch on this machine")
     @click.option("--ram", default=None, help="with --device: the RAM budget of the plan that runs, as for `emulate`")
     @click.option("--trainable", default="all", show_default=True, help="with --device: all, last:N or NAME,NAME,...")
+    @click.option("--mode", type=click.Choice(["joint", "remat", "paging", "none"]), default="joint", show_default=True,
+                  help="with --device: what the plan that runs may trade memory with, as for `emulate`")
     @click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None,
                   help="with --device: solve the plan that runs with these costs, as for `poet-opt solve --costs`")
     @click.option("--time-limit", default=None, metavar="SECONDS|none",
@@ -159,7 +161,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
     @click.option("--json", "as_json", is_flag=True, help="print every node's median and spread as JSON")
     @click.pass_context
     @_one_line_errors
-    def measure(ctx, torch_spec, model, input_shape, out, device, ram, trainable, costs_file, time_limit, weights,
+    def measure(ctx, torch_spec, model, input_shape, out, device, ram, trainable, mode, costs_file, time_limit, weights,
                 weight_tile, strips, warmup, repeat, watts, as_json):
         """Time every node's forward and backward on this machine, or with --device on the emulated
         microcontroller; write a --costs file."""
@@ -181,7 +183,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
                 raise PoetError(f"--device {device} runs a plan: give its RAM budget", field="--ram")
             say = None if as_json or not sys.stderr.isatty() else (lambda text: click.echo(f"poet-opt: {text}", err=True))
             click.echo(measure_on_device(device=device, ram=ram, out=out, model=model, torch_spec=torch_spec,
-                                         input_shape=input_shape, trainable=trainable, time_limit=parse_time_limit(time_limit),
+                                         input_shape=input_shape, trainable=trainable, mode=mode,
+                                         time_limit=parse_time_limit(time_limit),
                                          costs_file=costs_file, weights=weights, weight_tile=weight_tile,
                                          strips=strips, as_json=as_json, say=say))
             return
