@@ -74,17 +74,19 @@ def _batch(path, shape, classes, seed):
     return path
 
 
-def _sgd_step(module, data, running: bool = False):
+def _sgd_step(module, data, steps: int = 1):
+    """Parameters and batch norm's running statistics after ``steps`` of plain training: emulate's
+    and run's --weights-out write both."""
     with np.load(data) as d:
         x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
     module.train()
     opt = torch.optim.SGD(module.parameters(), lr=LR)
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(module(x), y).backward()
-    opt.step()
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(module(x), y).backward()
+        opt.step()
     out = {n: p.detach().numpy() for n, p in module.named_parameters()}
-    if running:  # emulate's --weights-out keeps batch norm's running statistics too
-        out.update({n: b.numpy() for n, b in module.named_buffers() if n.endswith(("running_mean", "running_var"))})
+    out.update({n: b.numpy() for n, b in module.named_buffers() if n.endswith(("running_mean", "running_var"))})
     return out
 
 
@@ -161,7 +163,7 @@ def test_poet_opt_emulate_trains_them_as_torch_does(models, factory, tmp_path):
     for kernel in ("poet_silu_forward", "poet_silu_backward") + (
             ("poet_hardswish_forward", "poet_hardswish_backward") if factory == "silu_cnn" else ()):
         assert kernel in source
-    reference = _sgd_step(ns[factory](), data, running=True)
+    reference = _sgd_step(ns[factory](), data)
     with np.load(weights) as trained:
         assert set(trained.files) == set(reference)
         largest = max(float(np.abs(w).max()) for w in reference.values())
@@ -190,3 +192,31 @@ def test_poet_opt_run_trains_them_as_torch_does(models, factory, tmp_path):
         worst = max(float(np.abs(trained[n] - w).max() / max(np.abs(w).max(), 1e-30)) for n, w in reference.items())
     print(f"\n{factory}: executor - torch = {worst:.3g}")
     assert worst <= 1e-5
+
+
+def test_poet_opt_run_moves_batch_norm_s_running_statistics_once_under_a_recompute(models, tmp_path):
+    """A plan that recomputes a batch norm: two steps of `run` leave its running mean and variance
+    (in --weights-out, beside the weights) where plain training leaves them; a recompute that moved
+    them again would leave them a momentum's share further on."""
+    path, ns = models
+    data = _batch(tmp_path / "b.npz", (2, 3, 8, 8), classes=4, seed=7)
+    spec = ["--torch", f"{path}:silu_cnn", "--input-shape", SHAPES["silu_cnn"], "--device", "rpi4"]
+    plain = cli("solve", *spec, "--ram", "1GB", "--mode", "none", "--json")
+    assert plain.exit_code == 0, plain.output
+    budget = int(json.loads(plain.stdout)["totals"]["peak_ram_bytes"] * 0.8)
+    plan, weights = tmp_path / "plan.json", tmp_path / "w.npz"
+    solved = cli("solve", *spec, "--ram", f"{budget}B", "--mode", "remat", "--time-limit", "5", "-q", "--out", plan)
+    assert solved.exit_code == 0, solved.output
+    doc = json.loads(plan.read_text())
+    names = [n["name"] for n in doc["graph"]["nodes"]]
+    computed = [names[s["node"]] for s in doc["steps"] if s["op"] == "compute"]
+    assert any(computed.count(bn) > 1 for bn in ("bn1", "bn2")), "the plan no longer recomputes a batch norm"
+    result = cli("run", *spec, "--ram", f"{budget}B", "--schedule", plan, "--steps", 2, "--lr", LR, "--data", data,
+                 "--weights-out", weights, "--json")
+    assert result.exit_code == 0, result.output
+    reference = _sgd_step(ns["silu_cnn"](), data, steps=2)
+    with np.load(weights) as trained:
+        assert set(trained.files) == set(reference) and "bn1.running_var" in trained.files
+        worst = {n: float(np.abs(trained[n] - w).max() / np.abs(w).max()) for n, w in reference.items()}
+    print(f"\nrunning statistics: executor - torch = {max(v for n, v in worst.items() if 'running' in n):.3g}")
+    assert max(worst.values()) <= 1e-5, worst

@@ -59,6 +59,16 @@ def _torch_sgd(module, data, steps):
     return losses, {n: p.detach().numpy() for n, p in module.named_parameters()}
 
 
+def _running(module) -> dict:
+    """Batch norm's running means and variances, by their state_dict names (as --weights-out has them)."""
+    return {n: b.numpy() for n, b in module.named_buffers() if n.endswith(("running_mean", "running_var"))}
+
+
+def _worst_running(trained, running: dict) -> float:
+    """The largest difference of a running statistic from torch's, relative to that tensor's largest value."""
+    return max(float(np.abs(trained[n] - r).max() / np.abs(r).max()) for n, r in running.items())
+
+
 def _graph_shape(graph):
     return sorted((n.name, n.kind, n.bytes, n.op, tuple(sorted(graph.nodes[d].name for d in n.deps)),
                    tuple(graph.nodes[p].name for p in n.updates), n.writes_bytes) for n in graph.nodes)
@@ -102,13 +112,18 @@ def test_run_trains_a_strip_and_slice_plan_as_pytorch_with_the_plan_s_peak(batch
     assert summary["executed"] == {"computes": totals["computes"], "page_outs": totals["page_outs"],
                                    "page_ins": totals["page_ins"], "steps": len(doc["steps"])}
     torch.manual_seed(0)  # strip_cnn seeds itself: the module run trained starts from the same weights
-    losses, reference = _torch_sgd(strip_cnn(), batch, 2)
+    module = strip_cnn()
+    losses, reference = _torch_sgd(module, batch, 2)
+    running = _running(module)  # moved from the statistics chained over 12 strips of every batch norm
     assert summary["loss"] == pytest.approx(losses, rel=1e-5)
     with np.load(out) as trained:
-        assert set(trained.files) == set(reference)
+        assert set(trained.files) == set(reference) | set(running) and len(running) == 6
         scale = max(float(np.abs(v).max()) for v in reference.values())
         worst = max(float(np.abs(trained[n] - reference[n]).max()) for n in reference)
+        worst_running = _worst_running(trained, running)
+    print(f"\n12 strips, 1 KiB slices: weights - torch = {worst:.3g}, running statistics {worst_running:.3g}")
     assert worst <= 1e-5 * scale, worst
+    assert worst_running <= 1e-5, worst_running
     assert not any((tmp_path / "card").iterdir())  # weights and pages removed at the end
 
 
@@ -208,9 +223,53 @@ def test_the_commands_of_docs_executor_md_on_strips_run(tmp_path, monkeypatch):
     plan = json.loads((tmp_path / "strip_plan.json").read_text())
     names = {n["name"] for n in plan["graph"]["nodes"]}
     assert "stem@s15" in names and "stem@s16" not in names and "pool@s3" in names and "pool@s4" not in names
-    losses, _ = _torch_sgd(strip_cnn(), tmp_path / "strip_batch.npz", 2)
+    module = strip_cnn()
+    losses, _ = _torch_sgd(module, tmp_path / "strip_batch.npz", 2)
     assert summary["loss"] == pytest.approx(losses, rel=1e-5)
     assert not any((tmp_path / "card").iterdir())
+    # head_bn is one strip here (its own batch statistics), the other two a chain over 16 and 4
+    assert {"stats:stem_bn@s15", "stats:dw_bn@s3", "head_bn"} <= names and "head_bn@s0" not in names
+    with np.load(tmp_path / "strip_after.npz") as trained:
+        worst = _worst_running(trained, _running(module))
+    print(f"\ndocs plan: running statistics - torch = {worst:.3g}")
+    assert worst <= 1e-5
+
+
+def test_a_recompute_of_batch_norm_s_statistics_moves_the_running_statistics_once(batch):
+    """The strip replay moves a batch norm's running statistics at the end of its statistics chain
+    (a single strip: at its forward), once per step: the same plan with each of those nodes
+    computed a second time leaves them as plain training does after two steps."""
+    from poet_opt.executor.strips import run_plan
+    from poet_opt.executor.tiled import running_statistics_of
+
+    network = lower_for_run(SPEC, SHAPE, ram_bytes=RAM, **NRF)
+    doc = solve(network.graph, "nrf52840", ram=RAM, time_limit=5).to_dict()
+    tiling = network.graph.meta["strips"]
+    again = {f"stats:{name}@s{len(tiling.tensors[name]) - 1}" if name in tiling.tensors else name
+             for name, layer in tiling.layers.items() if layer.op == "batchnorm"}
+    assert again == {"stats:stem_bn@s15", "stats:dw_bn@s3", "head_bn"}
+    names = [n["name"] for n in doc["graph"]["nodes"]]
+    steps = []
+    for s in doc["steps"]:
+        steps.append((s["op"], names[s["node"]]))
+        if s["op"] == "compute" and names[s["node"]] in again:  # at once: its inputs are still resident
+            steps.append(("compute", names[s["node"]]))
+    assert len(steps) == len(doc["steps"]) + 3
+    params = {name: {role: torch.from_numpy(p.value.copy()) for role, p in layer.params.items()}
+              for name, layer in network.layers.items() if layer.params}
+    running = running_statistics_of(network)
+    with np.load(batch) as b:
+        x, y = torch.from_numpy(b["x"]), torch.from_numpy(b["y"])
+    for _ in range(2):
+        run_plan(network.graph, steps, params, x, y, LR, running)
+    module = strip_cnn()
+    _torch_sgd(module, batch, 2)
+    want = _running(module)
+    got = {layer.buffers[role].torch_name: getattr(running[name], role.split("_")[1]).numpy()
+           for name, layer in network.layers.items() if name in running for role in ("running_mean", "running_var")}
+    assert set(got) == set(want)
+    print(f"\nrecomputed statistics: running statistics - torch = {_worst_running(got, want):.3g}")
+    assert _worst_running(got, want) <= 1e-5
 
 
 def test_run_solves_a_streamed_plan_itself_with_solve_s_defaults(batch):

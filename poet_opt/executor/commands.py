@@ -63,7 +63,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
                   help="directory paged tensors go to (the SD card or SSD); default: a temporary directory, removed "
                        "afterwards")
     @click.option("--weights-out", default=None, type=click.Path(dir_okay=False),
-                  help="write the trained parameters here (.npz, keyed by named_parameters() names)")
+                  help="write the trained parameters and the norms' running statistics here (.npz, PyTorch's "
+                       "state_dict names and shapes)")
     @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
     @click.pass_context
     @_one_line_errors
@@ -108,7 +109,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
                               weight_tile=weight_tile, strips=strips)
         diverged = result.diverged
         if weights_out is not None and not diverged:  # NaN weights are no one's trained model
-            write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights), field="--weights-out", binary=True)
+            write_atomic(weights_out, lambda fh: np.savez(fh, **result.weights, **result.running), field="--weights-out",
+                         binary=True)
         summary = result.summary()
         if as_json:
             click.echo(json.dumps(summary, indent=1, allow_nan=False))

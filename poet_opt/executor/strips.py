@@ -13,11 +13,18 @@ Layers are the zoo's forward operators as ``graph.meta["strips"].layers`` record
 parameters are given per layer: conv ``weight`` (and ``bias``), batch norm ``weight`` and ``bias``
 (gamma, beta), linear ``weight`` and ``bias``, in PyTorch's shapes; a weight slice ``L#j`` takes
 its rows of ``L``'s tensors.
+
+Batch norm's running statistics (``running``: layer -> :class:`Running`) move as torch's training
+mode moves them, once per replay, from the whole tensor's batch statistics: the end of the
+statistics chain over a layer's strips, or the one strip's own. A replay stands for one step, so
+a recompute of either finds the layer already moved.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from poet_opt.model import ops as registry
 from poet_opt.model.strips import ELEMENTWISE
@@ -25,25 +32,43 @@ from poet_opt.model.strips import ELEMENTWISE
 EPS = 1e-5  # batch norm's, as torch.nn.BatchNorm2d's default
 
 
-def replay(graph, params: dict, x, y, lr: float) -> dict:
+@dataclass
+class Running:
+    """One batch norm's running statistics, moved in place, and the module's momentum."""
+    mean: Any
+    var: Any
+    momentum: float = 0.1
+
+    def move(self, count: int, mean, m2) -> None:
+        """torch's update from a batch of ``count`` values per channel with ``mean`` and summed
+        squared deviations ``m2``: the running variance takes the unbiased batch variance."""
+        m = self.momentum
+        self.mean.mul_(1 - m).add_(m * mean.detach())
+        self.var.mul_(1 - m).add_(m * m2.detach() / max(count - 1, 1))
+
+
+def replay(graph, params: dict, x, y, lr: float, running: dict | None = None) -> dict:
     """Run ``graph`` on input ``x`` (N, C, H, W) and class labels ``y``; ``params``: layer -> {role:
-    tensor}, updated in place by the graph's SGD updates. Returns {"loss", "values" (node -> tensor),
-    "weight_grads" (layer -> {role: gradient}, as each update applied it)}."""
-    return _Replay(graph, params, x, y, lr).run()
+    tensor}, updated in place by the graph's SGD updates; ``running``: layer -> Running, moved once.
+    Returns {"loss", "values" (node -> tensor), "weight_grads" (layer -> {role: gradient}, as each
+    update applied it)}."""
+    return _Replay(graph, params, x, y, lr, running).run()
 
 
-def replayer(graph, params: dict, x, y, lr: float):
+def replayer(graph, params: dict, x, y, lr: float, running: dict | None = None):
     """The object ``replay`` runs, for an executor that walks a plan itself (executor/tiled.py):
     ``compute(node, records[node.name], env)`` runs one node on the tensors in ``env``, reading the
-    weights of a layer from ``params`` (layer -> {role: tensor}) and updating them in place there."""
-    return _Replay(graph, params, x, y, lr)
+    weights of a layer from ``params`` (layer -> {role: tensor}) and updating them in place there.
+    Make one per step: it moves each layer's ``running`` statistics at most once."""
+    return _Replay(graph, params, x, y, lr, running)
 
 
 class _Replay:
-    def __init__(self, graph, params, x, y, lr):
+    def __init__(self, graph, params, x, y, lr, running=None):
         import torch
 
         self.t, self.graph, self.params, self.x, self.y, self.lr = torch, graph, params, x, y, lr
+        self.running, self.moved = running or {}, set()
         tiling = graph.meta["strips"]
         self.layers, self.records, self.alias = tiling.layers, tiling.nodes, tiling.grad_alias
         self.parts = {name: [tuple(r) for r in rows] for name, rows in tiling.tensors.items()}
@@ -112,7 +137,10 @@ class _Replay:
             n_a, mean_a, m2_a = prev  # Chan et al.: merge two partitions' means and squared deviations
             n = n_a + count
             delta = mean - mean_a
-            return (n, mean_a + delta * count / n, m2_a + m2 + delta ** 2 * n_a * count / n)
+            out = (n, mean_a + delta * count / n, m2_a + m2 + delta ** 2 * n_a * count / n)
+            if self._index(rec) == len(self.strips(rec.layer)) - 1:  # the chain's end: the whole tensor's
+                self._move(rec.layer, *out)
+            return out
         if role == "bn_gstats":
             layer = rec.layer
             j = self._index(rec)
@@ -133,6 +161,12 @@ class _Replay:
     def _previous(self, env, prefix, rec):
         j = self._index(rec)
         return env[f"{prefix}{rec.layer}@s{j - 1}"] if j else None
+
+    def _move(self, layer: str, count: int, mean, m2) -> None:
+        if layer in self.running and layer not in self.moved:
+            self.moved.add(layer)
+            with self.t.no_grad():
+                self.running[layer].move(count, mean, m2)
 
     def _stats(self, env, layer):
         n, mean, m2 = env[f"stats:{layer}@s{len(self.strips(layer)) - 1}"]
@@ -179,6 +213,10 @@ class _Replay:
         if op == "batchnorm":
             w = self.weights(env, name)
             if name not in self.parts:
+                if name in self.running and name not in self.moved:
+                    mean = xs[0].mean(dim=(0, 2, 3))
+                    self._move(name, xs[0].numel() // xs[0].shape[1], mean,
+                               ((xs[0] - mean[None, :, None, None]) ** 2).sum(dim=(0, 2, 3)))
                 return F.batch_norm(xs[0], None, None, w["weight"], w["bias"], training=True, eps=EPS)
             return self._xhat(env, name, xs[0]) * w["weight"][None, :, None, None] + w["bias"][None, :, None, None]
         return self._elementwise(op, xs, "strip")
@@ -344,14 +382,15 @@ def size_of_window(g, shape, window, m0: int, m1: int) -> tuple[int, ...]:
     return (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
 
 
-def run_plan(graph, steps, params: dict, x, y, lr: float) -> dict:
+def run_plan(graph, steps, params: dict, x, y, lr: float, running: dict | None = None) -> dict:
     """Execute a strip plan: ``steps`` are (op, node name) pairs (compute, page_out, page_in, free)
     of a schedule of ``graph``. A compute reads only tensors resident at that moment (else
     KeyError: the plan would be wrong), a page-out copies to a dict that stands for the storage,
     a page-in copies back, a free drops; a recompute runs the node again. An update applies SGD to
-    ``params`` in place once; a node that reads weights after their update raises. Returns the loss,
-    the weight gradients and the peak of the resident bytes as the graph sizes them."""
-    return execute(_Replay(graph, params, x, y, lr), graph, steps)
+    ``params`` in place once, and ``running`` (layer -> Running) moves once, as one step does; a node
+    that reads weights after their update raises. Returns the loss, the weight gradients and the
+    peak of the resident bytes as the graph sizes them."""
+    return execute(_Replay(graph, params, x, y, lr, running), graph, steps)
 
 
 def execute(r, graph, steps) -> dict:

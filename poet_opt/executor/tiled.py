@@ -17,7 +17,10 @@ plans for such a module) one step per call, following the plan's steps in order:
 
 The peak of live bytes is counted as the plan counts it, from the tensors in the executor's own
 table after every compute and page-in; the storage traffic is what went through the files.
-Batch norm's running statistics are not moved: a strip graph has no node for them.
+Batch norm's running statistics are no node of a strip graph: the executor keeps them in RAM
+beside the plan (as the firmware keeps them in static RAM) and the strip replay moves them once a
+step, as torch's training mode does, from the batch statistics it normalises with;
+:meth:`TiledExecutor.running_statistics` reads them.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class TiledExecutor:
         except BaseException:
             self.close()
             raise
+        self.running = {} if self.rows else running_statistics_of(network)
         self.last: StepStats | None = None
 
     def _initial(self, node) -> dict:
@@ -162,11 +166,12 @@ class TiledExecutor:
             from poet_opt.executor.rows import replayer
 
             params: dict = {}
+            r = replayer(graph, params, x, y, self.lr)
         else:
             from poet_opt.executor.strips import replayer
 
             params = {name[len("param:"):]: self._placeholders(name[len("param:"):]) for name in self.roles}
-        r = replayer(graph, params, x, y, self.lr)
+            r = replayer(graph, params, x, y, self.lr, self.running)  # one per step: the running statistics move once in it
         table: dict = {}
         updated: set[int] = set()
         layouts: dict = {}
@@ -258,6 +263,14 @@ class TiledExecutor:
         self.store.bytes_read = 0
         return self.network.assemble(parts)
 
+    def running_statistics(self) -> dict[str, np.ndarray]:
+        """torch buffer name -> value of the batch norms' running means and variances, as the steps
+        so far moved them (``state_dict`` names, as `poet-opt emulate --weights-out` writes them)."""
+        names = {name: {role: b.torch_name for role, b in self.network.layers[name].buffers.items()}
+                 for name in self.running}
+        return {**{names[n]["running_mean"]: r.mean.numpy().copy() for n, r in self.running.items()},
+                **{names[n]["running_var"]: r.var.numpy().copy() for n, r in self.running.items()}}
+
     def _row_weights(self) -> dict[str, np.ndarray]:
         """The trained layers' parameters put together from their ``param:L#j.k`` tiles."""
         from poet_opt.executor.rows import replayer
@@ -288,6 +301,20 @@ class TiledExecutor:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def running_statistics_of(network: Network) -> dict:
+    """layer -> Running: a copy of each batch norm's running statistics that tracks them (the
+    module's own stay as they were, as its parameters do), with the module's momentum."""
+    import torch
+
+    from poet_opt.executor.strips import Running
+
+    return {name: Running(torch.from_numpy(layer.buffers["running_mean"].value.astype(np.float32)),
+                          torch.from_numpy(layer.buffers["running_var"].value.astype(np.float32)),
+                          float(layer.attrs.get("momentum", 0.1)))
+            for name, layer in network.layers.items()
+            if layer.op == "batchnorm" and {"running_mean", "running_var"} <= set(layer.buffers)}
 
 
 def nbytes(value) -> int:

@@ -35,6 +35,8 @@ class RunResult:
     device: str = "cpu"
     schedule_file: str | None = None  # --schedule, or None: the plan was solved here
     extra: dict = field(default_factory=dict)
+    # torch buffer name -> batch norms' running means and variances after the steps (--weights-out)
+    running: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def losses(self) -> list[float]:
@@ -293,13 +295,17 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
             say(f"step {k + 1}/{steps}: loss {step.last.loss:.6g}, {step.last.wall_s:.3f} s")
         written, read = step.planned_traffic()
         if tiled:  # the weights live on storage: read back what the last update wrote
-            weights_out = step.weights()
+            weights_out, running = step.weights(), step.running_statistics()
         else:
             params = step.kernels.params
             weights_out = {name: p.detach().to("cpu").float().numpy().copy() for name, p in params.items()
                            if _trainable(network, name)}
+            # the module's batch norms ran in training mode, so its own buffers moved as plain training's
+            buffers = dict(network.module.named_buffers())
+            running = {b.torch_name: buffers[b.torch_name].detach().to("cpu").float().numpy().copy()
+                       for layer in network.layers.values() for b in layer.buffers.values()}
         used = str(step.device)
-    return RunResult(network, doc, stats, weights_out, written, read, used, source)
+    return RunResult(network, doc, stats, weights_out, written, read, used, source, running=running)
 
 
 def _solve(network: Network, profile, *, ram, costs, runtime, mode, time_limit, say) -> dict:
