@@ -323,3 +323,28 @@ def test_run_model_takes_its_shape_from_the_data(tmp_path):
     result = cli("run", "--model", "mlp", "--torch", "x.py:make", "--device", "nrf52840", "--ram", "64KiB",
                  "--steps", "1", "--lr", "0.1", "--data", tmp_path / "b.npz")
     assert_one_line_error(result, "--torch")
+
+
+def test_the_strip_replay_normalises_with_each_batch_norm_s_own_eps(batch, tmp_path):
+    """A module's eps, not torch's default: the strip replay had 1e-5 written in, so a network whose
+    batch norms use another trained differently in `run` than in PyTorch (the firmware's kernels
+    always took the module's)."""
+    factory = tmp_path / "wide_eps.py"
+    factory.write_text("import torch\nfrom poet_opt.examples.torch_models import strip_cnn\n\n\n"
+                       "def model():\n    module = strip_cnn()\n    for m in module.modules():\n"
+                       "        if isinstance(m, torch.nn.BatchNorm2d):\n            m.eps = 0.5\n    return module\n")
+    out = tmp_path / "after.npz"
+    ran = cli("run", "--torch", f"{factory}:model", "--input-shape", SHAPE, "--device", "nrf52840", "--ram", "160KiB",
+              "--strips", "12", "--time-limit", "5", "--steps", "2", "--lr", LR, "--data", batch, "--weights-out", out,
+              "--json")
+    assert ran.exit_code == 0, ran.stderr
+    assert json.loads(ran.stdout)["weights"] == "streamed"
+    module = strip_cnn()
+    for m in module.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.eps = 0.5
+    losses, reference = _torch_sgd(module, batch, 2)
+    assert json.loads(ran.stdout)["loss"] == pytest.approx(losses, rel=1e-5)
+    with np.load(out) as trained:
+        scale = max(float(np.abs(v).max()) for v in reference.values())
+        assert max(float(np.abs(trained[n] - reference[n]).max()) for n in reference) <= 1e-5 * scale

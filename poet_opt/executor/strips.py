@@ -29,7 +29,7 @@ from typing import Any
 from poet_opt.model import ops as registry
 from poet_opt.model.strips import ELEMENTWISE
 
-EPS = 1e-5  # batch norm's, as torch.nn.BatchNorm2d's default
+EPS = 1e-5  # batch norm's where the caller names none: torch.nn.BatchNorm2d's default
 
 
 @dataclass
@@ -47,27 +47,28 @@ class Running:
         self.var.mul_(1 - m).add_(m * m2.detach() / max(count - 1, 1))
 
 
-def replay(graph, params: dict, x, y, lr: float, running: dict | None = None) -> dict:
+def replay(graph, params: dict, x, y, lr: float, running: dict | None = None, eps: dict | None = None) -> dict:
     """Run ``graph`` on input ``x`` (N, C, H, W) and class labels ``y``; ``params``: layer -> {role:
-    tensor}, updated in place by the graph's SGD updates; ``running``: layer -> Running, moved once.
-    Returns {"loss", "values" (node -> tensor), "weight_grads" (layer -> {role: gradient}, as each
-    update applied it)}."""
-    return _Replay(graph, params, x, y, lr, running).run()
+    tensor}, updated in place by the graph's SGD updates; ``running``: layer -> Running, moved once;
+    ``eps``: batch norm layer -> its module's eps (EPS for a layer not named). Returns {"loss",
+    "values" (node -> tensor), "weight_grads" (layer -> {role: gradient}, as each update applied it)}."""
+    return _Replay(graph, params, x, y, lr, running, eps).run()
 
 
-def replayer(graph, params: dict, x, y, lr: float, running: dict | None = None):
+def replayer(graph, params: dict, x, y, lr: float, running: dict | None = None, eps: dict | None = None):
     """The object ``replay`` runs, for an executor that walks a plan itself (executor/tiled.py):
     ``compute(node, records[node.name], env)`` runs one node on the tensors in ``env``, reading the
     weights of a layer from ``params`` (layer -> {role: tensor}) and updating them in place there.
     Make one per step: it moves each layer's ``running`` statistics at most once."""
-    return _Replay(graph, params, x, y, lr, running)
+    return _Replay(graph, params, x, y, lr, running, eps)
 
 
 class _Replay:
-    def __init__(self, graph, params, x, y, lr, running=None):
+    def __init__(self, graph, params, x, y, lr, running=None, eps=None):
         import torch
 
         self.t, self.graph, self.params, self.x, self.y, self.lr = torch, graph, params, x, y, lr
+        self.eps = eps or {}
         self.running, self.moved = running or {}, set()
         tiling = graph.meta["strips"]
         self.layers, self.records, self.alias = tiling.layers, tiling.nodes, tiling.grad_alias
@@ -174,7 +175,10 @@ class _Replay:
 
     def _xhat(self, env, layer, xs):
         mean, var = self._stats(env, layer)
-        return (xs - mean[None, :, None, None]) / self.t.sqrt(var + EPS)[None, :, None, None]
+        return (xs - mean[None, :, None, None]) / self.t.sqrt(var + self._eps(layer))[None, :, None, None]
+
+    def _eps(self, layer: str) -> float:
+        return self.eps.get(layer, EPS)
 
     def _window_input(self, env, layer: dict, name_in: str, rows, prefix: str = "", fill: float = 0.0):
         """The input rows output rows [a, b) read, padded past the tensor with ``fill`` (and along W)."""
@@ -217,7 +221,7 @@ class _Replay:
                     mean = xs[0].mean(dim=(0, 2, 3))
                     self._move(name, xs[0].numel() // xs[0].shape[1], mean,
                                ((xs[0] - mean[None, :, None, None]) ** 2).sum(dim=(0, 2, 3)))
-                return F.batch_norm(xs[0], None, None, w["weight"], w["bias"], training=True, eps=EPS)
+                return F.batch_norm(xs[0], None, None, w["weight"], w["bias"], training=True, eps=self._eps(name))
             return self._xhat(env, name, xs[0]) * w["weight"][None, :, None, None] + w["bias"][None, :, None, None]
         return self._elementwise(op, xs, "strip")
 
@@ -297,16 +301,16 @@ class _Replay:
         xs = env[self.strip_name(f, j)]
         if u not in self.parts:  # one strip: its own batch statistics
             mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
-            xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + EPS)[None, :, None, None]
+            xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + self._eps(u))[None, :, None, None]
             n = xs.numel() // xs.shape[1]
             sums = (g.sum(dim=(0, 2, 3)), (g * xhat).sum(dim=(0, 2, 3)))
-            rstd = 1 / t.sqrt(var + EPS)
+            rstd = 1 / t.sqrt(var + self._eps(u))
         else:
             _, var = self._stats(env, u)
             xhat = self._xhat(env, u, xs)
             n = self.x.shape[0] * layer.shape[1] * layer.shape[2]
             sums = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
-            rstd = 1 / t.sqrt(var + EPS)
+            rstd = 1 / t.sqrt(var + self._eps(u))
         scale = (w["weight"] * rstd)[None, :, None, None]
         return scale * (g - sums[0][None, :, None, None] / n - xhat * sums[1][None, :, None, None] / n)
 
@@ -349,7 +353,7 @@ class _Replay:
         if op == "batchnorm":  # one strip: its own batch statistics
             xs = self.whole(env, x)
             mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
-            xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + EPS)[None, :, None, None]
+            xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + self._eps(u))[None, :, None, None]
             return {"weight": (g * xhat).sum(dim=(0, 2, 3)), "bias": g.sum(dim=(0, 2, 3))}
         k, s, _ = layer.window
         local = self._window_input(env, layer, x, (lo, hi))

@@ -93,6 +93,8 @@ class TiledExecutor:
             self.close()
             raise
         self.running = {} if self.rows else running_statistics_of(network)
+        # each batch norm's own eps: the strip replay's default is torch's, and a module may differ
+        self.eps = {name: float(layer.attrs["eps"]) for name, layer in network.layers.items() if "eps" in layer.attrs}
         self.last: StepStats | None = None
 
     def _initial(self, node) -> dict:
@@ -171,7 +173,8 @@ class TiledExecutor:
             from poet_opt.executor.strips import replayer
 
             params = {name[len("param:"):]: self._placeholders(name[len("param:"):]) for name in self.roles}
-            r = replayer(graph, params, x, y, self.lr, self.running)  # one per step: the running statistics move once in it
+            # one per step: the running statistics move once in it
+            r = replayer(graph, params, x, y, self.lr, self.running, self.eps)
         table: dict = {}
         updated: set[int] = set()
         layouts: dict = {}
