@@ -232,6 +232,11 @@ void poet_batchnorm_backward_params_sgd(float *gamma, float *beta, const float *
                                         const float *mean, const float *invstd, const poet_batchnorm_shape *s,
                                         float lr);
 
+/* y = (x - mu) * scale + shift over channel c of x [n][channels][spatial]: batch norm's last pass,
+ * whichever statistics gave mu and scale (the batch's over strips, or the running ones) */
+void poet_channel_affine(float *y, const float *x, uint32_t c, float mu, float scale, float shift, uint32_t n,
+                         uint32_t channels, uint32_t spatial);
+
 /* nn.BatchNorm1d/2d in eval mode over x [n][c][spatial] (a strip's rows, or the whole tensor): y =
  * (x - running_mean) / sqrt(running_var + eps) * gamma + beta, as torch after model.eval(). Each
  * sample is normalised alone, so a prediction does not depend on the rest of its batch, and no

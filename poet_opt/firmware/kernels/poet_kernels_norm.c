@@ -137,18 +137,23 @@ void poet_batchnorm_eval_forward(float *y, const float *x, const float *running_
                                  const float *gamma, const float *beta, uint32_t n, uint32_t channels,
                                  uint32_t spatial, float eps)
 {
-    uint32_t c, s, i;
+    uint32_t c;
     for (c = 0; c < channels; ++c) {
         const float inv = 1.0f / poet_sqrtf(running_var[c] + eps);
-        const float mu = running_mean[c];
-        const float scale = gamma ? gamma[c] * inv : inv;
-        const float shift = beta ? beta[c] : 0.0f;
-        for (s = 0; s < n; ++s) {
-            const float *xc = x + (s * channels + c) * spatial;
-            float *yc = y + (s * channels + c) * spatial;
-            for (i = 0; i < spatial; ++i)
-                yc[i] = (xc[i] - mu) * scale + shift;
-        }
+        poet_channel_affine(y, x, c, running_mean[c], gamma ? gamma[c] * inv : inv, beta ? beta[c] : 0.0f, n,
+                            channels, spatial);
+    }
+}
+
+void poet_channel_affine(float *y, const float *x, uint32_t c, float mu, float scale, float shift, uint32_t n,
+                         uint32_t channels, uint32_t spatial)
+{
+    uint32_t b, i;
+    for (b = 0; b < n; ++b) {
+        const float *xc = x + (b * channels + c) * spatial;
+        float *yc = y + (b * channels + c) * spatial;
+        for (i = 0; i < spatial; ++i)
+            yc[i] = (xc[i] - mu) * scale + shift;
     }
 }
 

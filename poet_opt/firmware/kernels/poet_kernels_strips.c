@@ -65,17 +65,11 @@ void poet_batchnorm_strip_forward(float *y, const float *x, const float *stats, 
                                   const float *beta, uint32_t n, uint32_t channels, uint32_t spatial,
                                   uint32_t total, float eps)
 {
-    uint32_t c, b, i;
+    uint32_t c;
     for (c = 0; c < channels; ++c) {
-        const float mu = stats[c], inv = strip_inv(stats, c, channels, total, eps);
-        const float scale = gamma ? gamma[c] * inv : inv;
-        const float shift = beta ? beta[c] : 0.0f;
-        for (b = 0; b < n; ++b) {
-            const float *xc = x + (b * channels + c) * spatial;
-            float *yc = y + (b * channels + c) * spatial;
-            for (i = 0; i < spatial; ++i)
-                yc[i] = (xc[i] - mu) * scale + shift;
-        }
+        const float inv = strip_inv(stats, c, channels, total, eps);
+        poet_channel_affine(y, x, c, stats[c], gamma ? gamma[c] * inv : inv, beta ? beta[c] : 0.0f, n, channels,
+                            spatial);
     }
 }
 
