@@ -296,11 +296,9 @@ POET_OUTLINE void forward_one_channel(float *y, const float *x, const float *w, 
     forward_channels(y, x, w, b, s, n, co, 0, 0, 0, 1);
 }
 
-/* A depthwise 3x3 channel, row by row: each input row adds its three taps to a whole output row
- * (the row itself holds the sums), so the set-up is paid once per input row rather than once per
- * tile, and the padding columns are two bounds-checked outputs. mcu-vww's depthwise planes are
- * 3x3 to 24x24: there the tiles' per-row set-up cost more than the multiply-adds. */
-POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
+/* Any padding: each input row adds its three taps to a whole output row (the row itself holds
+ * the sums), and the columns next to the padding are bounds-checked */
+POET_INLINE void depthwise3_rows_any(float *yc, const float *xc, const float *wc, const float *b,
                                  const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
 {
     const uint32_t pw = s->pad_w, w_in = s->w_in, w_out = s->w_out;
@@ -336,6 +334,153 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
         if (b)
             for (ow = 0; ow < w_out; ++ow)
                 yr[ow] += b[0];
+    }
+}
+
+
+/* A depthwise 3x3 channel with one column of padding each side (every depthwise layer of the
+ * zoo, and their stride-1 data gradients), output row by output row. Each row is a window of
+ * three input columns by up to three input rows slid along in registers, so every input is
+ * loaded once per output row it feeds and the nine weights once per channel; the first and last
+ * outputs leave out the padding column instead of bounds-checking it. mcu-vww's depthwise
+ * planes are 3x3 to 24x24: with the sums in memory and the padding checked, the rows' set-up and
+ * borders cost as much as their multiply-adds. accumulate: y += the sums (the data gradient),
+ * else y = the sums + bias (0 without one: adding it costs one instruction where choosing costs three). */
+
+POET_INLINE void dw3_load(float *c, const float *const *p, const uint32_t j, const uint32_t NV)
+{
+    uint32_t v;
+    for (v = 0; v < NV; ++v)
+        c[v] = p[v][j];
+}
+
+POET_INLINE void dw3_store(float *y, float acc, float bias, const int accumulate)
+{
+    if (accumulate)
+        *y += acc;
+    else
+        *y = acc + bias;
+}
+
+/* One output from the window's columns a, b, c and the NV kernel rows wv */
+POET_INLINE void dw3_out(float *y, const float *a, const float *b, const float *c, const float *wv, float bias,
+                         const int accumulate, const uint32_t NV)
+{
+    float acc = a[0] * wv[0] + b[0] * wv[1] + c[0] * wv[2];
+    uint32_t v;
+    for (v = 1; v < NV; ++v)
+        acc += a[v] * wv[3 * v] + b[v] * wv[3 * v + 1] + c[v] * wv[3 * v + 2];
+    dw3_store(y, acc, bias, accumulate);
+}
+
+/* An output beside the padding: two columns, a and b, against kernel columns wv[0] and wv[1] */
+POET_INLINE void dw3_out2(float *y, const float *a, const float *b, const float *wv, float bias,
+                          const int accumulate, const uint32_t NV)
+{
+    float acc = a[0] * wv[0] + b[0] * wv[1];
+    uint32_t v;
+    for (v = 1; v < NV; ++v)
+        acc += a[v] * wv[3 * v] + b[v] * wv[3 * v + 1];
+    dw3_store(y, acc, bias, accumulate);
+}
+
+/* One output row from the NV input rows from row0 on (w_in >= 3) and kernel rows wv; hi: the end
+ * of the outputs whose window lies inside the row. The unrolled bodies rotate the window's
+ * registers instead of moving them: three outputs at stride 1 (each loads one column), two at
+ * stride 2 (two each). */
+POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, float bias, uint32_t w_in, uint32_t w_out,
+                         uint32_t hi, const uint32_t SW, const int accumulate, const uint32_t NV)
+{
+    float A[3], B[3], C[3];
+    const float *r[3];
+    uint32_t ow = 1, v;
+    for (v = 0; v < NV; ++v)
+        r[v] = row0 + v * w_in;
+    dw3_load(B, r, 0, NV);
+    dw3_load(C, r, 1, NV);
+    dw3_out2(yr, B, C, wv + 1, bias, accumulate, NV);
+    /* r: the first column the next output loads, 2 either way */
+    for (v = 0; v < NV; ++v)
+        r[v] += 2;
+    if (SW == 1) {
+        for (v = 0; v < NV; ++v)
+            A[v] = B[v], B[v] = C[v];
+        for (; ow + 3 <= hi; ow += 3) {
+            dw3_load(C, r, 0, NV);
+            dw3_out(yr + ow, A, B, C, wv, bias, accumulate, NV);
+            dw3_load(A, r, 1, NV);
+            dw3_out(yr + ow + 1, B, C, A, wv, bias, accumulate, NV);
+            dw3_load(B, r, 2, NV);
+            dw3_out(yr + ow + 2, C, A, B, wv, bias, accumulate, NV);
+            for (v = 0; v < NV; ++v)
+                r[v] += 3;
+        }
+        for (; ow < hi; ++ow) {
+            dw3_load(C, r, 0, NV);
+            dw3_out(yr + ow, A, B, C, wv, bias, accumulate, NV);
+            for (v = 0; v < NV; ++v)
+                A[v] = B[v], B[v] = C[v], r[v] += 1;
+        }
+        if (ow < w_out) /* the last column, beside the padding */
+            dw3_out2(yr + ow, A, B, wv, bias, accumulate, NV);
+    } else {
+        for (v = 0; v < NV; ++v)
+            A[v] = C[v];
+        for (; ow + 2 <= hi; ow += 2) {
+            dw3_load(B, r, 0, NV);
+            dw3_load(C, r, 1, NV);
+            dw3_out(yr + ow, A, B, C, wv, bias, accumulate, NV);
+            dw3_load(B, r, 2, NV);
+            dw3_load(A, r, 3, NV);
+            dw3_out(yr + ow + 1, C, B, A, wv, bias, accumulate, NV);
+            for (v = 0; v < NV; ++v)
+                r[v] += 4;
+        }
+        for (; ow < hi; ++ow) {
+            dw3_load(B, r, 0, NV);
+            dw3_load(C, r, 1, NV);
+            dw3_out(yr + ow, A, B, C, wv, bias, accumulate, NV);
+            for (v = 0; v < NV; ++v)
+                A[v] = C[v], r[v] += 2;
+        }
+        if (ow < w_out) { /* an odd row's last column, beside the padding */
+            dw3_load(B, r, 0, NV);
+            dw3_out2(yr + ow, A, B, wv, bias, accumulate, NV);
+        }
+    }
+}
+
+POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
+                                 const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out;
+    const float bias = b ? b[0] : 0.0f;
+    float wl[9];
+    uint32_t oh, ow, v, kh0, kh1, lo, hi;
+    if (s->pad_w != 1 || w_in < 3) {
+        depthwise3_rows_any(yc, xc, wc, b, s, SW, accumulate);
+        return;
+    }
+    for (v = 0; v < 9; ++v)
+        wl[v] = wc[v];
+    interior(SW, 1, 3, w_in, w_out, &lo, &hi);
+    for (oh = 0; oh < s->h_out; ++oh) {
+        float *yr = yc + oh * w_out;
+        const float *r;
+        tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
+        r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
+        /* the weights' offsets constants, so that they stay in registers */
+        if (kh1 - kh0 == 3)
+            dw3_row(yr, r, wl, bias, w_in, w_out, hi, SW, accumulate, 3);
+        else if (kh1 - kh0 == 2 && kh0 == 0)
+            dw3_row(yr, r, wl, bias, w_in, w_out, hi, SW, accumulate, 2);
+        else if (kh1 - kh0 == 2)
+            dw3_row(yr, r, wl + 3, bias, w_in, w_out, hi, SW, accumulate, 2);
+        else if (kh1 - kh0 == 1)
+            dw3_row(yr, r, wc + 3 * kh0, bias, w_in, w_out, hi, SW, accumulate, 1);
+        else if (!accumulate) /* a row whose window lies wholly in the padding */
+            for (ow = 0; ow < w_out; ++ow)
+                yr[ow] = bias;
     }
 }
 
