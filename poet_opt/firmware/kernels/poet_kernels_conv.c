@@ -345,7 +345,8 @@ POET_INLINE void depthwise3_rows_any(float *yc, const float *xc, const float *wc
  * outputs leave out the padding column instead of bounds-checking it. mcu-vww's depthwise
  * planes are 3x3 to 24x24: with the sums in memory and the padding checked, the rows' set-up and
  * borders cost as much as their multiply-adds. accumulate: y += the sums (the data gradient),
- * else y = the sums + bias (0 without one: adding it costs one instruction where choosing costs three). */
+ * else y = the sums, the bias added by a second pass over the row where there is one (the zoo's
+ * convolutions have none: batch norm follows them). */
 
 POET_INLINE void dw3_load(float *c, const float *const *p, const uint32_t j, const uint32_t NV)
 {
@@ -354,41 +355,41 @@ POET_INLINE void dw3_load(float *c, const float *const *p, const uint32_t j, con
         c[v] = p[v][j];
 }
 
-POET_INLINE void dw3_store(float *y, float acc, float bias, const int accumulate)
+POET_INLINE void dw3_store(float *y, float acc, const int accumulate)
 {
     if (accumulate)
         *y += acc;
     else
-        *y = acc + bias;
+        *y = acc;
 }
 
 /* One output from the window's columns a, b, c and the NV kernel rows wv */
-POET_INLINE void dw3_out(float *y, const float *a, const float *b, const float *c, const float *wv, float bias,
+POET_INLINE void dw3_out(float *y, const float *a, const float *b, const float *c, const float *wv,
                          const int accumulate, const uint32_t NV)
 {
     float acc = a[0] * wv[0] + b[0] * wv[1] + c[0] * wv[2];
     uint32_t v;
     for (v = 1; v < NV; ++v)
         acc += a[v] * wv[3 * v] + b[v] * wv[3 * v + 1] + c[v] * wv[3 * v + 2];
-    dw3_store(y, acc, bias, accumulate);
+    dw3_store(y, acc, accumulate);
 }
 
 /* An output beside the padding: two columns, a and b, against kernel columns wv[0] and wv[1] */
-POET_INLINE void dw3_out2(float *y, const float *a, const float *b, const float *wv, float bias,
+POET_INLINE void dw3_out2(float *y, const float *a, const float *b, const float *wv,
                           const int accumulate, const uint32_t NV)
 {
     float acc = a[0] * wv[0] + b[0] * wv[1];
     uint32_t v;
     for (v = 1; v < NV; ++v)
         acc += a[v] * wv[3 * v] + b[v] * wv[3 * v + 1];
-    dw3_store(y, acc, bias, accumulate);
+    dw3_store(y, acc, accumulate);
 }
 
 /* One output row from the NV input rows from row0 on (w_in >= 3) and kernel rows wv; hi: the end
  * of the outputs whose window lies inside the row. The unrolled bodies rotate the window's
  * registers instead of moving them: three outputs at stride 1 (each loads one column), two at
  * stride 2 (two each). */
-POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, float bias, uint32_t w_in, uint32_t w_out,
+POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, uint32_t w_in, uint32_t w_out,
                          uint32_t hi, const uint32_t SW, const int accumulate, const uint32_t NV)
 {
     float A[3], B[3], C[3];
@@ -398,7 +399,7 @@ POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, float bi
         r[v] = row0 + v * w_in;
     dw3_load(B, r, 0, NV);
     dw3_load(C, r, 1, NV);
-    dw3_out2(yr, B, C, wv + 1, bias, accumulate, NV);
+    dw3_out2(yr, B, C, wv + 1, accumulate, NV);
     /* r: the first column the next output loads, 2 either way */
     for (v = 0; v < NV; ++v)
         r[v] += 2;
@@ -407,45 +408,45 @@ POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, float bi
             A[v] = B[v], B[v] = C[v];
         for (; ow + 3 <= hi; ow += 3) {
             dw3_load(C, r, 0, NV);
-            dw3_out(yr + ow, A, B, C, wv, bias, accumulate, NV);
+            dw3_out(yr + ow, A, B, C, wv, accumulate, NV);
             dw3_load(A, r, 1, NV);
-            dw3_out(yr + ow + 1, B, C, A, wv, bias, accumulate, NV);
+            dw3_out(yr + ow + 1, B, C, A, wv, accumulate, NV);
             dw3_load(B, r, 2, NV);
-            dw3_out(yr + ow + 2, C, A, B, wv, bias, accumulate, NV);
+            dw3_out(yr + ow + 2, C, A, B, wv, accumulate, NV);
             for (v = 0; v < NV; ++v)
                 r[v] += 3;
         }
         for (; ow < hi; ++ow) {
             dw3_load(C, r, 0, NV);
-            dw3_out(yr + ow, A, B, C, wv, bias, accumulate, NV);
+            dw3_out(yr + ow, A, B, C, wv, accumulate, NV);
             for (v = 0; v < NV; ++v)
                 A[v] = B[v], B[v] = C[v], r[v] += 1;
         }
         if (ow < w_out) /* the last column, beside the padding */
-            dw3_out2(yr + ow, A, B, wv, bias, accumulate, NV);
+            dw3_out2(yr + ow, A, B, wv, accumulate, NV);
     } else {
         for (v = 0; v < NV; ++v)
             A[v] = C[v];
         for (; ow + 2 <= hi; ow += 2) {
             dw3_load(B, r, 0, NV);
             dw3_load(C, r, 1, NV);
-            dw3_out(yr + ow, A, B, C, wv, bias, accumulate, NV);
+            dw3_out(yr + ow, A, B, C, wv, accumulate, NV);
             dw3_load(B, r, 2, NV);
             dw3_load(A, r, 3, NV);
-            dw3_out(yr + ow + 1, C, B, A, wv, bias, accumulate, NV);
+            dw3_out(yr + ow + 1, C, B, A, wv, accumulate, NV);
             for (v = 0; v < NV; ++v)
                 r[v] += 4;
         }
         for (; ow < hi; ++ow) {
             dw3_load(B, r, 0, NV);
             dw3_load(C, r, 1, NV);
-            dw3_out(yr + ow, A, B, C, wv, bias, accumulate, NV);
+            dw3_out(yr + ow, A, B, C, wv, accumulate, NV);
             for (v = 0; v < NV; ++v)
                 A[v] = C[v], r[v] += 2;
         }
         if (ow < w_out) { /* an odd row's last column, beside the padding */
             dw3_load(B, r, 0, NV);
-            dw3_out2(yr + ow, A, B, wv, bias, accumulate, NV);
+            dw3_out2(yr + ow, A, B, wv, accumulate, NV);
         }
     }
 }
@@ -454,7 +455,6 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
                                  const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
 {
     const uint32_t w_in = s->w_in, w_out = s->w_out;
-    const float bias = b ? b[0] : 0.0f;
     float wl[9];
     uint32_t oh, ow, v, kh0, kh1, lo, hi;
     if (s->pad_w != 1 || w_in < 3) {
@@ -471,16 +471,19 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
         r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
         /* the weights' offsets constants, so that they stay in registers */
         if (kh1 - kh0 == 3)
-            dw3_row(yr, r, wl, bias, w_in, w_out, hi, SW, accumulate, 3);
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3);
         else if (kh1 - kh0 == 2 && kh0 == 0)
-            dw3_row(yr, r, wl, bias, w_in, w_out, hi, SW, accumulate, 2);
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 2);
         else if (kh1 - kh0 == 2)
-            dw3_row(yr, r, wl + 3, bias, w_in, w_out, hi, SW, accumulate, 2);
+            dw3_row(yr, r, wl + 3, w_in, w_out, hi, SW, accumulate, 2);
         else if (kh1 - kh0 == 1)
-            dw3_row(yr, r, wc + 3 * kh0, bias, w_in, w_out, hi, SW, accumulate, 1);
+            dw3_row(yr, r, wc + 3 * kh0, w_in, w_out, hi, SW, accumulate, 1);
         else if (!accumulate) /* a row whose window lies wholly in the padding */
             for (ow = 0; ow < w_out; ++ow)
-                yr[ow] = bias;
+                yr[ow] = 0.0f;
+        if (b && !accumulate)
+            for (ow = 0; ow < w_out; ++ow)
+                yr[ow] += b[0];
     }
 }
 
