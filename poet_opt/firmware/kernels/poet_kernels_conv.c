@@ -388,68 +388,85 @@ POET_INLINE void dw3_out2(float *y, const float *a, const float *b, const float 
 /* One output row from the NV input rows from row0 on (w_in >= 3) and kernel rows wv; hi: the end
  * of the outputs whose window lies inside the row. The unrolled bodies rotate the window's
  * registers instead of moving them: three outputs at stride 1 (each loads one column), two at
- * stride 2 (two each). */
+ * stride 2 (two each). With PAIR, two output rows at once, which share the loads of 3 - SW
+ * input rows and the row's set-up. */
+#define DW3_OUT(y, a, b, c)                                                                                        \
+    do {                                                                                                           \
+        dw3_out(y, a, b, c, wv, accumulate, NV);                                                                   \
+        if (PAIR)                                                                                                  \
+            dw3_out((y) + w_out, (a) + SW, (b) + SW, (c) + SW, wv, accumulate, 3);                                 \
+    } while (0)
+#define DW3_OUT2(y, a, b, w2)                                                                                      \
+    do {                                                                                                           \
+        dw3_out2(y, a, b, w2, accumulate, NV);                                                                     \
+        if (PAIR)                                                                                                  \
+            dw3_out2((y) + w_out, (a) + SW, (b) + SW, w2, accumulate, 3);                                          \
+    } while (0)
 POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, uint32_t w_in, uint32_t w_out,
-                         uint32_t hi, const uint32_t SW, const int accumulate, const uint32_t NV)
+                         uint32_t hi, const uint32_t SW, const int accumulate, const uint32_t NV, const uint32_t PAIR)
 {
-    float A[3], B[3], C[3];
-    const float *r[3];
+    /* a pair of output rows (PAIR, NV 3) reads 3 + SW input rows, the second row's from SW on */
+    const uint32_t NL = PAIR ? 3 + SW : NV;
+    float A[5], B[5], C[5];
+    const float *r[5];
     uint32_t ow = 1, v;
-    for (v = 0; v < NV; ++v)
+    for (v = 0; v < NL; ++v)
         r[v] = row0 + v * w_in;
-    dw3_load(B, r, 0, NV);
-    dw3_load(C, r, 1, NV);
-    dw3_out2(yr, B, C, wv + 1, accumulate, NV);
+    dw3_load(B, r, 0, NL);
+    dw3_load(C, r, 1, NL);
+    DW3_OUT2(yr, B, C, wv + 1);
     /* r: the first column the next output loads, 2 either way */
-    for (v = 0; v < NV; ++v)
+    for (v = 0; v < NL; ++v)
         r[v] += 2;
     if (SW == 1) {
-        for (v = 0; v < NV; ++v)
+        for (v = 0; v < NL; ++v)
             A[v] = B[v], B[v] = C[v];
         for (; ow + 3 <= hi; ow += 3) {
-            dw3_load(C, r, 0, NV);
-            dw3_out(yr + ow, A, B, C, wv, accumulate, NV);
-            dw3_load(A, r, 1, NV);
-            dw3_out(yr + ow + 1, B, C, A, wv, accumulate, NV);
-            dw3_load(B, r, 2, NV);
-            dw3_out(yr + ow + 2, C, A, B, wv, accumulate, NV);
-            for (v = 0; v < NV; ++v)
+            dw3_load(C, r, 0, NL);
+            DW3_OUT(yr + ow, A, B, C);
+            dw3_load(A, r, 1, NL);
+            DW3_OUT(yr + ow + 1, B, C, A);
+            dw3_load(B, r, 2, NL);
+            DW3_OUT(yr + ow + 2, C, A, B);
+            for (v = 0; v < NL; ++v)
                 r[v] += 3;
         }
         for (; ow < hi; ++ow) {
-            dw3_load(C, r, 0, NV);
-            dw3_out(yr + ow, A, B, C, wv, accumulate, NV);
-            for (v = 0; v < NV; ++v)
+            dw3_load(C, r, 0, NL);
+            DW3_OUT(yr + ow, A, B, C);
+            for (v = 0; v < NL; ++v)
                 A[v] = B[v], B[v] = C[v], r[v] += 1;
         }
         if (ow < w_out) /* the last column, beside the padding */
-            dw3_out2(yr + ow, A, B, wv, accumulate, NV);
+            DW3_OUT2(yr + ow, A, B, wv);
     } else {
-        for (v = 0; v < NV; ++v)
+        for (v = 0; v < NL; ++v)
             A[v] = C[v];
         for (; ow + 2 <= hi; ow += 2) {
-            dw3_load(B, r, 0, NV);
-            dw3_load(C, r, 1, NV);
-            dw3_out(yr + ow, A, B, C, wv, accumulate, NV);
-            dw3_load(B, r, 2, NV);
-            dw3_load(A, r, 3, NV);
-            dw3_out(yr + ow + 1, C, B, A, wv, accumulate, NV);
-            for (v = 0; v < NV; ++v)
+            dw3_load(B, r, 0, NL);
+            dw3_load(C, r, 1, NL);
+            DW3_OUT(yr + ow, A, B, C);
+            dw3_load(B, r, 2, NL);
+            dw3_load(A, r, 3, NL);
+            DW3_OUT(yr + ow + 1, C, B, A);
+            for (v = 0; v < NL; ++v)
                 r[v] += 4;
         }
         for (; ow < hi; ++ow) {
-            dw3_load(B, r, 0, NV);
-            dw3_load(C, r, 1, NV);
-            dw3_out(yr + ow, A, B, C, wv, accumulate, NV);
-            for (v = 0; v < NV; ++v)
+            dw3_load(B, r, 0, NL);
+            dw3_load(C, r, 1, NL);
+            DW3_OUT(yr + ow, A, B, C);
+            for (v = 0; v < NL; ++v)
                 A[v] = C[v], r[v] += 2;
         }
         if (ow < w_out) { /* an odd row's last column, beside the padding */
-            dw3_load(B, r, 0, NV);
-            dw3_out2(yr + ow, A, B, wv, accumulate, NV);
+            dw3_load(B, r, 0, NL);
+            DW3_OUT2(yr + ow, A, B, wv);
         }
     }
 }
+#undef DW3_OUT
+#undef DW3_OUT2
 
 POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
                                  const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
@@ -470,14 +487,21 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
         tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
         r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
         /* the weights' offsets constants, so that they stay in registers */
-        if (kh1 - kh0 == 3)
-            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3);
+        if (kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == SW &&
+            (oh + 1) * SW + 2 < s->h_in + s->pad_h) { /* this row and the next, all three kernel rows each */
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3, 1);
+            if (b && !accumulate)
+                for (ow = 0; ow < w_out; ++ow)
+                    yr[ow] += b[0];
+            yr += w_out, ++oh;
+        } else if (kh1 - kh0 == 3)
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3, 0);
         else if (kh1 - kh0 == 2 && kh0 == 0)
-            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 2);
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 2, 0);
         else if (kh1 - kh0 == 2)
-            dw3_row(yr, r, wl + 3, w_in, w_out, hi, SW, accumulate, 2);
+            dw3_row(yr, r, wl + 3, w_in, w_out, hi, SW, accumulate, 2, 0);
         else if (kh1 - kh0 == 1)
-            dw3_row(yr, r, wc + 3 * kh0, w_in, w_out, hi, SW, accumulate, 1);
+            dw3_row(yr, r, wc + 3 * kh0, w_in, w_out, hi, SW, accumulate, 1, 0);
         else if (!accumulate) /* a row whose window lies wholly in the padding */
             for (ow = 0; ow < w_out; ++ow)
                 yr[ow] = 0.0f;
