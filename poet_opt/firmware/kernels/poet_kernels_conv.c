@@ -409,7 +409,7 @@ POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, uint32_t
     const uint32_t NL = PAIR ? 3 + SW : NV;
     float A[5], B[5], C[5];
     const float *r[5];
-    uint32_t ow = 1, v;
+    uint32_t ow = 1, v, i;
     for (v = 0; v < NL; ++v)
         r[v] = row0 + v * w_in;
     dw3_load(B, r, 0, NL);
@@ -431,12 +431,14 @@ POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, uint32_t
             for (v = 0; v < NL; ++v)
                 r[v] += 3;
         }
-        for (; ow < hi; ++ow) {
-            dw3_load(C, r, 0, NL);
-            DW3_OUT(yr + ow, A, B, C);
-            for (v = 0; v < NL; ++v)
-                A[v] = B[v], B[v] = C[v], r[v] += 1;
-        }
+        for (i = 0; i < 2; ++i) /* at most two left: unrolled, not a loop the compiler unrolls again */
+            if (ow < hi) {
+                dw3_load(C, r, 0, NL);
+                DW3_OUT(yr + ow, A, B, C);
+                for (v = 0; v < NL; ++v)
+                    A[v] = B[v], B[v] = C[v], r[v] += 1;
+                ++ow;
+            }
         if (ow < w_out) /* the last column, beside the padding */
             DW3_OUT2(yr + ow, A, B, wv);
     } else {
@@ -452,12 +454,13 @@ POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, uint32_t
             for (v = 0; v < NL; ++v)
                 r[v] += 4;
         }
-        for (; ow < hi; ++ow) {
+        if (ow < hi) { /* at most one left */
             dw3_load(B, r, 0, NL);
             dw3_load(C, r, 1, NL);
             DW3_OUT(yr + ow, A, B, C);
             for (v = 0; v < NL; ++v)
                 A[v] = C[v], r[v] += 2;
+            ++ow;
         }
         if (ow < w_out) { /* an odd row's last column, beside the padding */
             dw3_load(B, r, 0, NL);
