@@ -363,23 +363,44 @@ POET_INLINE void dw3_store(float *y, float acc, const int accumulate)
         *y = acc;
 }
 
-/* One output from the window's columns a, b, c and the NV kernel rows wv */
-POET_INLINE void dw3_out(float *y, const float *a, const float *b, const float *c, const float *wv,
+/* One output from the window's columns a, b, c and the NV kernel rows wv. accumulate 2, the
+ * weight gradient: wv holds the gradient's sums, y is dy, and the window's inputs times dy are
+ * added to them (the same walk over the plane, the roles of y and w exchanged). */
+POET_INLINE void dw3_out(float *y, const float *a, const float *b, const float *c, float *wv,
                          const int accumulate, const uint32_t NV)
 {
-    float acc = a[0] * wv[0] + b[0] * wv[1] + c[0] * wv[2];
+    float acc;
     uint32_t v;
+    if (accumulate == 2) {
+        const float d = *y;
+        for (v = 0; v < NV; ++v) {
+            wv[3 * v] += a[v] * d;
+            wv[3 * v + 1] += b[v] * d;
+            wv[3 * v + 2] += c[v] * d;
+        }
+        return;
+    }
+    acc = a[0] * wv[0] + b[0] * wv[1] + c[0] * wv[2];
     for (v = 1; v < NV; ++v)
         acc += a[v] * wv[3 * v] + b[v] * wv[3 * v + 1] + c[v] * wv[3 * v + 2];
     dw3_store(y, acc, accumulate);
 }
 
 /* An output beside the padding: two columns, a and b, against kernel columns wv[0] and wv[1] */
-POET_INLINE void dw3_out2(float *y, const float *a, const float *b, const float *wv,
+POET_INLINE void dw3_out2(float *y, const float *a, const float *b, float *wv,
                           const int accumulate, const uint32_t NV)
 {
-    float acc = a[0] * wv[0] + b[0] * wv[1];
+    float acc;
     uint32_t v;
+    if (accumulate == 2) {
+        const float d = *y;
+        for (v = 0; v < NV; ++v) {
+            wv[3 * v] += a[v] * d;
+            wv[3 * v + 1] += b[v] * d;
+        }
+        return;
+    }
+    acc = a[0] * wv[0] + b[0] * wv[1];
     for (v = 1; v < NV; ++v)
         acc += a[v] * wv[3 * v] + b[v] * wv[3 * v + 1];
     dw3_store(y, acc, accumulate);
@@ -402,7 +423,7 @@ POET_INLINE void dw3_out2(float *y, const float *a, const float *b, const float 
         if (PAIR)                                                                                                  \
             dw3_out2((y) + w_out, (a) + SW, (b) + SW, w2, accumulate, 3);                                          \
     } while (0)
-POET_INLINE void dw3_row(float *yr, const float *row0, const float *wv, uint32_t w_in, uint32_t w_out,
+POET_INLINE void dw3_row(float *yr, const float *row0, float *wv, uint32_t w_in, uint32_t w_out,
                          uint32_t hi, const uint32_t SW, const int accumulate, const uint32_t NV, const uint32_t PAIR)
 {
     /* a pair of output rows (PAIR, NV 3) reads 3 + SW input rows, the second row's from SW on */
@@ -504,7 +525,12 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
         else if (kh1 - kh0 == 2)
             dw3_row(yr, r, wl + 3, w_in, w_out, hi, SW, accumulate, 2, 0);
         else if (kh1 - kh0 == 1)
-            dw3_row(yr, r, wc + 3 * kh0, w_in, w_out, hi, SW, accumulate, 1, 0);
+        {
+            float w1[3]; /* a copy: an offset into wl known only at run time would keep wl in memory */
+            for (v = 0; v < 3; ++v)
+                w1[v] = wc[3 * kh0 + v];
+            dw3_row(yr, r, w1, w_in, w_out, hi, SW, accumulate, 1, 0);
+        }
         else if (!accumulate) /* a row whose window lies wholly in the padding */
             for (ow = 0; ow < w_out; ++ow)
                 yr[ow] = 0.0f;
@@ -512,6 +538,70 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
             for (ow = 0; ow < w_out; ++ow)
                 yr[ow] += b[0];
     }
+}
+
+/* The weight gradient of a depthwise 3x3 channel with one column of padding each side (w_in >= 3):
+ * the forward's walk over the plane, adding each window times its dy into nine sums held in
+ * registers over the whole channel and batch. Returns 0 for the shapes it does not take. */
+POET_INLINE void depthwise3_grad_rows(float *g, const float *dyc, const float *xc, const poet_conv2d_shape *s,
+                                      const uint32_t SW)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out;
+    uint32_t oh, v, kh0, kh1, lo, hi;
+    interior(SW, 1, 3, w_in, w_out, &lo, &hi);
+    for (oh = 0; oh < s->h_out; ++oh) {
+        /* read only: dw3_row takes y writable for the forward, which shares its walk */
+        float *dyr = (float *)(uintptr_t)(dyc + oh * w_out);
+        const float *r;
+        tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
+        r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
+        if (kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == SW && (oh + 1) * SW + 2 < s->h_in + s->pad_h) {
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 1);
+            ++oh;
+        } else if (kh1 - kh0 == 3)
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 0);
+        else if (kh1 - kh0 == 2 && kh0 == 0)
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 2, 0);
+        else if (kh1 - kh0 == 2)
+            dw3_row(dyr, r, g + 3, w_in, w_out, hi, SW, 2, 2, 0);
+        else if (kh1 - kh0 == 1) {
+            float g1[3] = {0.0f, 0.0f, 0.0f};
+            dw3_row(dyr, r, g1, w_in, w_out, hi, SW, 2, 1, 0);
+            for (v = 0; v < 3; ++v) /* constant indices into g, so that g stays in registers */
+                if (kh0 == 0)
+                    g[v] += g1[v];
+                else if (kh0 == 1)
+                    g[3 + v] += g1[v];
+                else
+                    g[6 + v] += g1[v];
+        }
+    }
+}
+
+POET_INLINE void depthwise3_grad(float *g, const float *dy, const float *x, const poet_conv2d_shape *s, uint32_t co,
+                                 const uint32_t SW)
+{
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out;
+    float acc[9];
+    uint32_t n, k;
+    for (k = 0; k < 9; ++k)
+        acc[k] = 0.0f;
+    for (n = 0; n < s->n; ++n)
+        depthwise3_grad_rows(acc, dy + (n * s->c_out + co) * out_plane, x + (n * s->c_in + co) * in_plane, s, SW);
+    for (k = 0; k < 9; ++k)
+        g[k] = acc[k];
+}
+
+POET_OUTLINE void depthwise3_grad_s1(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                     uint32_t co)
+{
+    depthwise3_grad(g, dy, x, s, co, 1);
+}
+
+POET_OUTLINE void depthwise3_grad_s2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                     uint32_t co)
+{
+    depthwise3_grad(g, dy, x, s, co, 2);
 }
 
 /* A depthwise 3x3 channel (one input channel a group), out of line */
@@ -856,6 +946,17 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
 {
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
+    if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && (sw == 1 || sw == 2)) {
+        float g[9];
+        if (sw == 1)
+            depthwise3_grad_s1(g, dy, x, s, co);
+        else
+            depthwise3_grad_s2(g, dy, x, s, co);
+        for (kh = 0; kh < 3; ++kh)
+            for (kw = 0; kw < 3; ++kw)
+                apply_grad(gw, s, co, 0, kh, kw, g[kh * 3 + kw], lr, sgd);
+        return;
+    }
     for (kw = 0; kw < 3; ++kw) {
         out_range(kw, sw, s->pad_w, s->w_in, s->w_out, &r0[kw], &r1[kw]);
         lo = r0[kw] > lo ? r0[kw] : lo;
