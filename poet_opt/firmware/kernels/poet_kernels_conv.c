@@ -555,7 +555,9 @@ POET_INLINE void depthwise3_grad_rows(float *g, const float *dyc, const float *x
         const float *r;
         tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
         r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
-        if (kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == SW && (oh + 1) * SW + 2 < s->h_in + s->pad_h) {
+        /* pairs of rows at stride 1 only: at stride 2 a pair's fifteen inputs, the nine sums and
+         * the temporaries spill out of the 32 registers */
+        if (SW == 1 && kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == 1 && oh + 3 < s->h_in + s->pad_h) {
             dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 1);
             ++oh;
         } else if (kh1 - kh0 == 3)
