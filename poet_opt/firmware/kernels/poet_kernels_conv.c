@@ -812,6 +812,83 @@ POET_INLINE void backward_input_all(float *dx, const float *dy, const float *w, 
         }
 }
 
+/* A depthwise 3x3 layer at stride 2 with one row and column of padding: input (2m + a, 2j + b)
+ * takes its taps from dy (m, j) and, for a or b odd, (m + 1, j) and (m, j + 1): in a 2x2 block
+ * of dx per dy position, walked along a pair of dy rows with those rows' values in registers,
+ * each block's four sums add into dx once. D1: dy row m + 1 exists; X1: dx row 2m + 1 does. */
+POET_INLINE void dw3_s2_block(float *x0, float *x1, float a0, float a1, float b0, float b1, const float *w,
+                              const int D1, const int X1)
+{
+    x0[0] += a0 * w[4];
+    x0[1] += a0 * w[5] + b0 * w[3];
+    if (X1) {
+        x1[0] += D1 ? a0 * w[7] + a1 * w[1] : a0 * w[7];
+        x1[1] += D1 ? a0 * w[8] + b0 * w[6] + (a1 * w[2] + b1 * w[0]) : a0 * w[8] + b0 * w[6];
+    }
+}
+
+POET_INLINE void dw3_s2_rows(float *x0, float *x1, const float *d0, const float *d1, const float *w, uint32_t w_in,
+                             uint32_t w_out, const int D1, const int X1)
+{
+    float a0 = d0[0], a1 = D1 ? d1[0] : 0.0f, b0, b1;
+    uint32_t j = 0;
+    /* blocks 0 .. w_out - 2 have dy column j + 1 and dx column 2j + 1; two a step, their roles
+     * swapped, so that the carried column is not moved */
+    for (; j + 3 <= w_out; j += 2) {
+        b0 = d0[j + 1], b1 = D1 ? d1[j + 1] : 0.0f;
+        dw3_s2_block(x0 + 2 * j, x1 + 2 * j, a0, a1, b0, b1, w, D1, X1);
+        a0 = d0[j + 2], a1 = D1 ? d1[j + 2] : 0.0f;
+        dw3_s2_block(x0 + 2 * j + 2, x1 + 2 * j + 2, b0, b1, a0, a1, w, D1, X1);
+    }
+    if (j + 2 <= w_out) {
+        b0 = d0[j + 1], b1 = D1 ? d1[j + 1] : 0.0f;
+        dw3_s2_block(x0 + 2 * j, x1 + 2 * j, a0, a1, b0, b1, w, D1, X1);
+        a0 = b0, a1 = b1, ++j;
+    }
+    /* the last block: no dy column after it, and dx column 2j + 1 only for an even width */
+    x0[2 * j] += a0 * w[4];
+    if (X1)
+        x1[2 * j] += D1 ? a0 * w[7] + a1 * w[1] : a0 * w[7];
+    if (2 * j + 1 < w_in) {
+        x0[2 * j + 1] += a0 * w[5];
+        if (X1)
+            x1[2 * j + 1] += D1 ? a0 * w[8] + a1 * w[2] : a0 * w[8];
+    }
+}
+
+POET_OUTLINE void dw3_s2_backward_input_channel(float *dxc, const float *dyc, const float *wc,
+                                                const poet_conv2d_shape *s)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out;
+    float w[9];
+    uint32_t m, i;
+    for (i = 0; i < 9; ++i)
+        w[i] = wc[i];
+    for (m = 0; m < s->h_out; ++m) {
+        float *x0 = dxc + 2 * m * w_in, *x1 = x0 + w_in;
+        const float *d0 = dyc + m * w_out, *d1 = d0 + w_out;
+        if (m + 1 < s->h_out && 2 * m + 1 < s->h_in)
+            dw3_s2_rows(x0, x1, d0, d1, w, w_in, w_out, 1, 1);
+        else if (2 * m + 1 < s->h_in) /* the last dy row, an even height */
+            dw3_s2_rows(x0, x1, d0, d0, w, w_in, w_out, 0, 1);
+        else /* the last dy row, an odd height: its dx row has no row after it */
+            dw3_s2_rows(x0, x0, d0, d0, w, w_in, w_out, 0, 0);
+    }
+}
+
+static int depthwise3_s2_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    uint32_t n, c;
+    if (s->groups != s->c_in || s->groups != s->c_out || s->k_h != 3 || s->k_w != 3 || s->stride_h != 2 ||
+        s->stride_w != 2 || s->pad_h != 1 || s->pad_w != 1)
+        return 0;
+    for (n = 0; n < s->n; ++n)
+        for (c = 0; c < s->c_in; ++c)
+            dw3_s2_backward_input_channel(dx + (n * s->c_in + c) * s->h_in * s->w_in,
+                                          dy + (n * s->c_out + c) * s->h_out * s->w_out, w + c * 9, s);
+    return 1;
+}
+
 /* A depthwise 3x3 layer at stride 1 (one input and one output channel a group): dx is dy
  * correlated with the kernel turned around, padded by 2 - pad, which is the forward's row pass */
 static int depthwise3_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
@@ -838,7 +915,7 @@ static int depthwise3_backward_input(float *dx, const float *dy, const float *w,
 void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
 {
     poet_conv2d_shape flat;
-    if (depthwise3_backward_input(dx, dy, w, s))
+    if (depthwise3_backward_input(dx, dy, w, s) || depthwise3_s2_backward_input(dx, dy, w, s))
         return;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
