@@ -230,6 +230,10 @@ CONV_CASES = {
     "tiled depthwise stride 2": (1, 2, 6, 37, 2, (3, 3), (2, 2), (1, 1), 2, False),
     "tiled depthwise unpadded": (2, 3, 6, 9, 3, (3, 3), (1, 1), (0, 0), 3, True),
     "tiled depthwise padded 2 and 1": (1, 2, 5, 7, 2, (3, 3), (1, 1), (2, 1), 2, False),
+    # pointwise layers with 4 or fewer input channels a group, and their remainders
+    "tiled pointwise, 3 inputs": (2, 3, 5, 7, 9, (1, 1), (1, 1), (0, 0), 1, True),
+    "tiled pointwise, grouped 2 inputs": (1, 4, 4, 5, 8, (1, 1), (1, 1), (0, 0), 2, False),
+    "tiled pointwise, 1 input": (1, 1, 3, 3, 4, (1, 1), (1, 1), (0, 0), 1, True),
     # the depthwise row walks' edges: odd heights (a last dy row with no dx row after it at
     # stride 2), even widths, pairs of rows, and planes too narrow for the walk (w < 3)
     "tiled depthwise stride 2 odd height": (2, 3, 7, 8, 3, (3, 3), (2, 2), (1, 1), 3, True),

@@ -625,6 +625,53 @@ POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, 
                     2, 0);
 }
 
+/* Four output channels of a 1x1 stride-1 layer (as one row) with CIN <= 4 input channels a
+ * group, mcu-vww's first pointwise layers: the 4 x CIN weights stay in registers over the whole
+ * plane and each input is loaded once for the four outputs, where the tiles reload the weights
+ * for every four columns and their reduction over so few channels is as short as their set-up. */
+POET_INLINE void pointwise_few(float *y, const float *x, const float *w, const poet_conv2d_shape *s, uint32_t n,
+                               uint32_t co, const uint32_t CIN)
+{
+    const uint32_t P = s->w_out, cout_g = s->c_out / s->groups;
+    const float *xg = x + (n * s->c_in + (co / cout_g) * CIN) * P;
+    float *yo = y + (n * s->c_out + co) * P;
+    float wr[16], xv[4];
+    uint32_t c, u, p;
+    for (c = 0; c < 4; ++c)
+        for (u = 0; u < CIN; ++u)
+            wr[c * 4 + u] = w[(co + c) * CIN + u];
+    for (p = 0; p < P; ++p) {
+        for (u = 0; u < CIN; ++u)
+            xv[u] = xg[u * P + p];
+        for (c = 0; c < 4; ++c) {
+            float acc = xv[0] * wr[c * 4];
+            for (u = 1; u < CIN; ++u)
+                acc += xv[u] * wr[c * 4 + u];
+            yo[c * P + p] = acc;
+        }
+    }
+}
+
+POET_OUTLINE void pointwise_few_forward(float *y, const float *x, const float *w, const float *b,
+                                        const poet_conv2d_shape *s, uint32_t n, uint32_t co, uint32_t cin_g)
+{
+    if (cin_g == 4)
+        pointwise_few(y, x, w, s, n, co, 4);
+    else if (cin_g == 3)
+        pointwise_few(y, x, w, s, n, co, 3);
+    else if (cin_g == 2)
+        pointwise_few(y, x, w, s, n, co, 2);
+    else
+        pointwise_few(y, x, w, s, n, co, 1);
+    if (b) { /* a second pass, so that a layer without a bias pays nothing for it */
+        float *yo = y + (n * s->c_out + co) * s->w_out;
+        uint32_t c, p;
+        for (c = 0; c < 4; ++c)
+            for (p = 0; p < s->w_out; ++p)
+                yo[c * s->w_out + p] += b[co + c];
+    }
+}
+
 /* Output channels in tiles of 4 within each group, then one at a time */
 POET_INLINE void forward_all(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
                              const uint32_t KH, const uint32_t KW, const uint32_t SW)
@@ -634,7 +681,10 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
     for (n = 0; n < s->n; ++n)
         for (g = 0; g < s->groups; ++g) {
             for (co = 0; co + 4 <= cout_g; co += 4)
-                forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
+                if (KH == 1 && SW == 1 && s->h_out == 1 && cin_g <= 4) /* 1x1 as one row, few inputs */
+                    pointwise_few_forward(y, x, w, b, s, n, g * cout_g + co, cin_g);
+                else
+                    forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
                 if (KH == 3 && SW == 1 && cin_g == 1) /* depthwise layers: one input channel */
                     forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co);
