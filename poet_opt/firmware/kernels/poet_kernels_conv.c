@@ -498,7 +498,11 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
     const uint32_t w_in = s->w_in, w_out = s->w_out;
     float wl[9];
     uint32_t oh, ow, v, kh0, kh1, lo, hi;
+#ifdef POET_KERNELS_SMALL
+    if (1) { /* the row walks' copies are 20 KB of code: the plain row pass on small parts */
+#else
     if (s->pad_w != 1 || w_in < 3) {
+#endif
         depthwise3_rows_any(yc, xc, wc, b, s, SW, accumulate);
         return;
     }
@@ -540,6 +544,7 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
     }
 }
 
+#ifndef POET_KERNELS_SMALL
 /* The weight gradient of a depthwise 3x3 channel with one column of padding each side (w_in >= 3):
  * the forward's walk over the plane, adding each window times its dy into nine sums held in
  * registers over the whole channel and batch. Returns 0 for the shapes it does not take. */
@@ -605,6 +610,7 @@ POET_OUTLINE void depthwise3_grad_s2(float *g, const float *dy, const float *x, 
 {
     depthwise3_grad(g, dy, x, s, co, 2);
 }
+#endif
 
 /* A depthwise 3x3 channel (one input channel a group), out of line */
 POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
@@ -628,18 +634,17 @@ POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, 
 /* Four output channels of a 1x1 stride-1 layer (as one row) with CIN <= 4 input channels a
  * group, mcu-vww's first pointwise layers: the 4 x CIN weights stay in registers over the whole
  * plane and each input is loaded once for the four outputs, where the tiles reload the weights
- * for every four columns and their reduction over so few channels is as short as their set-up. */
-POET_INLINE void pointwise_few(float *y, const float *x, const float *w, const poet_conv2d_shape *s, uint32_t n,
-                               uint32_t co, const uint32_t CIN)
+ * for every four columns and their reduction over so few channels is as short as their set-up.
+ * yo[c P + p] (+)= sum over u < CIN of xg[u P + p] w[c wc + u wu]; the data gradient runs in it
+ * too, four output channels at a time, with the weights transposed by their strides. */
+POET_INLINE void pointwise_few(float *yo, const float *xg, uint32_t P, const float *w, uint32_t wc, uint32_t wu,
+                               const int accumulate, const uint32_t CIN)
 {
-    const uint32_t P = s->w_out, cout_g = s->c_out / s->groups;
-    const float *xg = x + (n * s->c_in + (co / cout_g) * CIN) * P;
-    float *yo = y + (n * s->c_out + co) * P;
     float wr[16], xv[4];
     uint32_t c, u, p;
     for (c = 0; c < 4; ++c)
         for (u = 0; u < CIN; ++u)
-            wr[c * 4 + u] = w[(co + c) * CIN + u];
+            wr[c * 4 + u] = w[c * wc + u * wu];
     for (p = 0; p < P; ++p) {
         for (u = 0; u < CIN; ++u)
             xv[u] = xg[u * P + p];
@@ -647,7 +652,10 @@ POET_INLINE void pointwise_few(float *y, const float *x, const float *w, const p
             float acc = xv[0] * wr[c * 4];
             for (u = 1; u < CIN; ++u)
                 acc += xv[u] * wr[c * 4 + u];
-            yo[c * P + p] = acc;
+            if (accumulate)
+                yo[c * P + p] += acc;
+            else
+                yo[c * P + p] = acc;
         }
     }
 }
@@ -655,22 +663,42 @@ POET_INLINE void pointwise_few(float *y, const float *x, const float *w, const p
 POET_OUTLINE void pointwise_few_forward(float *y, const float *x, const float *w, const float *b,
                                         const poet_conv2d_shape *s, uint32_t n, uint32_t co, uint32_t cin_g)
 {
+    const uint32_t P = s->w_out;
+    const float *xg = x + (n * s->c_in + (co / (s->c_out / s->groups)) * cin_g) * P;
+    float *yo = y + (n * s->c_out + co) * P;
+    const float *wo = w + co * cin_g;
+    uint32_t c, p;
     if (cin_g == 4)
-        pointwise_few(y, x, w, s, n, co, 4);
+        pointwise_few(yo, xg, P, wo, 4, 1, 0, 4);
     else if (cin_g == 3)
-        pointwise_few(y, x, w, s, n, co, 3);
+        pointwise_few(yo, xg, P, wo, 3, 1, 0, 3);
     else if (cin_g == 2)
-        pointwise_few(y, x, w, s, n, co, 2);
+        pointwise_few(yo, xg, P, wo, 2, 1, 0, 2);
     else
-        pointwise_few(y, x, w, s, n, co, 1);
-    if (b) { /* a second pass, so that a layer without a bias pays nothing for it */
-        float *yo = y + (n * s->c_out + co) * s->w_out;
-        uint32_t c, p;
+        pointwise_few(yo, xg, P, wo, 1, 1, 0, 1);
+    if (b) /* a second pass, so that a layer without a bias pays nothing for it */
         for (c = 0; c < 4; ++c)
-            for (p = 0; p < s->w_out; ++p)
-                yo[c * s->w_out + p] += b[co + c];
-    }
+            for (p = 0; p < P; ++p)
+                yo[c * P + p] += b[co + c];
 }
+
+#ifndef POET_KERNELS_SMALL
+/* The data gradient of such a layer with 4 inputs a group and outputs in fours: dx of a group's
+ * four input channels += its output channels' dy, four at a time. Returns 0 for other shapes. */
+POET_OUTLINE int pointwise_few_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
+    uint32_t n, g, co;
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g != 4 || cout_g % 4)
+        return 0;
+    for (n = 0; n < s->n; ++n)
+        for (g = 0; g < s->groups; ++g)
+            for (co = 0; co < cout_g; co += 4)
+                pointwise_few(dx + (n * s->c_in + g * cin_g) * P, dy + (n * s->c_out + g * cout_g + co) * P, P,
+                              w + (g * cout_g + co) * cin_g, 1, cin_g, 1, 4);
+    return 1;
+}
+#endif
 
 /* Output channels in tiles of 4 within each group, then one at a time */
 POET_INLINE void forward_all(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
@@ -969,6 +997,8 @@ void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, cons
         return;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
+    if (pointwise_few_backward_input(dx, dy, w, s))
+        return;
     if ((s->k_w == 3 || s->k_w == 1) && s->stride_w == 1)
         backward_input_all(dx, dy, w, s, 1);
     else if (s->stride_w == 2 && s->k_w <= 4) /* every class has 1 or 2 taps */
@@ -1075,6 +1105,7 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
 {
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
+#ifndef POET_KERNELS_SMALL
     if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && (sw == 1 || sw == 2)) {
         float g[9];
         if (sw == 1)
@@ -1086,6 +1117,7 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
                 apply_grad(gw, s, co, 0, kh, kw, g[kh * 3 + kw], lr, sgd);
         return;
     }
+#endif
     for (kw = 0; kw < 3; ++kw) {
         out_range(kw, sw, s->pad_w, s->w_in, s->w_out, &r0[kw], &r1[kw]);
         lo = r0[kw] > lo ? r0[kw] : lo;
