@@ -1186,11 +1186,56 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
     }
 }
 
+#ifndef POET_KERNELS_SMALL
+/* Weight gradients of a 1x1 stride-1 layer (as one row) with channels in fours: 4 x 4 blocks of
+ * sums over the batch and the plane's positions, each input loaded once for four of them. On
+ * small planes (mcu-vww's 3x3) the general tiles' per-tap set-up (the tap's output ranges,
+ * eight row pointers) cost as much as a reduction of 9. Returns 0 for other shapes. */
+POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                       float lr, int sgd)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
+    uint32_t g, co, ci, n, p, c, q;
+    /* from 16 positions on, the general tiles' reduction, unrolled by four, is the faster */
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g % 4 || cout_g % 4 ||
+        P >= 16)
+        return 0;
+    for (g = 0; g < s->groups; ++g)
+        for (co = g * cout_g; co < (g + 1) * cout_g; co += 4)
+            for (ci = 0; ci < cin_g; ci += 4) {
+                float acc[16], *at = gw + co * cin_g + ci;
+                for (c = 0; c < 16; ++c)
+                    acc[c] = 0.0f;
+                for (n = 0; n < s->n; ++n) {
+                    const float *a = dy + (n * s->c_out + co) * P, *bx = x + (n * s->c_in + g * cin_g + ci) * P;
+                    for (p = 0; p < P; ++p) {
+                        float av[4], bv[4];
+                        for (c = 0; c < 4; ++c)
+                            av[c] = a[c * P + p], bv[c] = bx[c * P + p];
+                        for (c = 0; c < 4; ++c)
+                            for (q = 0; q < 4; ++q)
+                                acc[c * 4 + q] += av[c] * bv[q];
+                    }
+                }
+                for (c = 0; c < 4; ++c)
+                    for (q = 0; q < 4; ++q) {
+                        if (sgd)
+                            at[c * cin_g + q] -= lr * acc[c * 4 + q];
+                        else
+                            at[c * cin_g + q] += acc[c * 4 + q];
+                    }
+            }
+    return 1;
+}
+#endif
+
 static void weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
+    if (pointwise_weight_grad(gw, dy, x, s, lr, sgd))
+        return;
     if (s->stride_w == 1)
         weight_grad_all(gw, dy, x, s, lr, sgd, 1);
     else if (s->stride_w == 2)
