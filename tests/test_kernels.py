@@ -230,6 +230,19 @@ CONV_CASES = {
     "tiled depthwise stride 2": (1, 2, 6, 37, 2, (3, 3), (2, 2), (1, 1), 2, False),
     "tiled depthwise unpadded": (2, 3, 6, 9, 3, (3, 3), (1, 1), (0, 0), 3, True),
     "tiled depthwise padded 2 and 1": (1, 2, 5, 7, 2, (3, 3), (1, 1), (2, 1), 2, False),
+    # pointwise layers with 4 or fewer input channels a group, and their remainders
+    "tiled pointwise, 3 inputs": (2, 3, 5, 7, 9, (1, 1), (1, 1), (0, 0), 1, True),
+    "tiled pointwise, grouped 2 inputs": (1, 4, 4, 5, 8, (1, 1), (1, 1), (0, 0), 2, False),
+    "tiled pointwise, 1 input": (1, 1, 3, 3, 4, (1, 1), (1, 1), (0, 0), 1, True),
+    "tiled pointwise on a 3x3 plane, batch 2": (2, 8, 3, 3, 8, (1, 1), (1, 1), (0, 0), 1, True),
+    "tiled pointwise on a 2x3 plane, grouped": (1, 8, 2, 3, 16, (1, 1), (1, 1), (0, 0), 2, False),
+    # the depthwise row walks' edges: odd heights (a last dy row with no dx row after it at
+    # stride 2), even widths, pairs of rows, and planes too narrow for the walk (w < 3)
+    "tiled depthwise stride 2 odd height": (2, 3, 7, 8, 3, (3, 3), (2, 2), (1, 1), 3, True),
+    "tiled depthwise stride 2, 1 x 1 plane": (1, 2, 1, 1, 2, (3, 3), (2, 2), (1, 1), 2, True),
+    "tiled depthwise 6 x 6, batch 2": (2, 4, 6, 6, 4, (3, 3), (1, 1), (1, 1), 4, True),
+    "tiled depthwise 3 rows by 2 columns": (1, 2, 3, 2, 2, (3, 3), (1, 1), (1, 1), 2, False),
+    "tiled depthwise stride 2 on rows, 1 on columns": (1, 2, 7, 6, 2, (3, 3), (2, 1), (1, 1), 2, True),
     "tiled grouped, 4 channels a group": (1, 8, 4, 10, 8, (3, 3), (1, 1), (1, 1), 2, True),
     "tiled 5x5 (general path)": (1, 4, 7, 15, 5, (5, 5), (1, 1), (2, 2), 1, True),
     "tiled 3x3 stride 3 (general path)": (1, 5, 8, 20, 4, (3, 3), (3, 3), (1, 1), 1, True),

@@ -53,6 +53,12 @@ CONV = [
     (2, 9, 3, 5, 6, 1, 1, (0, 0), 1),
     (1, 8, 7, 9, 5, 1, 2, (0, 0), 1),
     (1, 4, 5, 12, 4, 3, 1, (0, 1), 1),
+    # depthwise row walks on small planes: pairs of rows, an odd height at stride 2
+    (2, 4, 6, 6, 4, 3, 1, (1, 1), 4),
+    (1, 3, 7, 8, 3, 3, 2, (1, 1), 3),
+    # pointwise with few inputs (weights in registers), and on a 3x3 plane (its weight gradient)
+    (1, 4, 5, 6, 8, 1, 1, (0, 0), 1),
+    (2, 8, 3, 3, 8, 1, 1, (0, 0), 1),
 ]
 LINEAR = [(5, 13, 11), (1, 33, 6)]
 

@@ -296,11 +296,9 @@ POET_OUTLINE void forward_one_channel(float *y, const float *x, const float *w, 
     forward_channels(y, x, w, b, s, n, co, 0, 0, 0, 1);
 }
 
-/* A depthwise 3x3 channel, row by row: each input row adds its three taps to a whole output row
- * (the row itself holds the sums), so the set-up is paid once per input row rather than once per
- * tile, and the padding columns are two bounds-checked outputs. mcu-vww's depthwise planes are
- * 3x3 to 24x24: there the tiles' per-row set-up cost more than the multiply-adds. */
-POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
+/* Any padding: each input row adds its three taps to a whole output row (the row itself holds
+ * the sums), and the columns next to the padding are bounds-checked */
+POET_INLINE void depthwise3_rows_any(float *yc, const float *xc, const float *wc, const float *b,
                                  const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
 {
     const uint32_t pw = s->pad_w, w_in = s->w_in, w_out = s->w_out;
@@ -339,6 +337,281 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
     }
 }
 
+
+/* A depthwise 3x3 channel with one column of padding each side (every depthwise layer of the
+ * zoo, and their stride-1 data gradients), output row by output row. Each row is a window of
+ * three input columns by up to three input rows slid along in registers, so every input is
+ * loaded once per output row it feeds and the nine weights once per channel; the first and last
+ * outputs leave out the padding column instead of bounds-checking it. mcu-vww's depthwise
+ * planes are 3x3 to 24x24: with the sums in memory and the padding checked, the rows' set-up and
+ * borders cost as much as their multiply-adds. accumulate: y += the sums (the data gradient),
+ * else y = the sums, the bias added by a second pass over the row where there is one (the zoo's
+ * convolutions have none: batch norm follows them). */
+
+POET_INLINE void dw3_load(float *c, const float *const *p, const uint32_t j, const uint32_t NV)
+{
+    uint32_t v;
+    for (v = 0; v < NV; ++v)
+        c[v] = p[v][j];
+}
+
+POET_INLINE void dw3_store(float *y, float acc, const int accumulate)
+{
+    if (accumulate)
+        *y += acc;
+    else
+        *y = acc;
+}
+
+/* One output from the window's columns a, b, c and the NV kernel rows wv. accumulate 2, the
+ * weight gradient: wv holds the gradient's sums, y is dy, and the window's inputs times dy are
+ * added to them (the same walk over the plane, the roles of y and w exchanged). */
+POET_INLINE void dw3_out(float *y, const float *a, const float *b, const float *c, float *wv,
+                         const int accumulate, const uint32_t NV)
+{
+    float acc;
+    uint32_t v;
+    if (accumulate == 2) {
+        const float d = *y;
+        for (v = 0; v < NV; ++v) {
+            wv[3 * v] += a[v] * d;
+            wv[3 * v + 1] += b[v] * d;
+            wv[3 * v + 2] += c[v] * d;
+        }
+        return;
+    }
+    acc = a[0] * wv[0] + b[0] * wv[1] + c[0] * wv[2];
+    for (v = 1; v < NV; ++v)
+        acc += a[v] * wv[3 * v] + b[v] * wv[3 * v + 1] + c[v] * wv[3 * v + 2];
+    dw3_store(y, acc, accumulate);
+}
+
+/* An output beside the padding: two columns, a and b, against kernel columns wv[0] and wv[1] */
+POET_INLINE void dw3_out2(float *y, const float *a, const float *b, float *wv,
+                          const int accumulate, const uint32_t NV)
+{
+    float acc;
+    uint32_t v;
+    if (accumulate == 2) {
+        const float d = *y;
+        for (v = 0; v < NV; ++v) {
+            wv[3 * v] += a[v] * d;
+            wv[3 * v + 1] += b[v] * d;
+        }
+        return;
+    }
+    acc = a[0] * wv[0] + b[0] * wv[1];
+    for (v = 1; v < NV; ++v)
+        acc += a[v] * wv[3 * v] + b[v] * wv[3 * v + 1];
+    dw3_store(y, acc, accumulate);
+}
+
+/* One output row from the NV input rows from row0 on (w_in >= 3) and kernel rows wv; hi: the end
+ * of the outputs whose window lies inside the row. The unrolled bodies rotate the window's
+ * registers instead of moving them: three outputs at stride 1 (each loads one column), two at
+ * stride 2 (two each). With PAIR, two output rows at once, which share the loads of 3 - SW
+ * input rows and the row's set-up. */
+#define DW3_OUT(y, a, b, c)                                                                                        \
+    do {                                                                                                           \
+        dw3_out(y, a, b, c, wv, accumulate, NV);                                                                   \
+        if (PAIR)                                                                                                  \
+            dw3_out((y) + w_out, (a) + SW, (b) + SW, (c) + SW, wv, accumulate, 3);                                 \
+    } while (0)
+#define DW3_OUT2(y, a, b, w2)                                                                                      \
+    do {                                                                                                           \
+        dw3_out2(y, a, b, w2, accumulate, NV);                                                                     \
+        if (PAIR)                                                                                                  \
+            dw3_out2((y) + w_out, (a) + SW, (b) + SW, w2, accumulate, 3);                                          \
+    } while (0)
+POET_INLINE void dw3_row(float *yr, const float *row0, float *wv, uint32_t w_in, uint32_t w_out,
+                         uint32_t hi, const uint32_t SW, const int accumulate, const uint32_t NV, const uint32_t PAIR)
+{
+    /* a pair of output rows (PAIR, NV 3) reads 3 + SW input rows, the second row's from SW on */
+    const uint32_t NL = PAIR ? 3 + SW : NV;
+    float A[5], B[5], C[5];
+    const float *r[5];
+    uint32_t ow = 1, v, i;
+    for (v = 0; v < NL; ++v)
+        r[v] = row0 + v * w_in;
+    dw3_load(B, r, 0, NL);
+    dw3_load(C, r, 1, NL);
+    DW3_OUT2(yr, B, C, wv + 1);
+    /* r: the first column the next output loads, 2 either way */
+    for (v = 0; v < NL; ++v)
+        r[v] += 2;
+    if (SW == 1) {
+        for (v = 0; v < NL; ++v)
+            A[v] = B[v], B[v] = C[v];
+        for (; ow + 3 <= hi; ow += 3) {
+            dw3_load(C, r, 0, NL);
+            DW3_OUT(yr + ow, A, B, C);
+            dw3_load(A, r, 1, NL);
+            DW3_OUT(yr + ow + 1, B, C, A);
+            dw3_load(B, r, 2, NL);
+            DW3_OUT(yr + ow + 2, C, A, B);
+            for (v = 0; v < NL; ++v)
+                r[v] += 3;
+        }
+        for (i = 0; i < 2; ++i) /* at most two left: unrolled, not a loop the compiler unrolls again */
+            if (ow < hi) {
+                dw3_load(C, r, 0, NL);
+                DW3_OUT(yr + ow, A, B, C);
+                for (v = 0; v < NL; ++v)
+                    A[v] = B[v], B[v] = C[v], r[v] += 1;
+                ++ow;
+            }
+        if (ow < w_out) /* the last column, beside the padding */
+            DW3_OUT2(yr + ow, A, B, wv);
+    } else {
+        for (v = 0; v < NL; ++v)
+            A[v] = C[v];
+        for (; ow + 2 <= hi; ow += 2) {
+            dw3_load(B, r, 0, NL);
+            dw3_load(C, r, 1, NL);
+            DW3_OUT(yr + ow, A, B, C);
+            dw3_load(B, r, 2, NL);
+            dw3_load(A, r, 3, NL);
+            DW3_OUT(yr + ow + 1, C, B, A);
+            for (v = 0; v < NL; ++v)
+                r[v] += 4;
+        }
+        if (ow < hi) { /* at most one left */
+            dw3_load(B, r, 0, NL);
+            dw3_load(C, r, 1, NL);
+            DW3_OUT(yr + ow, A, B, C);
+            for (v = 0; v < NL; ++v)
+                A[v] = C[v], r[v] += 2;
+            ++ow;
+        }
+        if (ow < w_out) { /* an odd row's last column, beside the padding */
+            dw3_load(B, r, 0, NL);
+            DW3_OUT2(yr + ow, A, B, wv);
+        }
+    }
+}
+#undef DW3_OUT
+#undef DW3_OUT2
+
+POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
+                                 const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out;
+    float wl[9];
+    uint32_t oh, ow, v, kh0, kh1, lo, hi;
+#ifdef POET_KERNELS_SMALL
+    if (1) { /* the row walks' copies are 20 KB of code: the plain row pass on small parts */
+#else
+    if (s->pad_w != 1 || w_in < 3) {
+#endif
+        depthwise3_rows_any(yc, xc, wc, b, s, SW, accumulate);
+        return;
+    }
+    for (v = 0; v < 9; ++v)
+        wl[v] = wc[v];
+    interior(SW, 1, 3, w_in, w_out, &lo, &hi);
+    for (oh = 0; oh < s->h_out; ++oh) {
+        float *yr = yc + oh * w_out;
+        const float *r;
+        tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
+        r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
+        /* the weights' offsets constants, so that they stay in registers */
+        if (kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == SW &&
+            (oh + 1) * SW + 2 < s->h_in + s->pad_h) { /* this row and the next, all three kernel rows each */
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3, 1);
+            if (b && !accumulate)
+                for (ow = 0; ow < w_out; ++ow)
+                    yr[ow] += b[0];
+            yr += w_out, ++oh;
+        } else if (kh1 - kh0 == 3)
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3, 0);
+        else if (kh1 - kh0 == 2 && kh0 == 0)
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 2, 0);
+        else if (kh1 - kh0 == 2)
+            dw3_row(yr, r, wl + 3, w_in, w_out, hi, SW, accumulate, 2, 0);
+        else if (kh1 - kh0 == 1)
+        {
+            float w1[3]; /* a copy: an offset into wl known only at run time would keep wl in memory */
+            for (v = 0; v < 3; ++v)
+                w1[v] = wc[3 * kh0 + v];
+            dw3_row(yr, r, w1, w_in, w_out, hi, SW, accumulate, 1, 0);
+        }
+        else if (!accumulate) /* a row whose window lies wholly in the padding */
+            for (ow = 0; ow < w_out; ++ow)
+                yr[ow] = 0.0f;
+        if (b && !accumulate)
+            for (ow = 0; ow < w_out; ++ow)
+                yr[ow] += b[0];
+    }
+}
+
+#ifndef POET_KERNELS_SMALL
+/* The weight gradient of a depthwise 3x3 channel with one column of padding each side (w_in >= 3):
+ * the forward's walk over the plane, adding each window times its dy into nine sums held in
+ * registers over the whole channel and batch. Returns 0 for the shapes it does not take. */
+POET_INLINE void depthwise3_grad_rows(float *g, const float *dyc, const float *xc, const poet_conv2d_shape *s,
+                                      const uint32_t SW)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out;
+    uint32_t oh, v, kh0, kh1, lo, hi;
+    interior(SW, 1, 3, w_in, w_out, &lo, &hi);
+    for (oh = 0; oh < s->h_out; ++oh) {
+        /* read only: dw3_row takes y writable for the forward, which shares its walk */
+        float *dyr = (float *)(uintptr_t)(dyc + oh * w_out);
+        const float *r;
+        tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
+        r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
+        /* pairs of rows at stride 1 only: at stride 2 a pair's fifteen inputs, the nine sums and
+         * the temporaries spill out of the 32 registers */
+        if (SW == 1 && kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == 1 && oh + 3 < s->h_in + s->pad_h) {
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 1);
+            ++oh;
+        } else if (kh1 - kh0 == 3)
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 0);
+        else if (kh1 - kh0 == 2 && kh0 == 0)
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 2, 0);
+        else if (kh1 - kh0 == 2)
+            dw3_row(dyr, r, g + 3, w_in, w_out, hi, SW, 2, 2, 0);
+        else if (kh1 - kh0 == 1) {
+            float g1[3] = {0.0f, 0.0f, 0.0f};
+            dw3_row(dyr, r, g1, w_in, w_out, hi, SW, 2, 1, 0);
+            for (v = 0; v < 3; ++v) /* constant indices into g, so that g stays in registers */
+                if (kh0 == 0)
+                    g[v] += g1[v];
+                else if (kh0 == 1)
+                    g[3 + v] += g1[v];
+                else
+                    g[6 + v] += g1[v];
+        }
+    }
+}
+
+POET_INLINE void depthwise3_grad(float *g, const float *dy, const float *x, const poet_conv2d_shape *s, uint32_t co,
+                                 const uint32_t SW)
+{
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out;
+    float acc[9];
+    uint32_t n, k;
+    for (k = 0; k < 9; ++k)
+        acc[k] = 0.0f;
+    for (n = 0; n < s->n; ++n)
+        depthwise3_grad_rows(acc, dy + (n * s->c_out + co) * out_plane, x + (n * s->c_in + co) * in_plane, s, SW);
+    for (k = 0; k < 9; ++k)
+        g[k] = acc[k];
+}
+
+POET_OUTLINE void depthwise3_grad_s1(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                     uint32_t co)
+{
+    depthwise3_grad(g, dy, x, s, co, 1);
+}
+
+POET_OUTLINE void depthwise3_grad_s2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                     uint32_t co)
+{
+    depthwise3_grad(g, dy, x, s, co, 2);
+}
+#endif
+
 /* A depthwise 3x3 channel (one input channel a group), out of line */
 POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
                                       const poet_conv2d_shape *s, uint32_t n, uint32_t co)
@@ -358,6 +631,75 @@ POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, 
                     2, 0);
 }
 
+/* Four output channels of a 1x1 stride-1 layer (as one row) with CIN <= 4 input channels a
+ * group, mcu-vww's first pointwise layers: the 4 x CIN weights stay in registers over the whole
+ * plane and each input is loaded once for the four outputs, where the tiles reload the weights
+ * for every four columns and their reduction over so few channels is as short as their set-up.
+ * yo[c P + p] (+)= sum over u < CIN of xg[u P + p] w[c wc + u wu]; the data gradient runs in it
+ * too, four output channels at a time, with the weights transposed by their strides. */
+POET_INLINE void pointwise_few(float *yo, const float *xg, uint32_t P, const float *w, uint32_t wc, uint32_t wu,
+                               const int accumulate, const uint32_t CIN)
+{
+    float wr[16], xv[4];
+    uint32_t c, u, p;
+    for (c = 0; c < 4; ++c)
+        for (u = 0; u < CIN; ++u)
+            wr[c * 4 + u] = w[c * wc + u * wu];
+    for (p = 0; p < P; ++p) {
+        for (u = 0; u < CIN; ++u)
+            xv[u] = xg[u * P + p];
+        for (c = 0; c < 4; ++c) {
+            float acc = xv[0] * wr[c * 4];
+            for (u = 1; u < CIN; ++u)
+                acc += xv[u] * wr[c * 4 + u];
+            if (accumulate)
+                yo[c * P + p] += acc;
+            else
+                yo[c * P + p] = acc;
+        }
+    }
+}
+
+POET_OUTLINE void pointwise_few_forward(float *y, const float *x, const float *w, const float *b,
+                                        const poet_conv2d_shape *s, uint32_t n, uint32_t co, uint32_t cin_g)
+{
+    const uint32_t P = s->w_out;
+    const float *xg = x + (n * s->c_in + (co / (s->c_out / s->groups)) * cin_g) * P;
+    float *yo = y + (n * s->c_out + co) * P;
+    const float *wo = w + co * cin_g;
+    uint32_t c, p;
+    if (cin_g == 4)
+        pointwise_few(yo, xg, P, wo, 4, 1, 0, 4);
+    else if (cin_g == 3)
+        pointwise_few(yo, xg, P, wo, 3, 1, 0, 3);
+    else if (cin_g == 2)
+        pointwise_few(yo, xg, P, wo, 2, 1, 0, 2);
+    else
+        pointwise_few(yo, xg, P, wo, 1, 1, 0, 1);
+    if (b) /* a second pass, so that a layer without a bias pays nothing for it */
+        for (c = 0; c < 4; ++c)
+            for (p = 0; p < P; ++p)
+                yo[c * P + p] += b[co + c];
+}
+
+#ifndef POET_KERNELS_SMALL
+/* The data gradient of such a layer with 4 inputs a group and outputs in fours: dx of a group's
+ * four input channels += its output channels' dy, four at a time. Returns 0 for other shapes. */
+POET_OUTLINE int pointwise_few_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
+    uint32_t n, g, co;
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g != 4 || cout_g % 4)
+        return 0;
+    for (n = 0; n < s->n; ++n)
+        for (g = 0; g < s->groups; ++g)
+            for (co = 0; co < cout_g; co += 4)
+                pointwise_few(dx + (n * s->c_in + g * cin_g) * P, dy + (n * s->c_out + g * cout_g + co) * P, P,
+                              w + (g * cout_g + co) * cin_g, 1, cin_g, 1, 4);
+    return 1;
+}
+#endif
+
 /* Output channels in tiles of 4 within each group, then one at a time */
 POET_INLINE void forward_all(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
                              const uint32_t KH, const uint32_t KW, const uint32_t SW)
@@ -367,7 +709,10 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
     for (n = 0; n < s->n; ++n)
         for (g = 0; g < s->groups; ++g) {
             for (co = 0; co + 4 <= cout_g; co += 4)
-                forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
+                if (KH == 1 && SW == 1 && s->h_out == 1 && cin_g <= 4) /* 1x1 as one row, few inputs */
+                    pointwise_few_forward(y, x, w, b, s, n, g * cout_g + co, cin_g);
+                else
+                    forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
                 if (KH == 3 && SW == 1 && cin_g == 1) /* depthwise layers: one input channel */
                     forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co);
@@ -545,6 +890,83 @@ POET_INLINE void backward_input_all(float *dx, const float *dy, const float *w, 
         }
 }
 
+/* A depthwise 3x3 layer at stride 2 with one row and column of padding: input (2m + a, 2j + b)
+ * takes its taps from dy (m, j) and, for a or b odd, (m + 1, j) and (m, j + 1): in a 2x2 block
+ * of dx per dy position, walked along a pair of dy rows with those rows' values in registers,
+ * each block's four sums add into dx once. D1: dy row m + 1 exists; X1: dx row 2m + 1 does. */
+POET_INLINE void dw3_s2_block(float *x0, float *x1, float a0, float a1, float b0, float b1, const float *w,
+                              const int D1, const int X1)
+{
+    x0[0] += a0 * w[4];
+    x0[1] += a0 * w[5] + b0 * w[3];
+    if (X1) {
+        x1[0] += D1 ? a0 * w[7] + a1 * w[1] : a0 * w[7];
+        x1[1] += D1 ? a0 * w[8] + b0 * w[6] + (a1 * w[2] + b1 * w[0]) : a0 * w[8] + b0 * w[6];
+    }
+}
+
+POET_INLINE void dw3_s2_rows(float *x0, float *x1, const float *d0, const float *d1, const float *w, uint32_t w_in,
+                             uint32_t w_out, const int D1, const int X1)
+{
+    float a0 = d0[0], a1 = D1 ? d1[0] : 0.0f, b0, b1;
+    uint32_t j = 0;
+    /* blocks 0 .. w_out - 2 have dy column j + 1 and dx column 2j + 1; two a step, their roles
+     * swapped, so that the carried column is not moved */
+    for (; j + 3 <= w_out; j += 2) {
+        b0 = d0[j + 1], b1 = D1 ? d1[j + 1] : 0.0f;
+        dw3_s2_block(x0 + 2 * j, x1 + 2 * j, a0, a1, b0, b1, w, D1, X1);
+        a0 = d0[j + 2], a1 = D1 ? d1[j + 2] : 0.0f;
+        dw3_s2_block(x0 + 2 * j + 2, x1 + 2 * j + 2, b0, b1, a0, a1, w, D1, X1);
+    }
+    if (j + 2 <= w_out) {
+        b0 = d0[j + 1], b1 = D1 ? d1[j + 1] : 0.0f;
+        dw3_s2_block(x0 + 2 * j, x1 + 2 * j, a0, a1, b0, b1, w, D1, X1);
+        a0 = b0, a1 = b1, ++j;
+    }
+    /* the last block: no dy column after it, and dx column 2j + 1 only for an even width */
+    x0[2 * j] += a0 * w[4];
+    if (X1)
+        x1[2 * j] += D1 ? a0 * w[7] + a1 * w[1] : a0 * w[7];
+    if (2 * j + 1 < w_in) {
+        x0[2 * j + 1] += a0 * w[5];
+        if (X1)
+            x1[2 * j + 1] += D1 ? a0 * w[8] + a1 * w[2] : a0 * w[8];
+    }
+}
+
+POET_OUTLINE void dw3_s2_backward_input_channel(float *dxc, const float *dyc, const float *wc,
+                                                const poet_conv2d_shape *s)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out;
+    float w[9];
+    uint32_t m, i;
+    for (i = 0; i < 9; ++i)
+        w[i] = wc[i];
+    for (m = 0; m < s->h_out; ++m) {
+        float *x0 = dxc + 2 * m * w_in, *x1 = x0 + w_in;
+        const float *d0 = dyc + m * w_out, *d1 = d0 + w_out;
+        if (m + 1 < s->h_out && 2 * m + 1 < s->h_in)
+            dw3_s2_rows(x0, x1, d0, d1, w, w_in, w_out, 1, 1);
+        else if (2 * m + 1 < s->h_in) /* the last dy row, an even height */
+            dw3_s2_rows(x0, x1, d0, d0, w, w_in, w_out, 0, 1);
+        else /* the last dy row, an odd height: its dx row has no row after it */
+            dw3_s2_rows(x0, x0, d0, d0, w, w_in, w_out, 0, 0);
+    }
+}
+
+static int depthwise3_s2_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    uint32_t n, c;
+    if (s->groups != s->c_in || s->groups != s->c_out || s->k_h != 3 || s->k_w != 3 || s->stride_h != 2 ||
+        s->stride_w != 2 || s->pad_h != 1 || s->pad_w != 1)
+        return 0;
+    for (n = 0; n < s->n; ++n)
+        for (c = 0; c < s->c_in; ++c)
+            dw3_s2_backward_input_channel(dx + (n * s->c_in + c) * s->h_in * s->w_in,
+                                          dy + (n * s->c_out + c) * s->h_out * s->w_out, w + c * 9, s);
+    return 1;
+}
+
 /* A depthwise 3x3 layer at stride 1 (one input and one output channel a group): dx is dy
  * correlated with the kernel turned around, padded by 2 - pad, which is the forward's row pass */
 static int depthwise3_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
@@ -571,10 +993,12 @@ static int depthwise3_backward_input(float *dx, const float *dy, const float *w,
 void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
 {
     poet_conv2d_shape flat;
-    if (depthwise3_backward_input(dx, dy, w, s))
+    if (depthwise3_backward_input(dx, dy, w, s) || depthwise3_s2_backward_input(dx, dy, w, s))
         return;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
+    if (pointwise_few_backward_input(dx, dy, w, s))
+        return;
     if ((s->k_w == 3 || s->k_w == 1) && s->stride_w == 1)
         backward_input_all(dx, dy, w, s, 1);
     else if (s->stride_w == 2 && s->k_w <= 4) /* every class has 1 or 2 taps */
@@ -681,6 +1105,19 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
 {
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
+#ifndef POET_KERNELS_SMALL
+    if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && (sw == 1 || sw == 2)) {
+        float g[9];
+        if (sw == 1)
+            depthwise3_grad_s1(g, dy, x, s, co);
+        else
+            depthwise3_grad_s2(g, dy, x, s, co);
+        for (kh = 0; kh < 3; ++kh)
+            for (kw = 0; kw < 3; ++kw)
+                apply_grad(gw, s, co, 0, kh, kw, g[kh * 3 + kw], lr, sgd);
+        return;
+    }
+#endif
     for (kw = 0; kw < 3; ++kw) {
         out_range(kw, sw, s->pad_w, s->w_in, s->w_out, &r0[kw], &r1[kw]);
         lo = r0[kw] > lo ? r0[kw] : lo;
@@ -749,11 +1186,56 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
     }
 }
 
+#ifndef POET_KERNELS_SMALL
+/* Weight gradients of a 1x1 stride-1 layer (as one row) with channels in fours: 4 x 4 blocks of
+ * sums over the batch and the plane's positions, each input loaded once for four of them. On
+ * small planes (mcu-vww's 3x3) the general tiles' per-tap set-up (the tap's output ranges,
+ * eight row pointers) cost as much as a reduction of 9. Returns 0 for other shapes. */
+POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                       float lr, int sgd)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
+    uint32_t g, co, ci, n, p, c, q;
+    /* from 16 positions on, the general tiles' reduction, unrolled by four, is the faster */
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g % 4 || cout_g % 4 ||
+        P >= 16)
+        return 0;
+    for (g = 0; g < s->groups; ++g)
+        for (co = g * cout_g; co < (g + 1) * cout_g; co += 4)
+            for (ci = 0; ci < cin_g; ci += 4) {
+                float acc[16], *at = gw + co * cin_g + ci;
+                for (c = 0; c < 16; ++c)
+                    acc[c] = 0.0f;
+                for (n = 0; n < s->n; ++n) {
+                    const float *a = dy + (n * s->c_out + co) * P, *bx = x + (n * s->c_in + g * cin_g + ci) * P;
+                    for (p = 0; p < P; ++p) {
+                        float av[4], bv[4];
+                        for (c = 0; c < 4; ++c)
+                            av[c] = a[c * P + p], bv[c] = bx[c * P + p];
+                        for (c = 0; c < 4; ++c)
+                            for (q = 0; q < 4; ++q)
+                                acc[c * 4 + q] += av[c] * bv[q];
+                    }
+                }
+                for (c = 0; c < 4; ++c)
+                    for (q = 0; q < 4; ++q) {
+                        if (sgd)
+                            at[c * cin_g + q] -= lr * acc[c * 4 + q];
+                        else
+                            at[c * cin_g + q] += acc[c * 4 + q];
+                    }
+            }
+    return 1;
+}
+#endif
+
 static void weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
+    if (pointwise_weight_grad(gw, dy, x, s, lr, sgd))
+        return;
     if (s->stride_w == 1)
         weight_grad_all(gw, dy, x, s, lr, sgd, 1);
     else if (s->stride_w == 2)
