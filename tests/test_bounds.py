@@ -106,6 +106,7 @@ def test_the_floor_is_named_when_nothing_beats_it(monkeypatch):
     ram = (graph.min_working_set_bytes() + graph.plain_peak_bytes()) // 2
     monkeypatch.setattr(driver, "FULL_MILP_MAX_DECISIONS", 0)
     monkeypatch.setattr(driver, "window_bound", lambda *args, **kwargs: None)
+    monkeypatch.setattr(driver, "chain_bound", lambda *args, **kwargs: None)
     solver = driver.solve(graph, DEVICE, ram=ram, time_limit=10).solver
     assert solver["bound_source"] == "plain-training floor"
     assert solver["bound"] == pytest.approx(solver["plain_floor_j"])

@@ -178,8 +178,10 @@ def test_past_the_size_limit_the_best_start_stands_with_the_floor_as_bound(monke
     graph = random_training_graph(12, 3)
     ram = (graph.min_working_set_bytes() + graph.plain_peak_bytes()) // 2
     monkeypatch.setattr(solve_module, "FULL_MILP_MAX_DECISIONS", 0)
-    # without the window relaxation (tests/test_bounds.py), which raises the bound above the floor
+    # without the window relaxations (tests/test_bounds.py, tests/test_chain_bound.py), which raise
+    # the bound above the floor
     monkeypatch.setattr(solve_module, "window_bound", lambda *args, **kwargs: None)
+    monkeypatch.setattr(solve_module, "chain_bound", lambda *args, **kwargs: None)
     schedule = solve_module.solve(graph, make_test_device(), ram=ram, time_limit=10)
     solver = schedule.solver
     assert solver["full_milp"].startswith("skipped")

@@ -82,6 +82,11 @@ def _horizons(graph: TrainingGraph, allow_remat: bool) -> tuple[np.ndarray, np.n
     return need, comp
 
 
+def horizons_of(graph: TrainingGraph, allow_remat: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The window relaxation's horizons (need, comp), for relaxations built beside it."""
+    return _horizons(graph, allow_remat)
+
+
 def plain_live_bytes(graph: TrainingGraph) -> np.ndarray:
     """Bytes in RAM when node t runs in plain training (its inputs, itself, and everything read later)."""
     T = len(graph)
@@ -108,7 +113,12 @@ class BoundResult:
 class WindowModel:
     """The window relaxation of stages a..b (module docstring), as a Milp."""
 
-    def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, a: int, b: int):
+    def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, a: int, b: int,
+                 *, returns: bool = True, entry: bool = False, own_page_outs: bool = False):
+        """returns: charge the returns after ``b`` (off for a window whose later stages another window
+        counts); entry: the knapsack of what is kept into ``a`` at stage ``a-1`` (row 9 there);
+        own_page_outs: charge only the page-outs of tensors made in a..b (each happens in its
+        tensor's own stage), so that windows over disjoint stages never count one action twice."""
         T = len(graph)
         assert 0 <= a <= b < T
         self.graph, self.costs, self.budgets, self.mode, self.a, self.b = graph, costs, budgets, mode, a, b
@@ -142,7 +152,7 @@ class WindowModel:
         m_mask = (ids[None, :] < wst[:, None]) & (wst[:, None] <= need[None, :]) & pageable[None, :]
         self.Min = alloc(m_mask)
         # page-outs: of every tensor that may be paged in within the window or come back after it
-        after = b + 1 < T
+        after = b + 1 < T and returns
         later = (ids <= b) & (need > b) if after else np.zeros(T, dtype=bool)  # may be in RAM after b
         self.Mout = alloc(pageable & (m_mask.any(axis=0) | later))
         # comes back after b (in a dropped stage): by a recomputation (RR) or a page-in (RP)
@@ -168,7 +178,7 @@ class WindowModel:
         mt, mi = np.nonzero(self.Min >= 0)
         c[self.Min[mt, mi]] = costs.page_in_j[mi]
         mo = np.flatnonzero(self.Mout >= 0)
-        c[self.Mout[mo]] = costs.page_out_j[mo]
+        c[self.Mout[mo]] = costs.page_out_j[mo] * (((mo >= a) & (mo <= b)) if own_page_outs else 1.0)
         run_cols = [self.R[rt, ri], self.Min[mt, mi], self.Mout[mo]]
         run_vals = [costs.compute_s[ri], costs.page_in_s[mi], costs.page_out_s[mo]]
         const_s = 0.0
@@ -190,6 +200,11 @@ class WindowModel:
             k = t - a
             return [S[k, d], R[k, d], Min[k, d]]
 
+        if entry and a > 0:
+            # what is kept into stage a was in RAM when node a-1 ran, beside a-1's inputs and output
+            fixed = {a - 1, *deps[a - 1]}
+            kept = [i for i in np.flatnonzero(S[0] >= 0) if i not in fixed]
+            row([S[0, i] for i in kept], [nb[i] for i in kept], -np.inf, 1.0 - sum(nb[i] for i in fixed))
         for t in range(a, b + 1):
             k = t - a
             # (1) node t's inputs, and those of each recomputation in stage t

@@ -19,9 +19,10 @@ from poet_opt.solver.backends import (Heartbeat, Progress, SolveResult, interrup
                                      solve_milp)
 from poet_opt.solver.bounds import window_bound
 from poet_opt.solver.budgets import resolve_budgets
+from poet_opt.solver.chain_bound import chain_bound, higher
 from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
-from poet_opt.solver.gap_milp import gap_milp_plan, within_reach
+from poet_opt.solver.gap_milp import EARLY_FREE_SHARE, gap_milp_plan, within_reach
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, refuse_on_storage
 from poet_opt.solver.lns import MAX_NODES as LNS_MAX_NODES
 from poet_opt.solver.lns import improve
@@ -383,14 +384,14 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         started = time.perf_counter()
         limit = GAP_MILP_TIME_S if time_limit is None else min(GAP_MILP_TIME_S, time_limit / 5)
         left = None if time_limit is None else time_limit - (time.perf_counter() - began) - reserve
-        if skip_full and time_limit is not None:  # most of what the heuristics left, the window bound the rest
-            # (on streamed graphs less: their residency bound needs its LP; ResNet-18's gap MILP had
-            # no plan after 210 s, and the bound left 27 s fell from 20.12 J to the Lagrangian's 19.73 J)
-            limit = min(time_limit * (0.3 if graph.streams_weights else 0.7), 0.6 * left)
+        first = 0.75 if skip_full and not graph.streams_weights else EARLY_FREE_SHARE  # the first solve's share
+        if skip_full and time_limit is not None:  # most, the bounds the rest (on streamed graphs less: ResNet-18's
+            # gap MILP had no plan after 210 s, and the bound left 27 s fell from 20.12 J to 19.73 J)
+            limit = min(time_limit * (0.3 if graph.streams_weights else 0.65), 0.7 * left)
         if time_limit is not None:  # what the heuristics left
             limit = max(0.05, min(limit, 0.9 * left))
         phase("restricted (gap) MILP")
-        best = gap_milp_plan(graph, costs, budgets, mode, time_limit=limit, threads=threads)
+        best = gap_milp_plan(graph, costs, budgets, mode, time_limit=limit, threads=threads, first_share=first)
         if best is not None and not candidates:
             candidates = [best]
         elif best is not None:
@@ -421,9 +422,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         limit = WINDOW_BOUND_TIME_S
         if time_limit is not None:
             left = time_limit - (time.perf_counter() - began) - reserve
-            # with the full MILP skipped, the bound and the window search share what remains (past
-            # the search's MAX_NODES it does not run: the bound may have it all)
-            share = 0.45 if len(graph) <= LNS_MAX_NODES else 0.9
+            # with the full MILP skipped, the bounds and the window search share what remains (past
+            # the search's MAX_NODES it does not run), the chained bound most of it
+            share = (0.8 if not graph.streams_weights else 0.45) if len(graph) <= LNS_MAX_NODES else 0.9
             limit = share * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
         residency, started = None, time.perf_counter()
         if limit > 0.1 and graph.streams_weights:
@@ -436,10 +437,13 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
             limit -= time.perf_counter() - started
         if limit > 0.1 and (residency is None or residency.bound < best_start * (1 - gap)):
             phase("window bound")
-            window = window_bound(graph, costs, budgets, mode, time_limit=limit, threads=threads,
-                                  stop_at=best_start * (1 - gap))
-        if residency is not None and (window is None or residency.bound > window.bound):
-            window = residency  # the higher of two proven bounds
+            until, chained = time.perf_counter() + limit, skip_full and not graph.streams_weights
+            window = window_bound(graph, costs, budgets, mode, time_limit=limit * (0.1 if chained else 1),
+                                  threads=threads, stop_at=best_start * (1 - gap))
+            if chained and (window is None or window.bound < best_start * (1 - gap)):  # solver/chain_bound.py
+                window = higher(window, chain_bound(graph, costs, budgets, mode, threads=threads,
+                                                    time_limit=until - time.perf_counter()))
+        window = higher(window, residency)  # the higher of the proven bounds
         solve_s += time.perf_counter() - started
         if window is not None and not skip_full and \
                 relative_gap(best_start, min(window.bound, best_start)) <= gap:
