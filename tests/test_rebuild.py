@@ -80,6 +80,21 @@ def test_a_paged_relu_is_rebuilt_from_its_input_where_that_is_paged_in_anyway():
     assert after["energy_j"] == plan_energy_j(graph, costs, better)
 
 
+def test_a_plan_that_keeps_more_than_the_step_indexes_stands_as_it_is(monkeypatch):
+    """The step indexes every (stage, tensor) a keep spans; on a 100,000-node graph that was 20 GiB
+    and minutes past a 30 s limit. Past MAX_KEEP_VOLUME the plan is returned untouched, although
+    here a rebuild would save energy (the test above)."""
+    from poet_opt.solver import rebuild
+
+    graph = conv_relu()
+    costs = node_costs(graph, DEVICE)
+    paged, _ = _paged_plan(graph, costs)
+    budgets = Budgets(ram_bytes=2 * graph.plain_peak_bytes(), runtime_s=math.inf, storage_bytes=1 << 30)
+    monkeypatch.setattr(rebuild, "MAX_KEEP_VOLUME", sum(b - a + 1 for rs in paged.keep.runs.values() for a, b in rs) - 1)
+    same, saved = rebuild_paged(graph, costs, budgets, paged)
+    assert same is paged and saved == 0.0
+
+
 def test_a_rebuild_that_would_break_the_budget_is_not_made():
     """At the paging plan's own peak, relu's gradient stage cannot hold bn rebuilt beside conv,
     relu and mid's gradient: relu stays paged out and paged in there. Its return for mid alone is
