@@ -27,16 +27,24 @@ DEVICE = make_test_device()
 REL = 1e-7  # HiGHS's tolerances on an objective of order one
 
 
-def _case(seed: int):
+def random_budget_case(seed: int, sizes=(5, 6, 8), ram_shares=(0.0, 0.2, 0.5, 0.8),
+                       modes=("joint", "remat", "remat", "paging")):
+    """A small random graph, its costs on the test device, a RAM budget at one of ``ram_shares`` of
+    the way from its working set to plain training's peak, no runtime budget half the time, a mode,
+    and the generator for the rest of the case: what the bound tests check against the optimum."""
     rnd = random.Random(seed)
-    graph = random_training_graph(rnd.choice([5, 6, 8]), seed=seed, max_fan_in=rnd.choice([1, 2, 3]),
+    graph = random_training_graph(rnd.choice(list(sizes)), seed=seed, max_fan_in=rnd.choice([1, 2, 3]),
                                   skip_prob=rnd.choice([0.3, 0.6]))
     costs = node_costs(graph, DEVICE)
     lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
-    ram = int(lo + (hi - lo) * rnd.choice([0.0, 0.2, 0.5, 0.8]))
+    ram = int(lo + (hi - lo) * rnd.choice(list(ram_shares)))
     runtime = rnd.choice([math.inf, math.inf, float(costs.compute_s.sum()) * rnd.choice([1.05, 1.3])])
-    mode = rnd.choice(["joint", "remat", "remat", "paging"])
+    mode = rnd.choice(list(modes))
     return graph, costs, Budgets(ram_bytes=ram, runtime_s=runtime, storage_bytes=1 << 30), mode, rnd
+
+
+def _case(seed: int):
+    return random_budget_case(seed)
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -18,6 +18,7 @@ from poet_opt.schedule.decisions import Budgets
 from poet_opt.solver.backends import solve_milp
 from poet_opt.solver.chain_bound import ChainModel, chain_bound, spread_windows
 from poet_opt.solver.formulation import Formulation
+from test_bounds import random_budget_case
 
 DEVICE = make_test_device()
 REL = 1e-7  # HiGHS's tolerances on an objective of order one
@@ -34,15 +35,8 @@ def _disjoint_windows(rnd: random.Random, T: int) -> list[tuple[int, int]]:
 
 
 def _case(seed: int):
-    rnd = random.Random(seed)
-    graph = random_training_graph(rnd.choice([6, 8, 10]), seed=seed, max_fan_in=rnd.choice([1, 2, 3]),
-                                  skip_prob=rnd.choice([0.3, 0.6]))
-    costs = node_costs(graph, DEVICE)
-    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
-    ram = int(lo + (hi - lo) * rnd.choice([0.0, 0.2, 0.4, 0.7]))
-    runtime = rnd.choice([math.inf, math.inf, float(costs.compute_s.sum()) * rnd.choice([1.05, 1.3])])
-    mode = rnd.choice(["joint", "remat", "remat", "remat", "paging"])
-    return graph, costs, Budgets(ram_bytes=ram, runtime_s=runtime, storage_bytes=1 << 30), mode, rnd
+    return random_budget_case(seed, sizes=(6, 8, 10), ram_shares=(0.0, 0.2, 0.4, 0.7),
+                              modes=("joint", "remat", "remat", "remat", "paging"))
 
 
 @pytest.mark.parametrize("seed", range(24))
