@@ -59,66 +59,81 @@ def exhaustive_optimum(graph, costs, ram_bytes, runtime_s=math.inf, mode="joint"
                 options.append(choice)
             out_choices = [False, True] if allow_paging and not is_param[t] else [False]
             for picks in itertools.product(*options):
+                # what RAM a stage's plan needs depends on its picks and keeps, not on whether the
+                # stage's own output is also paged out: the keeps that fit are found once for both
+                made = {k for k, p in enumerate(picks) if p is not None} | {t}
+                present_any = set(kept) | made
+                # only tensors some later stage could read are worth keeping
+                candidates = sorted(i for i in present_any if any(u > t for u in users[i]) or
+                                    any(again[u] for u in users[i]))
+                # A tensor recomputed or paged in here that nothing computed here reads is
+                # only worth it if kept for a later stage: the same plan without it costs no
+                # more energy, time or memory, so the optimum never needs it otherwise.
+                read_here = {d for k in made if k == t or picks[k] == "compute" for d in nodes[k].deps}
+                forced = frozenset(k for k in made if k != t and k not in read_here)
+                if not forced <= set(candidates):
+                    continue
+                free = [i for i in candidates if i not in forced]
+                stage = _Stage(t, picks, nodes)
+                fitting = [forced | frozenset(rest) for r in range(len(free) + 1)
+                           for rest in itertools.combinations(free, r)
+                           if stage.fits(kept, forced | frozenset(rest), size, ram_bytes)]
+                if not fitting:
+                    continue
+                e = sum(c_j[k] if p == "compute" else pi_j[k] for k, p in enumerate(picks) if p) + c_j[t]
+                s = sum(c_s[k] if p == "compute" else pi_s[k] for k, p in enumerate(picks) if p) + c_s[t]
                 for page_out in out_choices:
-                    made = {k for k, p in enumerate(picks) if p is not None} | {t}
-                    present_any = set(kept) | made
-                    # only tensors some later stage could read are worth keeping
-                    candidates = sorted(i for i in present_any if any(u > t for u in users[i]) or
-                                        any(again[u] for u in users[i]))
-                    # A tensor recomputed or paged in here that nothing computed here reads is
-                    # only worth it if kept for a later stage: the same plan without it costs no
-                    # more energy, time or memory, so the optimum never needs it otherwise.
-                    read_here = {d for k in made if k == t or picks[k] == "compute" for d in nodes[k].deps}
-                    forced = frozenset(k for k in made if k != t and k not in read_here)
-                    if not forced <= set(candidates):
-                        continue
-                    free = [i for i in candidates if i not in forced]
-                    for r in range(len(free) + 1):
-                        for rest in itertools.combinations(free, r):
-                            keep_next = forced | frozenset(rest)
-                            result = _run_stage(t, kept, picks, keep_next, nodes, size, ram_bytes)
-                            if result is None:
-                                continue
-                            e = sum(c_j[k] if p == "compute" else pi_j[k] for k, p in enumerate(picks) if p) + c_j[t]
-                            s = sum(c_s[k] if p == "compute" else pi_s[k] for k, p in enumerate(picks) if p) + c_s[t]
-                            if page_out:
-                                e, s = e + po_j[t], s + po_s[t]
-                            new_paged = paged | {t} if page_out else paged
-                            key = (keep_next, new_paged)
-                            for e0, s0 in labels:
-                                if s0 + s <= runtime_s * (1 + 1e-12):
-                                    _insert(new_states.setdefault(key, []), (e0 + e, s0 + s))
+                    e_out, s_out = (e + po_j[t], s + po_s[t]) if page_out else (e, s)
+                    new_paged = paged | {t} if page_out else paged
+                    for keep_next in fitting:
+                        key = (keep_next, new_paged)
+                        for e0, s0 in labels:
+                            if s0 + s_out <= runtime_s * (1 + 1e-12):
+                                _insert(new_states.setdefault(key, []), (e0 + e_out, s0 + s_out))
         states = new_states
     best = min((e for labels in states.values() for e, _ in labels), default=None)
     return best
 
 
-def _run_stage(t, kept, picks, keep_next, nodes, size, ram_bytes):
-    computed = [k for k, p in enumerate(picks) if p == "compute"] + [t]
-    paged_in = [k for k, p in enumerate(picks) if p == "page_in"]
-    last_touch = {}
-    for k in computed:
-        last_touch[k] = max(last_touch.get(k, -1), k)
-        for d in nodes[k].deps:
-            last_touch[d] = max(last_touch.get(d, -1), k)
-    for k in paged_in:
-        last_touch[k] = max(last_touch.get(k, -1), k)
-    resident = {i for i in kept if i in last_touch or i in keep_next}
-    live = sum(size[i] for i in resident)
-    for k in range(t + 1):
-        if k in paged_in or k in computed:
-            if k in computed and any(d not in resident for d in nodes[k].deps):
-                return None
-            resident.add(k)
-            live += size[k]
-            if live > ram_bytes:
-                return None
-        for i in [i for i in resident if last_touch.get(i, -1) == k and i not in keep_next]:
-            resident.discard(i)
-            live -= size[i]
-    if not keep_next <= resident:
-        return None
-    return True
+class _Stage:
+    """Stage t with these picks: what it computes and pages in, and each tensor's last use in it."""
+
+    def __init__(self, t, picks, nodes):
+        self.t, self.nodes = t, nodes
+        self.computed = [k for k, p in enumerate(picks) if p == "compute"] + [t]
+        self.paged_in = [k for k, p in enumerate(picks) if p == "page_in"]
+        last_touch = {}
+        for k in self.computed:
+            last_touch[k] = max(last_touch.get(k, -1), k)
+            for d in nodes[k].deps:
+                last_touch[d] = max(last_touch.get(d, -1), k)
+        for k in self.paged_in:
+            last_touch[k] = max(last_touch.get(k, -1), k)
+        self.last_touch = last_touch
+        self.arrives = set(self.computed) | set(self.paged_in)
+        self.computes = set(self.computed)
+        self.released_at = {}
+        for i, k in last_touch.items():
+            self.released_at.setdefault(k, []).append(i)
+
+    def fits(self, kept, keep_next, size, ram_bytes) -> bool:
+        """Whether the stage runs within ram_bytes, keeping keep_next for the next, from kept."""
+        nodes, last_touch = self.nodes, self.last_touch
+        resident = {i for i in kept if i in last_touch or i in keep_next}
+        live = sum(size[i] for i in resident)
+        for k in range(self.t + 1):
+            if k in self.arrives:
+                if k in self.computes and any(d not in resident for d in nodes[k].deps):
+                    return False
+                resident.add(k)
+                live += size[k]
+                if live > ram_bytes:
+                    return False
+            for i in self.released_at.get(k, ()):
+                if i in resident and i not in keep_next:
+                    resident.discard(i)
+                    live -= size[i]
+        return keep_next <= resident
 
 
 def _insert(labels, label):

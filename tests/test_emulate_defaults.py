@@ -22,6 +22,19 @@ def make():
 '''
 
 
+def assert_trained_like_torch(weights_file, summary: dict, reference, batch_file, steps: int, lr: float) -> None:
+    """The weights `emulate --weights-out` wrote and the losses it reported are those of ``steps``
+    torch.optim.SGD steps on ``reference`` (every parameter trained) over the batch file."""
+    from test_firmware_training import torch_sgd
+
+    losses, want = torch_sgd(reference, batch_file, {n for n, _ in reference.named_parameters()}, steps=steps, lr=lr)
+    with np.load(weights_file) as trained:
+        got = {n: trained[n] for n in trained.files}
+    largest = max(float(np.abs(w).max()) for w in want.values())
+    assert max(float(np.abs(got[n] - w).max()) for n, w in want.items()) <= 1e-4 * largest
+    assert np.allclose(summary["loss"], losses, rtol=1e-4, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def mlp(tmp_path_factory):
     where = tmp_path_factory.mktemp("mlp")
@@ -55,7 +68,6 @@ def test_solve_and_emulate_slice_an_mlp_too_big_for_the_budget_the_same_way(mlp)
 def test_the_mlp_trains_at_96_kib_with_defaults_equal_to_torch(mlp):
     pytest.importorskip("unicorn")
     pytest.importorskip("ziglang")
-    from test_firmware_training import torch_sgd
 
     result = cli("emulate", "--torch", str(mlp / "mlp.py") + ":make", "--input-shape", "4,784", "--device",
                  "nrf52840", "--ram", "96KiB", "--steps", "2", "--lr", "0.05", "--data", mlp / "b.npz",
@@ -73,13 +85,7 @@ def test_the_mlp_trains_at_96_kib_with_defaults_equal_to_torch(mlp):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     reference = module.make()
-    losses, want = torch_sgd(reference, mlp / "b.npz", {n for n, _ in reference.named_parameters()}, steps=2,
-                             lr=0.05)
-    with np.load(mlp / "w.npz") as trained:
-        got = {n: trained[n] for n in trained.files}
-    largest = max(float(np.abs(w).max()) for w in want.values())
-    assert max(float(np.abs(got[n] - w).max()) for n, w in want.items()) <= 1e-4 * largest
-    assert np.allclose(summary["loss"], losses, rtol=1e-4, atol=1e-6)
+    assert_trained_like_torch(mlp / "w.npz", summary, reference, mlp / "b.npz", steps=2, lr=0.05)
 
 
 @pytest.mark.parametrize("name", ["mcu-vww", "mlp", "mlp-residual", "vgg16-cifar", "vgg16-imagenet", "resnet18-cifar",
@@ -132,7 +138,6 @@ def test_a_zoo_model_with_a_new_twin_trains_in_firmware_equal_to_torch(tmp_path)
     weights through 64 KiB and ends with the weights of one torch.optim.SGD step on the twin."""
     pytest.importorskip("unicorn")
     pytest.importorskip("ziglang")
-    from test_firmware_training import torch_sgd
 
     from poet_opt.model.zoo_twins import zoo_module
 
@@ -145,10 +150,4 @@ def test_a_zoo_model_with_a_new_twin_trains_in_firmware_equal_to_torch(tmp_path)
     summary = json.loads(result.stdout)
     assert summary["weights"] == "streamed" and summary["ram_used_bytes"] <= summary["ram_device_bytes"]
     reference = zoo_module("mlp-residual")
-    losses, want = torch_sgd(reference, tmp_path / "b.npz", {n for n, _ in reference.named_parameters()}, steps=1,
-                             lr=0.05)
-    with np.load(tmp_path / "w.npz") as trained:
-        got = {n: trained[n] for n in trained.files}
-    largest = max(float(np.abs(w).max()) for w in want.values())
-    assert max(float(np.abs(got[n] - w).max()) for n, w in want.items()) <= 1e-4 * largest
-    assert np.allclose(summary["loss"], losses, rtol=1e-4, atol=1e-6)
+    assert_trained_like_torch(tmp_path / "w.npz", summary, reference, tmp_path / "b.npz", steps=1, lr=0.05)
