@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from poet_opt.device.media import SECTOR_BYTES, au_rewrites, logs_sequentially, packs_sectors
 from poet_opt.errors import PoetError, shown
 
@@ -104,6 +106,12 @@ def _neighbours(intervals: list[Interval]) -> list[list[int]]:
     return near
 
 
+# Past this many conflicting intervals, an interval's first fit is found with numpy: the busy
+# ranges sorted and scanned in C, about twice as fast as in Python on strip plans, where an
+# interval may conflict with hundreds (the same offsets either way).
+LONG_NEIGHBOURHOOD = 128
+
+
 def _place(intervals: list[Interval], near: list[list[int]], order: list[int], alignment: int,
            offsets: list[int] | None = None, start: int = 0, limit: int | None = None) -> list[int] | None:
     """Greedy placement: each interval in `order` goes to the lowest aligned offset where it does
@@ -111,25 +119,52 @@ def _place(intervals: list[Interval], near: list[list[int]], order: list[int], a
     With `offsets` from a placement of an order sharing the first `start` entries, those keep
     their offsets and only the rest is placed again. None as soon as an interval would end past
     `limit`: the search discards such orders, so it need not finish them."""
+    sizes = [iv.bytes for iv in intervals]
     placed = [-1] * len(intervals)
     if offsets is not None:
         for k in order[:start]:
             placed[k] = offsets[k]
     else:
         start = 0
+    near_array = {k: np.asarray(near[k], dtype=np.int64) for k in order[start:]
+                  if len(near[k]) > LONG_NEIGHBOURHOOD}
+    if near_array:
+        size_array, placed_array = np.asarray(sizes, dtype=np.int64), np.asarray(placed, dtype=np.int64)
     for k in order[start:]:
-        size = intervals[k].bytes
-        busy = sorted([(placed[j], placed[j] + intervals[j].bytes) for j in near[k] if placed[j] >= 0])
-        offset = 0
-        for lo, hi in busy:
-            if offset + size <= lo:
-                break
-            if hi > offset:  # offsets are aligned, so only ends need rounding up
-                offset = -(-hi // alignment) * alignment
+        size = sizes[k]
+        if k in near_array:
+            offset = _first_fit_long(near_array[k], placed_array, size_array, size, alignment)
+        else:
+            busy = sorted([(p, p + sizes[j]) for j in near[k] if (p := placed[j]) >= 0])
+            offset = 0
+            for lo, hi in busy:
+                if offset + size <= lo:
+                    break
+                if hi > offset:  # offsets are aligned, so only ends need rounding up
+                    offset = -(-hi // alignment) * alignment
         if limit is not None and offset + size > limit:
             return None
         placed[k] = offset
+        if near_array:
+            placed_array[k] = offset
     return placed
+
+
+def _first_fit_long(neighbours, placed, sizes, size: int, alignment: int) -> int:
+    """_place's scan over the busy ranges sorted by start, vectorised: the offset before range i
+    is the largest aligned end among the ranges before it, and the first range that starts at or
+    past that offset plus `size` leaves room below it (ties in start cannot change the answer)."""
+    starts = placed[neighbours]
+    busy = starts >= 0
+    lo = starts[busy]
+    if not lo.size:
+        return 0
+    by_start = np.argsort(lo, kind="stable")
+    lo = lo[by_start]
+    aligned_ends = np.maximum.accumulate(-(-(lo + sizes[neighbours][busy][by_start]) // alignment) * alignment)
+    before = np.concatenate(([0], aligned_ends[:-1]))
+    room = np.flatnonzero(before + size <= lo)
+    return int(before[room[0]]) if room.size else int(aligned_ends[-1])
 
 
 def _extent(intervals: list[Interval], offsets: list[int]) -> int:
