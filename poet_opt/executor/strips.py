@@ -386,15 +386,16 @@ def size_of_window(g, shape, window, m0: int, m1: int) -> tuple[int, ...]:
     return (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
 
 
-def run_plan(graph, steps, params: dict, x, y, lr: float, running: dict | None = None) -> dict:
+def run_plan(graph, steps, params: dict, x, y, lr: float, running: dict | None = None,
+             eps: dict | None = None) -> dict:
     """Execute a strip plan: ``steps`` are (op, node name) pairs (compute, page_out, page_in, free)
     of a schedule of ``graph``. A compute reads only tensors resident at that moment (else
     KeyError: the plan would be wrong), a page-out copies to a dict that stands for the storage,
     a page-in copies back, a free drops; a recompute runs the node again. An update applies SGD to
     ``params`` in place once, and ``running`` (layer -> Running) moves once, as one step does; a node
-    that reads weights after their update raises. Returns the loss, the weight gradients and the
-    peak of the resident bytes as the graph sizes them."""
-    return execute(_Replay(graph, params, x, y, lr, running), graph, steps)
+    that reads weights after their update raises. ``eps`` as for :func:`replay`. Returns the loss,
+    the weight gradients and the peak of the resident bytes as the graph sizes them."""
+    return execute(_Replay(graph, params, x, y, lr, running, eps), graph, steps)
 
 
 def execute(r, graph, steps) -> dict:
