@@ -54,6 +54,18 @@ def _gap_optimum(graph, costs, budgets, mode, early_returns=MAX_EARLY_RETURNS) -
     return result.objective
 
 
+def _start(graph, costs, budgets, mode):
+    """The greedy gap plan, or where it finds none the rounded LP's plan (without early returns)."""
+    start = gap_plan(graph, costs, budgets, allow_paging=mode != "remat", allow_remat=mode != "paging")
+    if start is None:
+        model = GapMilp(graph, costs, budgets, mode, early_returns=0)
+        x = gap_lns.rounded_point(model, time_limit=30)
+        if x is None:
+            pytest.skip("neither the greedy nor the rounding finds a plan of the gap space here")
+        start = model.decode(x)
+    return start
+
+
 @pytest.mark.parametrize("seed, mode, frac", [(1, "remat", 0.4), (2, "joint", 0.3), (3, "remat", 0.5),
                                               (4, "paging", 0.3), (5, "remat", 0.35)])
 def test_a_rounded_point_replays_valid_at_the_model_energy(seed, mode, frac):
@@ -71,12 +83,7 @@ def test_a_rounded_point_replays_valid_at_the_model_energy(seed, mode, frac):
                                               (14, "remat", 0.5)])
 def test_the_search_stays_between_its_start_and_the_gap_optimum_and_reaches_it(seed, mode, frac):
     graph, costs, budgets = _case(seed, 16, frac)
-    start = gap_plan(graph, costs, budgets, allow_paging=mode != "remat", allow_remat=mode != "paging")
-    if start is None:  # the greedy finds none: the rounded LP's plan, without early returns
-        model = GapMilp(graph, costs, budgets, mode, early_returns=0)
-        x = gap_lns.rounded_point(model, time_limit=30)
-        assert x is not None
-        start = model.decode(x)
+    start = _start(graph, costs, budgets, mode)
     before = plan_energy_j(graph, costs, start)
     best = _gap_optimum(graph, costs, budgets, mode)
     plan, stats = gap_lns.improve(graph, costs, budgets, mode, start, deadline=time.perf_counter() + 60)
@@ -138,3 +145,30 @@ def test_where_the_full_milp_is_skipped_the_driver_reports_the_searched_plan_hon
     assert solver["gap"] == pytest.approx((energy - solver["bound"]) / energy, abs=1e-12)
     assert solver["status"] in ("gap_limit", "optimal_for_order", "optimal") or solver["gap"] > 1e-3
     assert solver["status"] != "gap_limit" or solver["gap"] <= 1e-3
+
+
+@pytest.mark.parametrize("seed, mode, frac", [(51, "remat", 0.35), (52, "joint", 0.3), (53, "remat", 0.45)])
+def test_rins_gives_a_cheaper_valid_point_or_none(seed, mode, frac):
+    graph, costs, budgets = _case(seed, 16, frac)
+    start = _start(graph, costs, budgets, mode)
+    model = GapMilp(graph, costs, budgets, mode)
+    x = model.encode(start)
+    assert x is not None, "the greedy gap plan is a point of the gap MILP"
+    y = gap_lns.rins_point(model, x, time_limit=30)
+    if y is None:
+        return  # a heuristic: the LP may agree with the start where it would have to change
+    energy = _replayed_energy(graph, costs, budgets, mode, model.decode(y))
+    assert energy == pytest.approx(model.milp.c @ y + model.milp.offset, rel=1e-9)
+    assert _gap_optimum(graph, costs, budgets, mode) * (1 - REL) <= energy < plan_energy_j(graph, costs, start)
+
+
+def test_rins_improves_some_weak_starts():
+    improved = 0
+    for seed in (51, 52, 53, 54):
+        graph, costs, budgets = _case(seed, 16, 0.35)
+        start = gap_plan(graph, costs, budgets, allow_paging=False, allow_remat=True)
+        if start is None:
+            continue
+        model = GapMilp(graph, costs, budgets, "remat")
+        improved += gap_lns.rins_point(model, model.encode(start), time_limit=30) is not None
+    assert improved >= 1

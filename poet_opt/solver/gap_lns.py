@@ -186,6 +186,8 @@ def _fits(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, plan: Decisi
 ROUND_LP_SHARE = 0.5
 ROUND_MILP_SHARE = 0.5
 FRACTIONAL = 1e-6
+# RINS's share (its LP and its MILP) of the time left after the rounding; the window search has the rest
+RINS_SHARE = 0.6
 
 
 def rounded_point(model: GapMilp, *, time_limit: float, threads: Optional[int] = None) -> Optional[np.ndarray]:
@@ -237,7 +239,43 @@ def searched_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode
         return gap_milp_plan(graph, costs, budgets, mode, time_limit=left, threads=threads,
                              first_share=first_share) if left > 0.05 else None
     deadline = began + time_limit
+    try:
+        model = GapMilp(graph, costs, budgets, mode)
+    except TooLarge:
+        return plan
+    x = model.encode(plan)
+    if x is not None and deadline - time.perf_counter() > 1.0:
+        y = rins_point(model, x, time_limit=RINS_SHARE * (deadline - time.perf_counter()), threads=threads)
+        better = None if y is None else model.decode(y)
+        if better is not None and plan_energy_j(graph, costs, better) < plan_energy_j(graph, costs, plan) \
+                and _fits(graph, costs, budgets, better):
+            plan = better
     if time.perf_counter() < deadline - 1.0:
         plan = improve(graph, costs, budgets, mode, plan, deadline=deadline, threads=threads,
-                       stop_at=costs.plain_energy_j)[0]
+                       stop_at=costs.plain_energy_j, model=model)[0]
     return plan
+
+
+def rins_point(model: GapMilp, x: np.ndarray, *, time_limit: float, threads: Optional[int] = None
+               ) -> Optional[np.ndarray]:
+    """A point of the gap MILP at most as dear as ``x`` (one of its points), after RINS: the MILP
+    over the binaries where x and the LP relaxation's optimum disagree, every other column fixed at
+    x's value; None when the LP does not finish within half the time or nothing cheaper is found."""
+    began = time.perf_counter()
+    milp = model.milp
+    lp = solve_milp(replace(milp, integrality=np.zeros_like(milp.integrality)), time_limit=0.5 * time_limit,
+                    threads=threads)
+    left = time_limit - (time.perf_counter() - began)
+    if lp.x is None or lp.status not in ("optimal", "gap_limit") or left <= 0.1 or interrupted():
+        return None
+    integer = milp.integrality.astype(bool)
+    free = integer & (np.abs(lp.x - x) > FRACTIONAL)
+    free |= ~integer  # the away columns follow the returns
+    result = solve_milp(_sub_milp(milp, milp.A.tocsc(), free, x), time_limit=left, gap=1e-6, threads=threads,
+                        start=x[free])
+    if result.x is None:
+        return None
+    y = x.copy()
+    y[free] = result.x
+    y = np.where(integer, np.round(y), y)
+    return y if milp.c @ y < milp.c @ x * (1 - MIN_GAIN) else None
