@@ -1,4 +1,8 @@
-"""Window search in the gap space: the restricted gap MILP over a few stages, the rest of the plan fixed.
+"""Plans of the gap space where the full MILP is skipped: the gap MILP's LP rounded, RINS, and windows.
+
+``searched_plan`` rounds the LP relaxation of the gap MILP (RENS, ``rounded_point``), improves that
+plan by RINS on the model with early returns (``rins_point``), then by the window search below
+(``improve``) until its time is up (docs/formulation.md, "The gap-space search").
 
 Where the full MILP is skipped (past a few hundred nodes) the plan is the gap MILP's or, when that
 model has no plan within its time (l1000 at 70% of its peak, remat, on a busy 2-core machine:
@@ -222,8 +226,9 @@ def rounded_point(model: GapMilp, *, time_limit: float, threads: Optional[int] =
 def searched_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *, time_limit: float,
                   threads: Optional[int] = None, first_share: float = EARLY_FREE_SHARE) -> Optional[Decisions]:
     """A plan of the gap space within ``time_limit``, for graphs where the full MILP is skipped: the
-    LP relaxation of the gap MILP without early returns, rounded (rounded_point), then improved by
-    gap-space windows of the model with them (improve) for the rest of the time. Where the rounding
+    LP relaxation of the gap MILP without early returns, rounded (rounded_point), then improved in
+    the model with them by RINS (rins_point) and by gap-space windows (improve) for the rest of the
+    time. Where the rounding
     finds no plan, gap_milp_plan (``first_share`` its) with the time left. The plan is replayed."""
     began = time.perf_counter()
     if mode == "none":
