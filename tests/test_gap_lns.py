@@ -154,11 +154,13 @@ def test_rins_gives_a_cheaper_valid_point_or_none(seed, mode, frac):
     model = GapMilp(graph, costs, budgets, mode)
     x = model.encode(start)
     assert x is not None, "the greedy gap plan is a point of the gap MILP"
-    y = gap_lns.rins_point(model, x, time_limit=30)
+    y, lp = gap_lns.rins_point(model, x, time_limit=30)
+    assert lp is not None and lp <= plan_energy_j(graph, costs, start) * (1 + 1e-9)
     if y is None:
         return  # a heuristic: the LP may agree with the start where it would have to change
     energy = _replayed_energy(graph, costs, budgets, mode, model.decode(y))
     assert energy == pytest.approx(model.milp.c @ y + model.milp.offset, rel=1e-9)
+    assert lp * (1 - REL) <= _gap_optimum(graph, costs, budgets, mode) * (1 + REL)
     assert _gap_optimum(graph, costs, budgets, mode) * (1 - REL) <= energy < plan_energy_j(graph, costs, start)
 
 
@@ -170,5 +172,16 @@ def test_rins_improves_some_weak_starts():
         if start is None:
             continue
         model = GapMilp(graph, costs, budgets, "remat")
-        improved += gap_lns.rins_point(model, model.encode(start), time_limit=30) is not None
+        improved += gap_lns.rins_point(model, model.encode(start), time_limit=30)[0] is not None
     assert improved >= 1
+
+
+def test_a_stalled_search_stops_before_its_deadline(monkeypatch):
+    graph, costs, budgets = _case(11, 16, 0.4)
+    start = _start(graph, costs, budgets, "remat")
+    _, full = gap_lns.improve(graph, costs, budgets, "remat", start, deadline=time.perf_counter() + 60)
+    monkeypatch.setattr(gap_lns, "STALL_MIN_S", 0.0)
+    plan, stats = gap_lns.improve(graph, costs, budgets, "remat", start, deadline=time.perf_counter() + 60,
+                                  stall=1e-9)
+    assert stats["windows"] <= 1 < full["windows"]
+    assert plan_energy_j(graph, costs, plan) <= plan_energy_j(graph, costs, start)

@@ -48,6 +48,13 @@ MIN_WIDTH = 4
 SUB_TIME_S = 4.0
 # An improvement smaller than this (relative) is solver noise, not a better plan.
 MIN_GAIN = 1e-9
+# searched_plan's window search stops once no window has improved the plan for this share of its
+# time, and at least STALL_MIN_S: the bounds after it need the time more (on l500 at 90% of its
+# peak the old path proved the gap in 8 s; a search run to its deadline would hold that for 70 s)
+STALL_SHARE = 0.5
+STALL_MIN_S = 8.0
+# ... and once the plan is within this (relative) of the gap space's LP bound, as gap_milp.SETTLE
+SETTLE_GAP = 1e-4
 
 
 class _Groups:
@@ -119,10 +126,11 @@ def window_starts(extra: np.ndarray, width: int) -> list[int]:
 
 def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, plan: Decisions, *,
             deadline: float, threads: Optional[int] = None, stop_at: float = 0.0,
-            model: Optional[GapMilp] = None, progress: Optional[Callable[[str], None]] = None
-            ) -> tuple[Decisions, dict]:
+            model: Optional[GapMilp] = None, progress: Optional[Callable[[str], None]] = None,
+            stall: Optional[float] = None) -> tuple[Decisions, dict]:
     """The plan improved by gap-space windows until ``deadline`` (time.perf_counter()) or until its
-    energy reaches ``stop_at``; and what the search did. The plan unchanged when it is not in the
+    energy reaches ``stop_at`` or, with ``stall``, until no window has improved it for that share of
+    the search's time (at least STALL_MIN_S); and what the search did. The plan unchanged when it is not in the
     gap space, the model does not build, or nothing better was found."""
     stats = {"windows": 0, "improved": 0, "saved_j": 0.0}
     if mode == "none" or time.perf_counter() >= deadline:
@@ -140,11 +148,17 @@ def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
     energy = start_energy = float(milp.c @ x + milp.offset)
     T = len(graph)
     width = FIRST_WIDTH
-    while time.perf_counter() < deadline and energy > stop_at and not interrupted():
+    began = last_gain = time.perf_counter()
+
+    def stalled() -> bool:
+        now = time.perf_counter()
+        return stall is not None and now - last_gain > max(STALL_MIN_S, stall * (now - began))
+
+    while time.perf_counter() < deadline and energy > stop_at and not interrupted() and not stalled():
         found = False
         for a in window_starts(stage_costs(groups, milp.c, x, T), width):
             left = deadline - time.perf_counter()
-            if left < 0.3 or energy <= stop_at or interrupted():
+            if left < 0.3 or energy <= stop_at or interrupted() or stalled():
                 break
             free = groups.free_mask(a, a + width - 1)
             if not free.any():
@@ -162,7 +176,7 @@ def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
             y = np.where(groups.integer, np.round(y), y)
             new = float(milp.c @ y + milp.offset)
             if new < energy * (1 - MIN_GAIN):
-                x, energy, found = y, new, True
+                x, energy, found, last_gain = y, new, True, time.perf_counter()
                 stats["improved"] += 1
                 if progress:
                     progress(f"gap window search: stages {a}-{a + width - 1}, {energy:.6g} J")
@@ -228,8 +242,8 @@ def searched_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode
     """A plan of the gap space within ``time_limit``, for graphs where the full MILP is skipped: the
     LP relaxation of the gap MILP without early returns, rounded (rounded_point), then improved in
     the model with them by RINS (rins_point) and by gap-space windows (improve) for the rest of the
-    time. Where the rounding
-    finds no plan, gap_milp_plan (``first_share`` its) with the time left. The plan is replayed."""
+    time, or until it stalls. Where the rounding finds no plan, gap_milp_plan (``first_share`` its)
+    with the time left. The plan is replayed."""
     began = time.perf_counter()
     if mode == "none":
         return None
@@ -248,39 +262,44 @@ def searched_plan(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode
         model = GapMilp(graph, costs, budgets, mode)
     except TooLarge:
         return plan
-    x = model.encode(plan)
+    x, stop_at = model.encode(plan), costs.plain_energy_j
     if x is not None and deadline - time.perf_counter() > 1.0:
-        y = rins_point(model, x, time_limit=RINS_SHARE * (deadline - time.perf_counter()), threads=threads)
+        y, lp = rins_point(model, x, time_limit=RINS_SHARE * (deadline - time.perf_counter()), threads=threads)
+        if lp is not None:  # nothing in the gap space is cheaper: within SETTLE_GAP of it, the search stops
+            stop_at = max(stop_at, lp * (1 + SETTLE_GAP))
         better = None if y is None else model.decode(y)
         if better is not None and plan_energy_j(graph, costs, better) < plan_energy_j(graph, costs, plan) \
                 and _fits(graph, costs, budgets, better):
             plan = better
     if time.perf_counter() < deadline - 1.0:
         plan = improve(graph, costs, budgets, mode, plan, deadline=deadline, threads=threads,
-                       stop_at=costs.plain_energy_j, model=model)[0]
+                       stop_at=stop_at, model=model, stall=STALL_SHARE)[0]
     return plan
 
 
 def rins_point(model: GapMilp, x: np.ndarray, *, time_limit: float, threads: Optional[int] = None
-               ) -> Optional[np.ndarray]:
-    """A point of the gap MILP at most as dear as ``x`` (one of its points), after RINS: the MILP
-    over the binaries where x and the LP relaxation's optimum disagree, every other column fixed at
-    x's value; None when the LP does not finish within half the time or nothing cheaper is found."""
+               ) -> tuple[Optional[np.ndarray], Optional[float]]:
+    """A point of the gap MILP cheaper than ``x`` (one of its points), after RINS: the MILP over the
+    binaries where x and the LP relaxation's optimum disagree, every other column fixed at x's
+    value; None when the LP does not finish within half the time or nothing cheaper is found. And
+    the LP's optimum: a bound on the gap space only, never on the problem."""
     began = time.perf_counter()
     milp = model.milp
     lp = solve_milp(replace(milp, integrality=np.zeros_like(milp.integrality)), time_limit=0.5 * time_limit,
                     threads=threads)
     left = time_limit - (time.perf_counter() - began)
-    if lp.x is None or lp.status not in ("optimal", "gap_limit") or left <= 0.1 or interrupted():
-        return None
+    if lp.x is None or lp.status not in ("optimal", "gap_limit"):
+        return None, None
+    if left <= 0.1 or interrupted():
+        return None, lp.objective
     integer = milp.integrality.astype(bool)
     free = integer & (np.abs(lp.x - x) > FRACTIONAL)
     free |= ~integer  # the away columns follow the returns
     result = solve_milp(_sub_milp(milp, milp.A.tocsc(), free, x), time_limit=left, gap=1e-6, threads=threads,
                         start=x[free])
     if result.x is None:
-        return None
+        return None, lp.objective
     y = x.copy()
     y[free] = result.x
     y = np.where(integer, np.round(y), y)
-    return y if milp.c @ y < milp.c @ x * (1 - MIN_GAIN) else None
+    return (y if milp.c @ y < milp.c @ x * (1 - MIN_GAIN) else None), lp.objective
