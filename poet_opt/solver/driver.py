@@ -24,8 +24,8 @@ from poet_opt.solver.cpsat import solve_cpsat
 from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import EARLY_FREE_SHARE, gap_milp_plan, within_reach
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, refuse_on_storage
-from poet_opt.solver.lns import MAX_NODES as LNS_MAX_NODES
-from poet_opt.solver.lns import improve
+from poet_opt.solver.gap_lns import searched_plan
+from poet_opt.solver.lns import MAX_NODES as LNS_MAX_NODES, improve
 from poet_opt.solver.residency import residency_bound
 from poet_opt.solver.time_budget import check_time_limit_fits, finish_s
 from poet_opt.solver.wear_budget import solve_within_wear
@@ -378,9 +378,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         relative_gap(cheapest, min(floor, cheapest)) <= max(gap, 1e-12)
     if backend == "highs" and graph.plain_peak_bytes() > budgets.ram_bytes and gap_milp_fits and not proven_by_floor \
             and not interrupted():
-        # The compact gap MILP's optimum is a plan of the full space: a better start in a second or
-        # two (not a bound). Its time counts against the user's limit; it gets most of it when the
-        # full MILP is out of reach.
+        # The compact gap MILP's optimum is a plan of the full space, a better start (not a bound); with the full
+        # MILP skipped, its LP rounded and searched by windows (solver/gap_lns.py), with most of the user's limit.
         started = time.perf_counter()
         limit = GAP_MILP_TIME_S if time_limit is None else min(GAP_MILP_TIME_S, time_limit / 5)
         left = None if time_limit is None else time_limit - (time.perf_counter() - began) - reserve
@@ -391,7 +390,8 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         if time_limit is not None:  # what the heuristics left
             limit = max(0.05, min(limit, 0.9 * left))
         phase("restricted (gap) MILP")
-        best = gap_milp_plan(graph, costs, budgets, mode, time_limit=limit, threads=threads, first_share=first)
+        search = searched_plan if skip_full and not graph.streams_weights else gap_milp_plan
+        best = search(graph, costs, budgets, mode, time_limit=limit, threads=threads, first_share=first)
         if best is not None and not candidates:
             candidates = [best]
         elif best is not None:
