@@ -248,7 +248,7 @@ def _executor_step(module, network, x, y, name):
     for n, p in reference.named_parameters():
         mine = dict(module.named_parameters())[n]
         change = (p.detach() - before[n]).abs().max()
-        assert torch.allclose(mine.detach(), p.detach(), rtol=0, atol=1e-6 * max(1.0, float(p.abs().max()))), \
+        assert torch.allclose(mine.detach(), p.detach(), rtol=0, atol=1e-6 * max(1.0, float(p.detach().abs().max()))), \
             (name, n, float((mine - p).abs().max()), float(change))
 
 

@@ -94,7 +94,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
 
             if input_shape is not None:
                 raise PoetError("--model takes its input's shape from --data's x", field="--input-shape")
-            x, _ = load_batch(data)  # a bad file is refused here as it would be by --torch
+            x, _ = load_batch(data, token_ids=True)  # a bad file is refused here as it would be by --torch
             input_shape, torch_spec = ",".join(map(str, x.shape)), zoo_module(model)
         # with a plan, --mode is checked against it only when given: its default is for solving
         given_mode = ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT

@@ -26,7 +26,7 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.executor.kernels import Kernels
-from poet_opt.model.batch import check_labels
+from poet_opt.model.batch import check_labels, check_x
 from poet_opt.model.network import Network
 
 STORAGE_FIELD = "--storage"
@@ -268,9 +268,10 @@ class ScheduleExecutor:
 
         x = torch.as_tensor(x)
         want = tuple(self.network.input_shape)
-        if tuple(x.shape) != want or x.dtype != torch.float32:
+        if tuple(x.shape) != want:
             raise PoetError(f"x has shape {','.join(map(str, x.shape))} ({x.dtype}), the schedule is for "
-                            f"{','.join(map(str, want))} (float32)", field="--data")
+                            f"{','.join(map(str, want))}", field="--data")
+        x = torch.as_tensor(check_x(x.cpu().numpy(), self.network.vocabulary))
         classes = self.network.layers[self.network.output].elements // want[0]
         # emulate's rule (any integer type); torch has no uint16-64 arithmetic to check them with
         y = check_labels(y.cpu().numpy() if isinstance(y, torch.Tensor) else y, classes)

@@ -32,6 +32,7 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, StepStats, Storage, check_schedule
+from poet_opt.model.batch import check_x
 from poet_opt.model import ops as registry
 from poet_opt.model.network import Network
 from poet_opt.model.ops import support
@@ -237,9 +238,10 @@ class TiledExecutor:
 
         x, y = torch.as_tensor(x), torch.as_tensor(y)
         want = tuple(self.network.input_shape)
-        if tuple(x.shape) != want or x.dtype != torch.float32:
+        if tuple(x.shape) != want:
             raise PoetError(f"x has shape {','.join(map(str, x.shape))} ({x.dtype}), the schedule is for "
-                            f"{','.join(map(str, want))} (float32)", field="--data")
+                            f"{','.join(map(str, want))}", field="--data")
+        x = torch.as_tensor(check_x(x.numpy(), self.network.vocabulary))
         classes = self.network.layers[self.network.output].elements // want[0]
         if y.dim() != 1 or y.shape[0] != want[0] or y.dtype not in (torch.int64, torch.int32):
             raise PoetError(f"y must hold {want[0]} integer class labels, got shape {tuple(y.shape)} ({y.dtype})",

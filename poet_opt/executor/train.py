@@ -17,7 +17,7 @@ import numpy as np
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, ScheduleExecutor, StepStats, Storage
-from poet_opt.model.batch import divergence, finite_or_none, load_batch
+from poet_opt.model.batch import check_x, divergence, finite_or_none, load_batch
 from poet_opt.model.load import strips_value
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
@@ -240,7 +240,8 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
         _check_budgets(doc, profile, ram, runtime, mode)
     # a missing or malformed batch, or one of another shape, and a storage directory that cannot be
     # written fail before the trace and the solve
-    x, y = load_batch(data, parse_full_shape(input_shape))  # the traced network takes exactly this shape
+    # the traced network takes exactly this shape; integer token ids are checked against it once traced
+    x, y = load_batch(data, parse_full_shape(input_shape), token_ids=True)
     if storage is not None:
         Storage(storage).close()
     table = None
@@ -274,6 +275,7 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
             raise PoetError("must be at least 1 B", field="--weight-tile")
     network = lower_for_run(torch_model, input_shape, trainable=trainable, weights=weights, tile_bytes=tile,
                             strips=strips, device_ram_bytes=device_ram, stack_reserve_bytes=stack, ram_bytes=ram_bytes)
+    x = check_x(x, network.vocabulary)  # features or token ids, as the model reads them: before a solve
     tiled = network.graph.streams_weights
     if doc is None:
         doc = _solve(network, profile, ram=ram, costs=table, runtime=runtime, mode=mode or "joint",

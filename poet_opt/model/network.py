@@ -88,6 +88,9 @@ class Network:
     layers: dict[str, Layer]  # by graph node name, in forward order
     graph: TrainingGraph
     output: str  # the layer whose output is the logits
+    # the input is token ids into embeddings: the rows of the smallest table that reads them (x must
+    # hold integers in [0, vocabulary)); None: the input is features (float32)
+    vocabulary: int | None = None
 
     @property
     def trainable_parameters(self) -> list[Parameter]:
@@ -188,7 +191,10 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
             continue
         layers[o.name] = layer
     out_name = ops.ops[output].name
-    return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name)
+    tables = [layer.attrs["rows"] for layer in layers.values()
+              if layer.op == "embedding" and layer.operands == [ops.ops[0].name]]
+    return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name,
+                   min(tables) if tables else None)
 
 
 def _row_network(name: str, module, ops, output: int, trainable, meta: dict, strips, budget) -> Network:
@@ -384,6 +390,14 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             return make("layernorm", x, eps=float(m.eps))
         if isinstance(m, nn.Linear):
             return make("linear", x, features_in=m.in_features, features_out=m.out_features)
+        if isinstance(m, nn.Embedding):  # the executor runs torch's own gather (views: its lowering only)
+            if chains is None:
+                raise _unsupported(name, "module Embedding")
+            if m.max_norm is not None or m.sparse:
+                raise PoetError(f"node {name!r}: an nn.Embedding with max_norm (renormalised in place by its "
+                                "forward) or sparse gradients; the PyTorch executor trains plain tables only",
+                                field=FIELD)
+            return make("embedding", x, rows=m.num_embeddings)
         spec = next(filter(None, (registry.by_torch_module(c.__name__) for c in type(m).__mro__)), None)
         if spec is not None and spec.split == "elementwise" and spec.arity == 1:  # the registry's activations
             if isinstance(m, nn.GELU) and m.approximate != "none":

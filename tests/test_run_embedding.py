@@ -1,0 +1,99 @@
+"""`poet-opt run` trains a model that starts with an embedding of token ids (issue 27, "every plan
+runs"): --data's x holds integer ids, the executor gathers table rows with torch's own embedding
+and its gradient reaches the table; one step equals torch.optim.SGD's on the module. A batch
+that does not fit the model's input (floats for ids, ids outside the table, ids for a model of
+features) is refused in one line naming --data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from test_cli import assert_one_line_error, cli  # noqa: E402
+
+from poet_opt.examples.torch_models import small_token_classifier  # noqa: E402
+
+SPEC = "poet_opt.examples.torch_models:small_token_classifier"
+LR = 0.05
+
+
+def bag_of_words():
+    """A table of 100 words, flattened into a linear head: every layer whole, resident."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Flatten(), torch.nn.Linear(16 * 8, 4))
+
+
+BAG = f"{__file__}:bag_of_words"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _ids(tmp_path, shape=(2, 16), vocab=100, dtype=np.int64, seed=0):
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "ids.npz"
+    np.savez(path, x=rng.integers(0, vocab, shape).astype(dtype), y=rng.integers(0, 4, shape[0]))
+    return path
+
+
+def against_sgd(factory, data, trained: dict, steps: int = 1) -> tuple[float, float, float]:
+    """(largest weight, largest difference, smallest change of a weight table or matrix) of
+    ``trained`` against ``steps`` torch.optim.SGD steps of a fresh ``factory()`` on ``data``."""
+    module = factory()
+    start = {n: p.detach().clone().numpy() for n, p in module.named_parameters()}
+    with np.load(data) as d:
+        x, y = torch.from_numpy(d["x"]).long(), torch.from_numpy(d["y"])
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        opt.step()
+    want = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    assert set(trained) == set(want)
+    largest = max(float(np.abs(w).max()) for w in want.values())
+    worst = max(float(np.abs(trained[n] - w).max()) for n, w in want.items())
+    table = next(n for n in want if n.endswith("weight") and want[n].shape[0] == 100)  # the word table
+    moved = float(np.abs(trained[table] - start[table]).max())
+    return largest, worst, moved
+
+
+def test_run_trains_an_embedding_of_token_ids_as_torch_sgd(tmp_path):
+    """Whole layers, resident: torch's own embedding forward, its table's gradient by autograd."""
+    data, out = _ids(tmp_path), tmp_path / "after.npz"
+    ran = cli("run", "--torch", BAG, "--input-shape", "2,16", "--device", "rpi4", "--ram", "1MiB",
+              "--weights", "resident", "--steps", "2", "--lr", LR, "--data", data, "--weights-out", out, "--json",
+              "--time-limit", "10")
+    assert ran.exit_code == 0, ran.stderr
+    with np.load(out) as trained:
+        largest, worst, moved = against_sgd(bag_of_words, data, dict(trained), steps=2)
+    assert worst <= 1e-5 * largest, worst
+    assert moved > 1e-4  # the gradient reached the table: the rows of the ids seen moved
+
+
+@pytest.mark.parametrize("fault, needle", [
+    ("float", "expected integers"),
+    ("outside", "must lie in [0, 100)"),
+    ("negative", "must lie in [0, 100)"),
+])
+def test_a_batch_of_other_than_the_table_s_token_ids_is_refused_in_one_line(fault, needle, tmp_path):
+    rng = np.random.default_rng(1)
+    x = {"float": rng.standard_normal((2, 16)).astype(np.float32),
+         "outside": np.full((2, 16), 100, np.int64),
+         "negative": np.full((2, 16), -1, np.int32)}[fault]
+    data = tmp_path / "bad.npz"
+    np.savez(data, x=x, y=np.array([0, 1]))
+    ran = cli("run", "--torch", BAG, "--input-shape", "2,16", "--device", "rpi4", "--ram", "1MiB",
+              "--steps", "1", "--lr", LR, "--data", data)
+    assert_one_line_error(ran, "--data", needle)
+
+
+def test_token_ids_for_a_model_of_features_are_refused_in_one_line(tmp_path):
+    data = tmp_path / "ids.npz"
+    np.savez(data, x=np.zeros((1, 784), np.int64), y=np.array([0]))
+    ran = cli("run", "--model", "mlp", "--device", "rpi4", "--ram", "1MiB", "--weights", "resident", "--steps", "1",
+              "--lr", LR, "--data", data)
+    assert_one_line_error(ran, "--data", "int64", "expected float32", "not token ids")
