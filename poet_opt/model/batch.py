@@ -49,7 +49,7 @@ def load_batch(path, input_shape: Optional[tuple[int, ...]] = None, *,
 def check_x(x, vocabulary: Optional[int]) -> np.ndarray:
     """The one rule for `run`'s x against its model: float32 features, or, when the model's input
     goes into embeddings (``vocabulary``: the rows of the smallest such table), integer token ids
-    in [0, vocabulary), returned as int64."""
+    in [0, vocabulary), returned as int32: 4 bytes each, as the training graph counts the input."""
     x = np.asarray(x)
     integer = np.issubdtype(x.dtype, np.integer)
     if vocabulary is None:
@@ -63,7 +63,7 @@ def check_x(x, vocabulary: Optional[int]) -> np.ndarray:
     if x.size and (int(x.min()) < 0 or int(x.max()) >= vocabulary):
         raise PoetError(f"x holds token ids from {int(x.min())} to {int(x.max())}; this model's embedding has "
                         f"{vocabulary:,} rows, so they must lie in [0, {vocabulary})", field="--data")
-    return x.astype(np.int64)
+    return x.astype(np.int32)
 
 
 def check_labels(y, classes: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from poet_opt.model.operators import finish
 from poet_opt.model.tiling import feature_ranges
 from poet_opt.model.tiling_records import WeightSlices
 from poet_opt.model.torch_import import lower_module, resolve_module
-from poet_opt.model.torch_rows import is_row_model, row_training_graph
+from poet_opt.model.torch_rows import is_row_model, row_training_graph, token_vocabulary
 
 FIELD = "--torch"  # the layers come from a torch module, as that option names it
 
@@ -191,10 +191,8 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
             continue
         layers[o.name] = layer
     out_name = ops.ops[output].name
-    tables = [layer.attrs["rows"] for layer in layers.values()
-              if layer.op == "embedding" and layer.operands == [ops.ops[0].name]]
     return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name,
-                   min(tables) if tables else None)
+                   token_vocabulary(module, ops))
 
 
 def _row_network(name: str, module, ops, output: int, trainable, meta: dict, strips, budget) -> Network:
@@ -218,8 +216,12 @@ def _row_network(name: str, module, ops, output: int, trainable, meta: dict, str
             layer.trainable = o.name in trained
             if o.op == "layernorm":  # the firmware normalises with the module's own (torch_rows checks it)
                 layer.attrs["eps"] = float(m.eps)
+        elif o.op == "embedding":  # its table, cut into (vocabulary rows x feature piece) tiles by the graph
+            m = modules[origin.target]
+            layer.params = {"weight": Parameter(names[id(m.weight)], _array(m.weight))}
+            layer.trainable = o.name in trained
         layers[o.name] = layer
-    return Network(name, module, tuple(ops.ops[0].shape), layers, graph, kept[-1].name)
+    return Network(name, module, tuple(ops.ops[0].shape), layers, graph, kept[-1].name, token_vocabulary(module, ops))
 
 
 def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, strips, budget, tile_bytes):
@@ -397,7 +399,7 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
                 raise PoetError(f"node {name!r}: an nn.Embedding with max_norm (renormalised in place by its "
                                 "forward) or sparse gradients; the PyTorch executor trains plain tables only",
                                 field=FIELD)
-            return make("embedding", x, rows=m.num_embeddings)
+            return make("embedding", x)
         spec = next(filter(None, (registry.by_torch_module(c.__name__) for c in type(m).__mro__)), None)
         if spec is not None and spec.split == "elementwise" and spec.arity == 1:  # the registry's activations
             if isinstance(m, nn.GELU) and m.approximate != "none":

@@ -58,7 +58,7 @@ EXECUTOR = {
     "whole": {"copy", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
               "softmax", "attention", "embedding"},
     "strips": {"concat", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
-    "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool"},
+    "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool", "embedding"},
     "slices": {"conv2d", "linear", "concat"},
 }
 
