@@ -120,7 +120,7 @@ def test_run_trains_embeddings_in_row_tiles_as_torch_sgd_at_the_plan_s_peak(fact
     data, out = _ids(tmp_path, (1, 16), vocab=vocab, classes=classes), tmp_path / "after.npz"
     ran = cli("run", "--torch", spec, "--input-shape", "1,16", "--device", "nrf52840", "--ram", "48KiB",
               "--weights", "streamed", "--strips", "2", "--steps", "2", "--lr", LR, "--data", data,
-              "--weights-out", out, "--json", "--time-limit", "10")
+              "--weights-out", out, "--json", "--time-limit", "3")
     assert ran.exit_code == 0, ran.stderr
     summary = json.loads(ran.stdout)
     assert summary["weights"] == "streamed" and summary["peak_live_bytes"] == summary["planned_peak_bytes"]
@@ -132,3 +132,25 @@ def test_run_trains_embeddings_in_row_tiles_as_torch_sgd_at_the_plan_s_peak(fact
     start = factory().state_dict()
     tables = [n for n, p in factory().named_parameters() if "position" in n or "word" in n or "embed" in n]
     assert all(float(np.abs(trained[n] - start[n].numpy()).max()) > 0 for n in tables), tables
+
+
+def test_the_commands_of_docs_executor_md_on_token_ids_run(tmp_path, monkeypatch):
+    """The sh block of docs/executor.md's "Token ids", line by line in a scratch directory: the
+    plan's peak and bytes held, two steps equal to torch.optim.SGD's on the module."""
+    from test_run_tiles import run_executor_md_section
+
+    _, summary = run_executor_md_section("## Token ids", tmp_path, monkeypatch)
+    assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] <= 16 * 1024
+    assert summary["storage_bytes_read"] == summary["planned_storage_bytes_read"] > 0
+    module = small_token_classifier()
+    with np.load(tmp_path / "ids_batch.npz") as b:
+        x, y = torch.from_numpy(b["x"]), torch.from_numpy(b["y"])
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.cross_entropy(module(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert summary["loss"] == pytest.approx(losses, rel=1e-5)

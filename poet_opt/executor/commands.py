@@ -58,7 +58,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
     @click.option("--steps", type=int, required=True, help="training steps to run")
     @click.option("--lr", type=float, required=True, help="SGD learning rate")
     @click.option("--data", required=True, type=click.Path(dir_okay=False),
-                  help="BATCH.npz: x (float32, the input's shape) and y (int64 class labels)")
+                  help="BATCH.npz: x (float32, the input's shape; integer token ids when the model starts with an "
+                       "embedding) and y (int64 class labels)")
     @click.option("--storage", default=None, type=click.Path(file_okay=False),
                   help="directory paged tensors go to (the SD card or SSD); default: a temporary directory, removed "
                        "afterwards")
