@@ -154,3 +154,22 @@ def test_the_commands_of_docs_executor_md_on_token_ids_run(tmp_path, monkeypatch
         opt.step()
         losses.append(loss.item())
     assert summary["loss"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_paged_token_ids_come_back_as_the_same_ids(tmp_path):
+    """A plan may page out a block of token ids (bert-base's does): the file holds their int32
+    bits, and they come back as the same integers, not as floats of those bits."""
+    from poet_opt.executor.runner import Storage
+    from poet_opt.executor.tiled import _flatten, _unflatten
+
+    ids = torch.tensor([[0, 1, 30521, 2 ** 31 - 1]], dtype=torch.int32)
+    value = (ids, {"stats": torch.tensor([0.5, -2.0])}, 3)
+    flat, layout = _flatten(value)
+    store = Storage(tmp_path)
+    try:
+        store.write(7, flat)
+        back = _unflatten(store.read(7, (flat.numel(),), torch.device("cpu")), layout)
+    finally:
+        store.close()
+    assert back[0].dtype == torch.int32 and torch.equal(back[0], ids)
+    assert torch.equal(back[1]["stats"], value[1]["stats"]) and back[2] == 3

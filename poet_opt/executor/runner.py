@@ -292,6 +292,7 @@ class ScheduleExecutor:
         read0 = self.storage.bytes_read if self.storage else 0
         loss = math.nan
         counts = {"compute": 0, "page_out": 0, "page_in": 0}
+        dtypes: dict = {}
         done: list[tuple[str, int]] = []
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
@@ -306,11 +307,14 @@ class ScheduleExecutor:
                     continue
                 if op == "page_out":
                     self.storage.write(node, table[name])
+                    dtypes[node] = table[name].dtype  # token ids (int32) come back as their own bits
                     counts[op] += 1
                     done.append((op, node))
                     continue
                 if op == "page_in":
                     t = self.storage.read(node, self.shapes[name], self.device)
+                    if dtypes.get(node, t.dtype) != t.dtype:
+                        t = t.view(dtypes[node])
                 else:
                     first = node not in computed
                     computed.add(node)

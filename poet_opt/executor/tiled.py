@@ -335,7 +335,8 @@ def nbytes(value) -> int:
 
 
 def _flatten(value):
-    """(one float32 tensor, layout) of a node's value, so that it pages as one file."""
+    """(one float32 tensor, layout) of a node's value, so that it pages as one file (token ids,
+    int32, as the float32 of the same bits)."""
     import torch
 
     tensors: list = []
@@ -346,8 +347,9 @@ def _flatten(value):
         if isinstance(v, dict):
             return ("map", {k: walk(e) for k, e in v.items()})
         if hasattr(v, "element_size"):
-            tensors.append(v.reshape(-1))
-            return ("tensor", tuple(v.shape))
+            flat = v.reshape(-1)
+            tensors.append(flat if flat.dtype == torch.float32 else flat.contiguous().view(torch.float32))
+            return ("tensor", (tuple(v.shape), v.dtype))
         return ("value", v)
 
     layout = walk(value)
@@ -366,10 +368,11 @@ def _unflatten(flat, layout):
         if kind == "map":
             return {k: build(e) for k, e in body.items()}
         if kind == "tensor":
-            count = math.prod(body)
-            out = flat[at:at + count].reshape(body)
+            shape, dtype = body
+            count = math.prod(shape)
+            out = flat[at:at + count].reshape(shape)
             at += count
-            return out
+            return out if dtype == out.dtype else out.view(dtype)
         return body
 
     return build(layout)
