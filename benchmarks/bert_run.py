@@ -36,7 +36,7 @@ def _rss_mib() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=60.0)
-    parser.add_argument("--small", action="store_true", help="the reduced BERT (d 32, 2 layers, 200 words, 16 tokens)")
+    parser.add_argument("--small", action="store_true", help="the reduced BERT of the tests (d 32, 2 layers, 200 words, 16 tokens)")
     parser.add_argument("--write", action="store_true", help="append the figures to benchmarks/RUN_TILES.md")
     args = parser.parse_args()
     import torch
@@ -48,7 +48,7 @@ def main() -> None:
         if not args.small:
             return zoo_module("bert-base")
         torch.manual_seed(0)
-        return bert(d=32, heads=2, d_ff=64, layers=2, vocab=200, positions=16)
+        return bert(d=32, heads=2, d_ff=64, layers=2, vocab=200, positions=128)
 
     seq, vocab = (16, 200) if args.small else (128, 30522)
     rng = np.random.default_rng(0)

@@ -277,7 +277,8 @@ class TiledExecutor:
                 **{names[n]["running_var"]: r.var.numpy().copy() for n, r in self.running.items()}}
 
     def _row_weights(self) -> dict[str, np.ndarray]:
-        """The trained layers' parameters put together from their ``param:L#j.k`` tiles."""
+        """The trained layers' parameters put together from their ``param:L#j.k`` tiles, over their
+        initial values: a position table's tiles past the sequence are no node, never read nor changed."""
         from poet_opt.executor.rows import replayer
 
         r = replayer(self.network.graph, {}, None, None, self.lr)
@@ -292,7 +293,7 @@ class TiledExecutor:
             value = self._read_weights(n)
             for role, where in r.tile_where(name, tuple(int(t) for t in tile.split("."))).items():
                 p = layer.params[role]
-                whole = out.setdefault(p.torch_name, np.zeros(p.value.shape, np.float32))
+                whole = out.setdefault(p.torch_name, p.value.astype(np.float32, copy=True))
                 whole[where] = value[role].numpy()
         self.store.bytes_read = 0
         return out
