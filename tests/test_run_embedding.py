@@ -175,3 +175,19 @@ def test_paged_token_ids_come_back_as_the_same_ids(tmp_path):
         store.close()
     assert back[0].dtype == torch.int32 and torch.equal(back[0], ids)
     assert torch.equal(back[1]["stats"], value[1]["stats"]) and back[2] == 3
+
+
+def test_floats_for_a_row_tiled_model_of_token_ids_are_refused_before_its_rows_are_built(tmp_path, monkeypatch):
+    """bert-base's row graph takes a minute to build: a batch of floats is refused as soon as the
+    module is traced, in one line naming --data, not after the rows."""
+    from poet_opt.executor import train
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("the rows were built before the batch was checked")
+
+    monkeypatch.setattr(train, "_row_network", no_rows)
+    data = tmp_path / "floats.npz"
+    np.savez(data, x=np.zeros((1, 16), np.float32), y=np.array([0]))
+    ran = cli("run", "--torch", f"{__file__}:small_bert", "--input-shape", "1,16", "--device", "nrf52840", "--ram",
+              "48KiB", "--weights", "streamed", "--strips", "2", "--steps", "1", "--lr", LR, "--data", data)
+    assert_one_line_error(ran, "--data", "float32", "token ids into an embedding of 200 rows")
