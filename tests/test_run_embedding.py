@@ -191,3 +191,27 @@ def test_floats_for_a_row_tiled_model_of_token_ids_are_refused_before_its_rows_a
     ran = cli("run", "--torch", f"{__file__}:small_bert", "--input-shape", "1,16", "--device", "nrf52840", "--ram",
               "48KiB", "--weights", "streamed", "--strips", "2", "--steps", "1", "--lr", LR, "--data", data)
     assert_one_line_error(ran, "--data", "float32", "token ids into an embedding of 200 rows")
+
+
+def max_norm_table():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(100, 8, max_norm=1.0), torch.nn.Flatten(), torch.nn.Linear(128, 4))
+
+
+def padded_token_classifier():
+    module = small_token_classifier()
+    module.embed.padding_idx = 0
+    return module
+
+
+@pytest.mark.parametrize("factory, args, field, why", [
+    ("max_norm_table", ["--weights", "resident"], "--torch", "max_norm"),
+    ("padded_token_classifier", ["--weights", "streamed", "--strips", "2", "--ram", "48KiB"], "--strips", "padding_idx"),
+])
+def test_tables_the_executor_would_not_train_as_torch_are_refused_in_one_line(factory, args, field, why, tmp_path):
+    """max_norm renormalises the table in place in the forward; a padding row's gradient is zero
+    in torch, which the row tiles' sparse update does not know of: refused, naming the option."""
+    data = _ids(tmp_path, (1, 16))
+    ran = cli("run", "--torch", f"{__file__}:{factory}", "--input-shape", "1,16", "--device", "nrf52840",
+              *(args if "--ram" in args else [*args, "--ram", "200KiB"]), "--steps", "1", "--lr", LR, "--data", data)
+    assert_one_line_error(ran, field, why, "nn.Embedding")
