@@ -10,7 +10,7 @@ benchmarks/RUN_TILES.md, the largest difference of any trained weight from torch
 relative to the largest weight), the peak of live tensor bytes beside the plan's, the times, and
 the process's peak resident memory (the run's, then with the reference step too).
 
-    python benchmarks/bert_run.py            # long: about 25 minutes on 2 loaded cores
+    python benchmarks/bert_run.py            # long: about 13 minutes on 2 loaded cores, 3 GiB of RAM
     python benchmarks/bert_run.py --small    # the reduced BERT of tests/test_run_embedding.py, seconds
 """
 
