@@ -366,3 +366,21 @@ def small_encoder_classifier() -> nn.Module:
     """The same block at d 32, 2 heads, FFN 64: row tiles in seconds, for tests."""
     torch.manual_seed(0)
     return EncoderClassifier(d=32, h=2, ff=64, classes=4)
+
+
+class TokenClassifier(EncoderClassifier):
+    """The encoder block on token ids: a word embedding (a table of ``vocab`` rows) before it, as a
+    text classifier starts. `poet-opt run` trains it from integer ids in --data's x."""
+
+    def __init__(self, vocab: int = 100, d: int = 32, h: int = 2, ff: int = 64, classes: int = 4):
+        super().__init__(d=d, h=h, ff=ff, classes=classes)
+        self.embed = nn.Embedding(vocab, d)
+
+    def forward(self, ids):
+        return super().forward(self.embed(ids))
+
+
+def small_token_classifier() -> nn.Module:
+    """A 100-word table, then the small block (d 32, 2 heads, FFN 64): for tests and the docs."""
+    torch.manual_seed(0)
+    return TokenClassifier()

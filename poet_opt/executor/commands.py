@@ -58,7 +58,8 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
     @click.option("--steps", type=int, required=True, help="training steps to run")
     @click.option("--lr", type=float, required=True, help="SGD learning rate")
     @click.option("--data", required=True, type=click.Path(dir_okay=False),
-                  help="BATCH.npz: x (float32, the input's shape) and y (int64 class labels)")
+                  help="BATCH.npz: x (float32, the input's shape; integer token ids when the model starts with an "
+                       "embedding) and y (int64 class labels)")
     @click.option("--storage", default=None, type=click.Path(file_okay=False),
                   help="directory paged tensors go to (the SD card or SSD); default: a temporary directory, removed "
                        "afterwards")
@@ -94,7 +95,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
 
             if input_shape is not None:
                 raise PoetError("--model takes its input's shape from --data's x", field="--input-shape")
-            x, _ = load_batch(data)  # a bad file is refused here as it would be by --torch
+            x, _ = load_batch(data, token_ids=True)  # a bad file is refused here as it would be by --torch
             input_shape, torch_spec = ",".join(map(str, x.shape)), zoo_module(model)
         # with a plan, --mode is checked against it only when given: its default is for solving
         given_mode = ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT

@@ -26,7 +26,7 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.executor.kernels import Kernels
-from poet_opt.model.batch import check_labels
+from poet_opt.model.batch import check_labels, check_x
 from poet_opt.model.network import Network
 
 STORAGE_FIELD = "--storage"
@@ -268,9 +268,10 @@ class ScheduleExecutor:
 
         x = torch.as_tensor(x)
         want = tuple(self.network.input_shape)
-        if tuple(x.shape) != want or x.dtype != torch.float32:
+        if tuple(x.shape) != want:
             raise PoetError(f"x has shape {','.join(map(str, x.shape))} ({x.dtype}), the schedule is for "
-                            f"{','.join(map(str, want))} (float32)", field="--data")
+                            f"{','.join(map(str, want))}", field="--data")
+        x = torch.as_tensor(check_x(x.cpu().numpy(), self.network.vocabulary))
         classes = self.network.layers[self.network.output].elements // want[0]
         # emulate's rule (any integer type); torch has no uint16-64 arithmetic to check them with
         y = check_labels(y.cpu().numpy() if isinstance(y, torch.Tensor) else y, classes)
@@ -291,6 +292,7 @@ class ScheduleExecutor:
         read0 = self.storage.bytes_read if self.storage else 0
         loss = math.nan
         counts = {"compute": 0, "page_out": 0, "page_in": 0}
+        dtypes: dict = {}
         done: list[tuple[str, int]] = []
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
@@ -305,11 +307,14 @@ class ScheduleExecutor:
                     continue
                 if op == "page_out":
                     self.storage.write(node, table[name])
+                    dtypes[node] = table[name].dtype  # token ids (int32) come back as their own bits
                     counts[op] += 1
                     done.append((op, node))
                     continue
                 if op == "page_in":
                     t = self.storage.read(node, self.shapes[name], self.device)
+                    if dtypes.get(node, t.dtype) != t.dtype:
+                        t = t.view(dtypes[node])
                 else:
                     first = node not in computed
                     computed.add(node)

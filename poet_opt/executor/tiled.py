@@ -32,6 +32,7 @@ import numpy as np
 
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, StepStats, Storage, check_schedule
+from poet_opt.model.batch import check_x
 from poet_opt.model import ops as registry
 from poet_opt.model.network import Network
 from poet_opt.model.ops import support
@@ -237,9 +238,10 @@ class TiledExecutor:
 
         x, y = torch.as_tensor(x), torch.as_tensor(y)
         want = tuple(self.network.input_shape)
-        if tuple(x.shape) != want or x.dtype != torch.float32:
+        if tuple(x.shape) != want:
             raise PoetError(f"x has shape {','.join(map(str, x.shape))} ({x.dtype}), the schedule is for "
-                            f"{','.join(map(str, want))} (float32)", field="--data")
+                            f"{','.join(map(str, want))}", field="--data")
+        x = torch.as_tensor(check_x(x.numpy(), self.network.vocabulary))
         classes = self.network.layers[self.network.output].elements // want[0]
         if y.dim() != 1 or y.shape[0] != want[0] or y.dtype not in (torch.int64, torch.int32):
             raise PoetError(f"y must hold {want[0]} integer class labels, got shape {tuple(y.shape)} ({y.dtype})",
@@ -275,7 +277,8 @@ class TiledExecutor:
                 **{names[n]["running_var"]: r.var.numpy().copy() for n, r in self.running.items()}}
 
     def _row_weights(self) -> dict[str, np.ndarray]:
-        """The trained layers' parameters put together from their ``param:L#j.k`` tiles."""
+        """The trained layers' parameters put together from their ``param:L#j.k`` tiles, over their
+        initial values: a position table's tiles past the sequence are no node, never read nor changed."""
         from poet_opt.executor.rows import replayer
 
         r = replayer(self.network.graph, {}, None, None, self.lr)
@@ -290,7 +293,7 @@ class TiledExecutor:
             value = self._read_weights(n)
             for role, where in r.tile_where(name, tuple(int(t) for t in tile.split("."))).items():
                 p = layer.params[role]
-                whole = out.setdefault(p.torch_name, np.zeros(p.value.shape, np.float32))
+                whole = out.setdefault(p.torch_name, p.value.astype(np.float32, copy=True))
                 whole[where] = value[role].numpy()
         self.store.bytes_read = 0
         return out
@@ -333,7 +336,8 @@ def nbytes(value) -> int:
 
 
 def _flatten(value):
-    """(one float32 tensor, layout) of a node's value, so that it pages as one file."""
+    """(one float32 tensor, layout) of a node's value, so that it pages as one file (token ids,
+    int32, as the float32 of the same bits)."""
     import torch
 
     tensors: list = []
@@ -344,8 +348,9 @@ def _flatten(value):
         if isinstance(v, dict):
             return ("map", {k: walk(e) for k, e in v.items()})
         if hasattr(v, "element_size"):
-            tensors.append(v.reshape(-1))
-            return ("tensor", tuple(v.shape))
+            flat = v.reshape(-1)
+            tensors.append(flat if flat.dtype == torch.float32 else flat.contiguous().view(torch.float32))
+            return ("tensor", (tuple(v.shape), v.dtype))
         return ("value", v)
 
     layout = walk(value)
@@ -364,10 +369,11 @@ def _unflatten(flat, layout):
         if kind == "map":
             return {k: build(e) for k, e in body.items()}
         if kind == "tensor":
-            count = math.prod(body)
-            out = flat[at:at + count].reshape(body)
+            shape, dtype = body
+            count = math.prod(shape)
+            out = flat[at:at + count].reshape(shape)
             at += count
-            return out
+            return out if dtype == out.dtype else out.view(dtype)
         return body
 
     return build(layout)

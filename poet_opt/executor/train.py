@@ -17,7 +17,7 @@ import numpy as np
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, ScheduleExecutor, StepStats, Storage
-from poet_opt.model.batch import divergence, finite_or_none, load_batch
+from poet_opt.model.batch import check_x, divergence, finite_or_none, load_batch
 from poet_opt.model.load import strips_value
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
@@ -86,7 +86,7 @@ def prepare(torch_model, input_shape, *, trainable="all", name=None) -> Network:
 
 
 def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", tile_bytes=None, strips="auto",
-                  device_ram_bytes=None, stack_reserve_bytes: int = 0, ram_bytes=None) -> Network:
+                  device_ram_bytes=None, stack_reserve_bytes: int = 0, ram_bytes=None, x=None) -> Network:
     """The network `run` trains, lowered as `poet-opt solve --torch` lowers the module for the same
     options (model/load.py), so that the plan solve writes is one of this network's: ``weights``
     "auto" streams them when resident weights, their gradients and the working memory would not fit
@@ -94,7 +94,9 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
     a quarter of ``ram_bytes``, solve's default); ``strips`` "auto" splits the activations along H
     only when some node would not fit the device otherwise, "off" never, N: N strips per tensor.
     A streamed network is always lowered through the strip builder (one strip per tensor where none
-    are asked: the same nodes), whose replay runs it (executor/tiled.py)."""
+    are asked: the same nodes), whose replay runs it (executor/tiled.py). ``x``: the batch's input,
+    checked against what the model reads (float32 features or token ids, model/batch.py's check_x)
+    as soon as the module is traced, before any row graph is built."""
     from poet_opt.model.load import default_tile_bytes, needs_streaming
     from poet_opt.model.torch_import import resolve_module
 
@@ -111,6 +113,8 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         plain = import_torch(module, input_shape, trainable=trainable, name=name)
     else:
         plain = resident.graph
+    if x is not None:  # features or token ids, as the model reads them: before a row graph is built
+        check_x(x, resident.vocabulary if resident is not None else _vocabulary(module, input_shape))
     if weights == "resident" or weights == "auto" and not needs_streaming(plain, device_ram_bytes,
                                                                           stack_reserve_bytes, ram_bytes):
         if strips not in ("auto", "off") and weights == "resident":  # as solve: auto ignores them when resident
@@ -165,6 +169,15 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
 
     check_runnable(streamed)  # before a solve: a layer the strip replay cannot run
     return streamed
+
+
+def _vocabulary(module, input_shape) -> int | None:
+    """The rows of the table the traced input indexes (model/torch_rows.py), or None."""
+    from poet_opt.model.torch_import import lower_module
+    from poet_opt.model.torch_rows import token_vocabulary
+
+    ops, _ = lower_module(module, parse_full_shape(input_shape))
+    return token_vocabulary(module, ops)
 
 
 def _row_network(module, shape, resident: Network | None, *, name, trainable, weights, strips, tile, budget,
@@ -240,7 +253,8 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
         _check_budgets(doc, profile, ram, runtime, mode)
     # a missing or malformed batch, or one of another shape, and a storage directory that cannot be
     # written fail before the trace and the solve
-    x, y = load_batch(data, parse_full_shape(input_shape))  # the traced network takes exactly this shape
+    # the traced network takes exactly this shape; integer token ids are checked against it once traced
+    x, y = load_batch(data, parse_full_shape(input_shape), token_ids=True)
     if storage is not None:
         Storage(storage).close()
     table = None
@@ -273,7 +287,9 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
         if tile < 1:
             raise PoetError("must be at least 1 B", field="--weight-tile")
     network = lower_for_run(torch_model, input_shape, trainable=trainable, weights=weights, tile_bytes=tile,
-                            strips=strips, device_ram_bytes=device_ram, stack_reserve_bytes=stack, ram_bytes=ram_bytes)
+                            strips=strips, device_ram_bytes=device_ram, stack_reserve_bytes=stack, ram_bytes=ram_bytes,
+                            x=x)
+    x = check_x(x, network.vocabulary)  # features or token ids, as the model reads them: before a solve
     tiled = network.graph.streams_weights
     if doc is None:
         doc = _solve(network, profile, ram=ram, costs=table, runtime=runtime, mode=mode or "joint",

@@ -14,7 +14,7 @@ import json
 import click
 
 from poet_opt.errors import PoetError
-from poet_opt.model.zoo_twins import TRAINED, check_trains
+from poet_opt.model.zoo_twins import FIRMWARE_TRAINED, check_trains
 from poet_opt.solver.time_budget import parse_time_limit
 
 
@@ -24,7 +24,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
         one_line_errors, check_writable, check_not_inputs, weights_option)
 
     @main.command()
-    @click.option("--model", help=f"zoo model name with a firmware build ({', '.join(TRAINED)})")
+    @click.option("--model", help=f"zoo model name with a firmware build ({', '.join(FIRMWARE_TRAINED)})")
     @click.option("--torch", "torch_spec", default=None, help="a PyTorch module: FILE.py:FACTORY or package.module:FACTORY")
     @click.option("--input-shape", default=None, help="--torch: the whole input, batch first, e.g. 2,3,32,32")
     @click.option("--device", required=True, help="built-in device name (see `poet-opt devices`) or a YAML profile")
@@ -75,7 +75,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, weight
         if (model is None) == (torch_spec is None):
             raise click.UsageError("give --model NAME or --torch FILE.py:FACTORY (with --input-shape)")
         if model is not None:
-            check_trains(model)
+            check_trains(model, firmware=True)
         if weights_out is not None:
             _check_writable(weights_out, field="--weights-out")
         kept = [("-o", path) for path in output_files(out_dir, prefix)] if out_dir is not None else []

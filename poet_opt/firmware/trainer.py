@@ -207,7 +207,7 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
     if (model is None) == (torch_model is None):
         raise PoetError("give a zoo model or a torch model, not both or neither", field="--model")
     if model is not None:
-        check_trains(model)
+        check_trains(model, firmware=True)
     if (steps is None) == (epochs is None):
         raise PoetError("give the training's length as --steps N or --epochs N, one of the two", field="--epochs")
     for value, option in ((steps, "--steps"), (epochs, "--epochs"), (batch_size, "--batch-size")):

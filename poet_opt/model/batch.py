@@ -1,5 +1,6 @@
 """The training batch of `poet-opt emulate` and `poet-opt run`: an .npz with ``x`` (float32, batch
-first) and ``y`` (one integer class label per sample)."""
+first; for `run`, integer token ids when the model's input goes into an embedding) and ``y`` (one
+integer class label per sample)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from poet_opt.errors import PoetError, TrainingDiverged
 MAX_BATCH_BYTES = 1 << 30
 
 
-def load_batch(path, input_shape: Optional[tuple[int, ...]] = None) -> tuple[np.ndarray, np.ndarray]:
+def load_batch(path, input_shape: Optional[tuple[int, ...]] = None, *,
+               token_ids: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``x`` (float32, batch first) and ``y`` (integer class labels, one per sample) from an .npz.
     Each array's shape is read from its header and checked (against ``input_shape``, against the
-    bytes the file holds, against MAX_BATCH_BYTES) before any memory is set aside for it."""
+    bytes the file holds, against MAX_BATCH_BYTES) before any memory is set aside for it.
+    ``token_ids``: an integer ``x`` is accepted too (the caller checks it against the model with
+    :func:`check_x` once it knows whether the model reads token ids)."""
     try:
         _check_headers(path, input_shape)
         with np.load(path, allow_pickle=False) as data:
@@ -28,8 +32,9 @@ def load_batch(path, input_shape: Optional[tuple[int, ...]] = None) -> tuple[np.
             x, y = np.asarray(data["x"]), np.asarray(data["y"])
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise PoetError(f"cannot read {path} as .npz: {exc}", field="--data") from None
-    if x.dtype != np.float32:
-        raise PoetError(f"x is {x.dtype}; expected float32", field="--data")
+    if x.dtype != np.float32 and not (token_ids and np.issubdtype(x.dtype, np.integer)):
+        raise PoetError(f"x is {x.dtype}; expected float32" + (" (or integer token ids)" if token_ids else ""),
+                        field="--data")
     if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1 or x.ndim < 2 or y.shape[0] != x.shape[0]:
         raise PoetError(f"y has shape {y.shape} and type {y.dtype}; expected one integer label per sample of x "
                         f"(batch {x.shape[0] if x.ndim else '?'})", field="--data")
@@ -39,6 +44,26 @@ def load_batch(path, input_shape: Optional[tuple[int, ...]] = None) -> tuple[np.
     if not np.isfinite(x).all():
         raise PoetError("x holds NaN or infinity", field="--data")
     return x, y
+
+
+def check_x(x, vocabulary: Optional[int]) -> np.ndarray:
+    """The one rule for `run`'s x against its model: float32 features, or, when the model's input
+    goes into embeddings (``vocabulary``: the rows of the smallest such table), integer token ids
+    in [0, vocabulary), returned as int32: 4 bytes each, as the training graph counts the input."""
+    x = np.asarray(x)
+    integer = np.issubdtype(x.dtype, np.integer)
+    if vocabulary is None:
+        if x.dtype != np.float32:
+            why = " (this model's input is features, not token ids)" if integer else ""
+            raise PoetError(f"x is {x.dtype}; expected float32{why}", field="--data")
+        return x
+    if not integer:
+        raise PoetError(f"x is {x.dtype}; this model's input is token ids into an embedding of {vocabulary:,} rows: "
+                        "expected integers", field="--data")
+    if x.size and (int(x.min()) < 0 or int(x.max()) >= vocabulary):
+        raise PoetError(f"x holds token ids from {int(x.min())} to {int(x.max())}; this model's embedding has "
+                        f"{vocabulary:,} rows, so they must lie in [0, {vocabulary})", field="--data")
+    return x.astype(np.int32)
 
 
 def check_labels(y, classes: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from poet_opt.model.operators import finish
 from poet_opt.model.tiling import feature_ranges
 from poet_opt.model.tiling_records import WeightSlices
 from poet_opt.model.torch_import import lower_module, resolve_module
-from poet_opt.model.torch_rows import is_row_model, row_training_graph
+from poet_opt.model.torch_rows import is_row_model, row_training_graph, token_vocabulary
 
 FIELD = "--torch"  # the layers come from a torch module, as that option names it
 
@@ -88,6 +88,9 @@ class Network:
     layers: dict[str, Layer]  # by graph node name, in forward order
     graph: TrainingGraph
     output: str  # the layer whose output is the logits
+    # the input is token ids into embeddings: the rows of the smallest table that reads them (x must
+    # hold integers in [0, vocabulary)); None: the input is features (float32)
+    vocabulary: int | None = None
 
     @property
     def trainable_parameters(self) -> list[Parameter]:
@@ -188,7 +191,8 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
             continue
         layers[o.name] = layer
     out_name = ops.ops[output].name
-    return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name)
+    return Network(graph.name, module, tuple(shapes[ops.ops[0].name]), layers, graph, out_name,
+                   token_vocabulary(module, ops))
 
 
 def _row_network(name: str, module, ops, output: int, trainable, meta: dict, strips, budget) -> Network:
@@ -212,8 +216,12 @@ def _row_network(name: str, module, ops, output: int, trainable, meta: dict, str
             layer.trainable = o.name in trained
             if o.op == "layernorm":  # the firmware normalises with the module's own (torch_rows checks it)
                 layer.attrs["eps"] = float(m.eps)
+        elif o.op == "embedding":  # its table, cut into (vocabulary rows x feature piece) tiles by the graph
+            m = modules[origin.target]
+            layer.params = {"weight": Parameter(names[id(m.weight)], _array(m.weight))}
+            layer.trainable = o.name in trained
         layers[o.name] = layer
-    return Network(name, module, tuple(ops.ops[0].shape), layers, graph, kept[-1].name)
+    return Network(name, module, tuple(ops.ops[0].shape), layers, graph, kept[-1].name, token_vocabulary(module, ops))
 
 
 def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, strips, budget, tile_bytes):
@@ -384,6 +392,14 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             return make("layernorm", x, eps=float(m.eps))
         if isinstance(m, nn.Linear):
             return make("linear", x, features_in=m.in_features, features_out=m.out_features)
+        if isinstance(m, nn.Embedding):  # the executor runs torch's own gather (views: its lowering only)
+            if chains is None:
+                raise _unsupported(name, "module Embedding")
+            if m.max_norm is not None or m.sparse:
+                raise PoetError(f"node {name!r}: an nn.Embedding with max_norm (renormalised in place by its "
+                                "forward) or sparse gradients; the PyTorch executor trains plain tables only",
+                                field=FIELD)
+            return make("embedding", x)
         spec = next(filter(None, (registry.by_torch_module(c.__name__) for c in type(m).__mro__)), None)
         if spec is not None and spec.split == "elementwise" and spec.arity == 1:  # the registry's activations
             if isinstance(m, nn.GELU) and m.approximate != "none":

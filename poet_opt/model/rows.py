@@ -77,6 +77,7 @@ class _Builder:
         self.stats: dict[int, dict] = {}
         self.acc: dict[tuple, int] = {}  # (layer, tile) -> the last link of its weight-gradient chain
         self.link_count: dict[str, int] = {}
+        self.positions: set[str] | None = None  # tables indexed by position (row_graph's ``positions``)
         self.users: list[list[int]] = [[] for _ in ops]
         for u, o in enumerate(ops):
             for x in dict.fromkeys(o.inputs):
@@ -143,7 +144,11 @@ class _Builder:
         return partition(rows, math.ceil(rows / self.vocab_rows))
 
     def positional(self, u: int) -> bool:
-        return "position" in self.ops[u].name  # the zoo indexes its position table by position
+        """A table indexed by position, not token id: a torch module's as its trace showed
+        (model/torch_rows.py), the zoo's by name (it indexes its position table by position)."""
+        if self.positions is not None:
+            return self.ops[u].name in self.positions
+        return "position" in self.ops[u].name
 
     # -- forward -----------------------------------------------------------------------------------
 
@@ -555,11 +560,13 @@ class _Builder:
 
 
 def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], needs_grad: list[bool], meta: dict,
-              tiling: dict, *, flops_per_weight: float = 2.0, divisors: dict | None = None) -> TrainingGraph:
+              tiling: dict, *, flops_per_weight: float = 2.0, divisors: dict | None = None,
+              positions=None) -> TrainingGraph:
     """The streamed-weights training graph (plain SGD) of transformer ``ops`` (untiled, the zoo's
     per-sample shapes) with ``tiling`` = {"blocks": row blocks, "piece": features per column piece,
     "vocab_rows": table rows per embedding tile}. ``divisors``: scores layer -> what its products
-    are divided by, where not sqrt(d_head) (the zoo folds that in; a torch module writes its own)."""
+    are divided by, where not sqrt(d_head) (the zoo folds that in; a torch module writes its own).
+    ``positions``: the embeddings indexed by position (None: those named so, as the zoo's)."""
     if not is_transformer(ops):
         other = next((o for o in ops if o.op not in ROW_OPS), None)  # name the operator rows cannot split
         why = f"; {other.name} ({other.op}) cannot be tiled by rows" if other is not None else ""
@@ -571,6 +578,7 @@ def row_graph(name: str, ops: Sequence, batch: int, bpe: int, train: set[int], n
     if min(blocks, piece, vocab_rows) < 1:
         raise PoetError(f"row tiling needs positive counts, got {tiling!r}", field="--strips")
     built = _Builder(ops, batch, bpe, train, needs_grad, blocks, piece, vocab_rows, flops_per_weight)
+    built.positions = None if positions is None else set(positions)
     loss = built.forward()
     built.prune(loss)
     built.backward(loss)

@@ -34,19 +34,22 @@ def row_ops(module, ops, output: int):
     divided by) of a traced transformer, or a PoetError naming the node row tiles cannot take."""
     import torch
 
-    values = _values(torch, module, ops)
     src = ops.ops
+    vocabulary = token_vocabulary(module, ops)
+    values = _values(torch, module, ops, vocabulary)
     needed = {output}
     for i in range(output, -1, -1):
         if i in needed:
             needed.update(src[i].inputs)
     batch = src[0].shape[0]
-    if len(src[0].shape) != 3:
-        raise PoetError(f"row tiles take (batch, tokens, features) inputs, not {tuple(src[0].shape)}", field=FIELD)
+    if len(src[0].shape) != (2 if vocabulary else 3):
+        raise PoetError(f"row tiles take (batch, tokens, features) inputs, or (batch, tokens) token ids into an "
+                        f"embedding, not {tuple(src[0].shape)}", field=FIELD)
     users = {i: [u for u in needed if i in src[u].inputs] for i in needed}
     out: list = []
     index: dict[int, int] = {}  # traced op -> row op standing for it
     divisors: dict[str, float] = {}
+    positions: set[str] = set()  # embeddings indexed by position, not token id
 
     placeholder = next(n for n in values if n.op == "placeholder")
 
@@ -65,6 +68,15 @@ def row_ops(module, ops, output: int):
         n = fx(i)
         if o.op == "input":
             add(i, "input", o.shape[1:], ())
+        elif o.op == "embedding" and o.inputs == (0,):  # of the token ids, or of their positions
+            if _position_table(torch, module, n, o, values[placeholder], values[n]):
+                positions.add(o.name)
+            add(i, "embedding", o.shape[1:], o.inputs)
+        elif o.op == "linear" and len(o.shape) == 2 and len(src[o.inputs[0]].shape) == 3:  # a pooler on [CLS]
+            m, xv = _check_module(module, n, o), values[fx(o.inputs[0])]
+            _same(values[n], torch.nn.functional.linear(xv[:, 0], m.weight, m.bias), o.name,
+                  "a linear layer of a (tokens, features) tensor's first token only, or of every token", exact=False)
+            add(i, "linear", o.shape[1:], o.inputs)
         elif o.op == "matmul" and len(o.shape) == 4 and len(src[o.inputs[0]].shape) == 3:  # scores, heads split
             if len(o.inputs) != 2 or len(users[i]) != 1:  # the divisor is the scores node's, for its one reader
                 raise PoetError(f"node {o.name!r}: attention scores of one tensor with itself, or read twice",
@@ -129,7 +141,45 @@ def row_ops(module, ops, output: int):
         raise PoetError(f"node {src[output].name!r}: the output must be the last operator", field=FIELD)
     if not is_transformer(out):
         raise PoetError("row tiles are for attention blocks; this module has no attention", field=FIELD)
-    return out, divisors
+    return out, divisors, positions
+
+
+def token_vocabulary(module, ops) -> int | None:
+    """The rows of the smallest nn.Embedding indexed by the traced input itself (the token ids,
+    through views that keep each id as it is), or None: the input is no token ids."""
+    import torch
+
+    modules = dict(module.named_modules())
+    rows = [m.num_embeddings for o in ops.ops[1:] if o.op == "embedding" and o.inputs == (0,)
+            for n in [ops.origins.get(o.name)] if n is not None and n.op == "call_module" and _ids_as_they_are(n)
+            for m in [modules.get(n.target)] if isinstance(m, torch.nn.Embedding)]
+    return min(rows) if rows else None
+
+
+def _ids_as_they_are(n) -> bool:
+    """The index of fx call ``n`` is the input, through reshapes and integer casts only."""
+    a = n.args[0] if n.args else None
+    while a is not None and a.op == "call_method" and a.target in ("view", "reshape", "flatten", "long", "int", "to",
+                                                                     "contiguous"):
+        a = a.args[0]
+    return a is not None and a.op == "placeholder"
+
+
+def _position_table(torch, module, n, o, ids, got) -> bool:
+    """Whether a traced embedding gathers the rows of the token ids (False) or of their positions
+    0..seq-1 (True), as its value on random ids shows; any other index is refused naming the node."""
+    m = dict(module.named_modules()).get(n.target) if n.op == "call_module" else None
+    if not isinstance(m, torch.nn.Embedding) or m.max_norm is not None or m.sparse or m.padding_idx is not None:
+        raise PoetError(f"node {o.name!r}: row tiles take an embedding as an nn.Embedding module without max_norm, "
+                        "padding_idx or sparse gradients", field=FIELD)
+    F = torch.nn.functional
+    if int(ids.max()) < m.num_embeddings and torch.equal(got, F.embedding(ids, m.weight)):
+        return False
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    if ids.shape[1] <= m.num_embeddings and torch.equal(got, F.embedding(positions, m.weight)):
+        return True
+    raise PoetError(f"node {o.name!r}: an embedding of other than the token ids or their positions; row tiles "
+                    "cannot take it", field=FIELD)
 
 
 def _replayed(op: str) -> bool:
@@ -176,8 +226,9 @@ def _check_module(module, n, o) -> None:
                     " module with a bias (and eps 1e-5 for a norm)", field=FIELD)
 
 
-def _values(torch, module, ops):
-    """Every traced node's value on a random input, to check the views the row graph leaves out."""
+def _values(torch, module, ops, vocabulary=None):
+    """Every traced node's value on a random input (token ids below ``vocabulary`` when it is
+    given), to check the views the row graph leaves out."""
     graph = next(iter(ops.origins.values())).graph
     values: dict = {}
 
@@ -191,7 +242,9 @@ def _values(torch, module, ops):
     module.eval()
     try:
         with torch.no_grad():
-            Recorder(module, graph=graph).run(torch.randn(ops.ops[0].shape, generator=gen))
+            x = torch.randn(ops.ops[0].shape, generator=gen) if vocabulary is None else \
+                torch.randint(0, vocabulary, ops.ops[0].shape, generator=gen)
+            Recorder(module, graph=graph).run(x)
     finally:
         module.train(was)
     return values
@@ -203,9 +256,10 @@ def row_training_graph(name: str, module, ops, output: int, trainable, meta: dic
     blocks. Returns (graph or None, the zoo-shaped operators)."""
     from poet_opt.model.zoo import training_graph
 
-    kept, divisors = row_ops(module, ops, output)
+    kept, divisors, positions = row_ops(module, ops, output)
     if budget is None:
         raise PoetError("row tiling of a transformer needs --ram or a device to fit", field=FIELD)
     meta = {**meta, "bytes_per_element": 4, "forward_layers": len(kept) - 1}
-    rows = {"budget": budget, "divisors": divisors, **({} if strips == "auto" else {"blocks": int(strips)})}
+    rows = {"budget": budget, "divisors": divisors, "positions": positions,
+            **({} if strips == "auto" else {"blocks": int(strips)})}
     return training_graph(name, kept, ops.ops[0].shape[0], 4, trainable, meta, weights="streamed", rows=rows), kept

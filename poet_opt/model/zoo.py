@@ -544,7 +544,8 @@ def _tiled_graph(name, ops, batch, bpe, trainable, train, meta, streamed, optimi
     meta = {**meta, "trainable": trainable if isinstance(trainable, str) or trainable is None else list(trainable),
             "param_count": sum(o.params for o in ops), "trainable_param_count": sum(ops[i].params for i in train),
             "weights": "streamed", "optimizer": "sgd", "optimizer_state_bytes": 0, "tiles": {}}
-    divisors = rows.get("divisors")  # a torch module's own attention scaling (model/torch_rows.py)
+    # a torch module's own attention scaling, and its tables indexed by position (model/torch_rows.py)
+    divisors, positions = rows.get("divisors"), rows.get("positions")
     if "budget" in rows:  # the tiling with the fewest nodes whose every node fits the budget
         trained = {ops[i].name for i in train}
 
@@ -553,13 +554,14 @@ def _tiled_graph(name, ops, batch, bpe, trainable, train, meta, streamed, optimi
             need: list[bool] = []
             for i, o in enumerate(some):
                 need.append(i in mine or any(need[j] for j in o.inputs))
-            return row_graph(name, some, batch, bpe, mine, need, meta, tiling, divisors=divisors)
+            return row_graph(name, some, batch, bpe, mine, need, meta, tiling, divisors=divisors,
+                             positions=positions)
 
         chosen = fit_rows(build, ops, int(rows["budget"]), bpe, blocks=rows.get("blocks"))
         if chosen is None:
             return None
         rows = chosen
-    return row_graph(name, ops, batch, bpe, train, needs_grad, meta, rows, divisors=divisors)
+    return row_graph(name, ops, batch, bpe, train, needs_grad, meta, rows, divisors=divisors, positions=positions)
 
 
 class _Fused:

@@ -1,8 +1,9 @@
 """PyTorch modules for the zoo's models, layer for layer as the zoo builds them (same operators,
 shapes and names; a test lowers each to the zoo's graph node for node), with PyTorch's default
 initialisation under ``torch.manual_seed(SEED)``: `poet-opt emulate --model NAME` and `run --model
-NAME` train these, all but the two transformers (``UNTRAINED`` says why, and the commands refuse them
-before reading anything). The zoo keeps its own builders because `solve --model` works without
+NAME` train these, all but the lone transformer block (``UNTRAINED`` says why, and the commands refuse
+it before reading anything); the firmware has no embedding kernel, so `emulate` refuses bert-base too
+(``NOT_IN_FIRMWARE``), which `run` trains. The zoo keeps its own builders because `solve --model` works without
 PyTorch."""
 
 from __future__ import annotations
@@ -239,50 +240,57 @@ def _transformer_block():
     return TransformerBlock()
 
 
-def _bert_base():
+def bert(d: int = 768, heads: int = 12, d_ff: int = 3072, layers: int = 12, vocab: int = 30522,
+         positions: int = 512, classes: int = 2):
+    """BERT as the zoo builds it (no attention mask, no dropout, a ``classes``-way head), at any
+    size; the defaults are bert-base's twin. Unseeded: :func:`zoo_module` seeds bert-base's."""
     import torch
     from torch import nn
 
     class Embeddings(nn.Module):
-        """The zoo's one gather for positions and token types: a table of 512 + 2 rows indexed by
-        position (rows 512 and 513 are never read). The positions are a view of the token ids'
+        """The zoo's one gather for positions and token types: a table of positions + 2 rows indexed
+        by position (the last two rows are never read). The positions are a view of the token ids'
         shape, so that the trace sees this gather read the input, as the zoo's graph has it."""
 
         def __init__(self):
             super().__init__()
-            self.word, self.position_type = nn.Embedding(30522, 768), nn.Embedding(512 + 2, 768)
-            self.ln = nn.LayerNorm(768)
+            self.word, self.position_type = nn.Embedding(vocab, d), nn.Embedding(positions + 2, d)
+            self.ln = nn.LayerNorm(d)
 
         def forward(self, ids):
-            positions = torch.arange(ids.shape[1]).expand_as(ids)
-            return self.ln(self.word(ids) + self.position_type(positions))
+            where = torch.arange(ids.shape[1]).expand_as(ids)
+            return self.ln(self.word(ids) + self.position_type(where))
 
     class Pooler(nn.Module):
         def __init__(self):
             super().__init__()
-            self.dense, self.tanh = nn.Linear(768, 768), nn.Tanh()
+            self.dense, self.tanh = nn.Linear(d, d), nn.Tanh()
 
         def forward(self, x):
             return self.tanh(self.dense(x[:, 0]))  # the [CLS] token's
 
     class BertBase(nn.Module):
-        """BERT-base as the zoo builds it: no attention mask, no dropout, a 2-class head."""
-
         def __init__(self):
             super().__init__()
             self.embeddings = Embeddings()
-            for i in range(12):
-                setattr(self, f"layer{i}", _encoder(768, 12, 3072))
-            self.pooler, self.classifier = Pooler(), nn.Linear(768, 2)
+            for i in range(layers):
+                setattr(self, f"layer{i}", _encoder(d, heads, d_ff))
+            self.pooler, self.classifier = Pooler(), nn.Linear(d, classes)
 
         def forward(self, ids):
             x = self.embeddings(ids)
-            for i in range(12):
+            for i in range(layers):
                 x = getattr(self, f"layer{i}")(x)
             return self.classifier(self.pooler(x))
 
-    torch.manual_seed(SEED)
     return BertBase()
+
+
+def _bert_base():
+    import torch
+
+    torch.manual_seed(SEED)
+    return bert()
 
 
 FACTORIES = {"mcu-vww": _mcu_vww, "mlp": _mlp, "mlp-residual": _mlp_residual, "vgg16-cifar": _vgg16(imagenet=False),
@@ -298,24 +306,32 @@ _INSTEAD = "--torch poet_opt.examples.torch_models:encoder_classifier trains an 
 UNTRAINED = {
     "transformer-block": "ends in the block's hidden states (tokens x 768), with no classifier head: the firmware and "
                          "`run` train with cross-entropy on logits, which hidden states are not",
-    "bert-base": "starts with embeddings of token ids, which neither the firmware (whole or in row tiles) nor `run` "
-                 "has kernels for",
 }
-TRAINED = tuple(sorted(n for n in FACTORIES if n not in UNTRAINED))
+# Twins that `run` trains and the firmware (`emulate`) cannot, and why
+NOT_IN_FIRMWARE = {
+    "bert-base": "starts with embeddings of token ids, which the firmware has no kernel for (whole or in row tiles)",
+}
+TRAINED = tuple(sorted(n for n in FACTORIES if n not in UNTRAINED))  # by `run`
+FIRMWARE_TRAINED = tuple(n for n in TRAINED if n not in NOT_IN_FIRMWARE)  # by `emulate`
 
 
 def _key(name) -> str:
     return str(name).strip().lower().replace("_", "-")  # as the zoo spells its names
 
 
-def check_trains(name: str) -> None:
-    """Refuse, naming why and what to train instead, a zoo model `emulate` or `run` cannot train."""
+def check_trains(name: str, *, firmware: bool = False) -> None:
+    """Refuse, naming why and what to train instead, a zoo model `run` (or, ``firmware``, `emulate`)
+    cannot train."""
     key = _key(name)
     if key in UNTRAINED:
         raise PoetError(f"zoo model {key!r} {UNTRAINED[key]}; `solve --model {key}` plans it, and {_INSTEAD}",
                         field="--model")
+    if firmware and key in NOT_IN_FIRMWARE:
+        raise PoetError(f"zoo model {key!r} {NOT_IN_FIRMWARE[key]}; `poet-opt run --model {key}` trains it in "
+                        f"PyTorch, following the plan `solve --model {key}` makes", field="--model")
     if key not in FACTORIES:
-        raise PoetError(f"no PyTorch twin of zoo model {name!r}; train one of {', '.join(TRAINED)}, "
+        listed = FIRMWARE_TRAINED if firmware else TRAINED
+        raise PoetError(f"no PyTorch twin of zoo model {name!r}; train one of {', '.join(listed)}, "
                         "or give --torch FILE.py:FACTORY", field="--model")
 
 

@@ -53,12 +53,12 @@ FIRMWARE = {
 # The PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
 # (executor/strips.py, walked by executor/tiled.py) for strips and weight slices; the row replay
 # (executor/rows.py, walked by executor/tiled.py) for a torch transformer's row tiles
-# (model/torch_rows.py: no embedding, whose token ids a torch module's float input is not).
+# (model/torch_rows.py). An embedding reads the integer token ids `run --data` gives as x.
 EXECUTOR = {
     "whole": {"copy", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
-              "softmax", "attention"},
+              "softmax", "attention", "embedding"},
     "strips": {"concat", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
-    "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool"},
+    "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool", "embedding"},
     "slices": {"conv2d", "linear", "concat"},
 }
 
