@@ -244,6 +244,10 @@ CONV_CASES = {
     "tiled depthwise 3 rows by 2 columns": (1, 2, 3, 2, 2, (3, 3), (1, 1), (1, 1), 2, False),
     "tiled depthwise stride 2 on rows, 1 on columns": (1, 2, 7, 6, 2, (3, 3), (2, 1), (1, 1), 2, True),
     "tiled grouped, 4 channels a group": (1, 8, 4, 10, 8, (3, 3), (1, 1), (1, 1), 2, True),
+    # one input channel a group and several outputs (mcu-vww's stem): the depthwise walks, two
+    # output channels on each input window, and the odd one left over
+    "tiled stem, 1 input to 5 outputs, stride 2": (2, 1, 9, 10, 5, (3, 3), (2, 2), (1, 1), 1, True),
+    "tiled 1 input a group to 3 outputs, stride 1": (1, 2, 6, 7, 6, (3, 3), (1, 1), (1, 1), 2, True),
     "tiled 5x5 (general path)": (1, 4, 7, 15, 5, (5, 5), (1, 1), (2, 2), 1, True),
     "tiled 3x3 stride 3 (general path)": (1, 5, 8, 20, 4, (3, 3), (3, 3), (1, 1), 1, True),
 }
