@@ -236,6 +236,7 @@ CONV_CASES = {
     "tiled pointwise, 1 input": (1, 1, 3, 3, 4, (1, 1), (1, 1), (0, 0), 1, True),
     "tiled pointwise on a 3x3 plane, batch 2": (2, 8, 3, 3, 8, (1, 1), (1, 1), (0, 0), 1, True),
     "tiled pointwise on a 2x3 plane, grouped": (1, 8, 2, 3, 16, (1, 1), (1, 1), (0, 0), 2, False),
+    "tiled pointwise on a 3x7 plane, batch 2": (2, 4, 3, 7, 8, (1, 1), (1, 1), (0, 0), 1, True),
     # the depthwise row walks' edges: odd heights (a last dy row with no dx row after it at
     # stride 2), even widths, pairs of rows, and planes too narrow for the walk (w < 3)
     "tiled depthwise stride 2 odd height": (2, 3, 7, 8, 3, (3, 3), (2, 2), (1, 1), 3, True),

@@ -1318,36 +1318,76 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
 }
 
 #ifndef POET_KERNELS_SMALL
-/* Weight gradients of a 1x1 stride-1 layer (as one row) with channels in fours: 4 x 4 blocks of
- * sums over the batch and the plane's positions, each input loaded once for four of them. On
- * small planes (mcu-vww's 3x3) the general tiles' per-tap set-up (the tap's output ranges,
- * eight row pointers) cost as much as a reduction of 9. Returns 0 for other shapes. */
-POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
-                                       float lr, int sgd)
+/* One step of a 4 x 4 block of pointwise weight gradients: s[c 4 + q] (INIT: =, else +=)
+ * pa[c][k] pb[q][k] */
+POET_INLINE void pw_grad_step(float *s, const float *const *pa, const float *const *pb, int32_t k, const int INIT)
 {
-    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
-    uint32_t g, co, ci, n, p, c, q;
-    /* from 16 positions on, the general tiles' reduction, unrolled by four, is the faster */
-    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g % 4 || cout_g % 4 ||
-        P >= 16)
-        return 0;
+    float av[4], bv[4];
+    uint32_t c, q;
+    for (c = 0; c < 4; ++c)
+        av[c] = pa[c][k], bv[c] = pb[c][k];
+    for (c = 0; c < 4; ++c)
+        for (q = 0; q < 4; ++q)
+            s[c * 4 + q] = INIT ? av[c] * bv[q] : s[c * 4 + q] + av[c] * bv[q];
+}
+
+/* s[c 4 + q] (INIT: =, else +=) sum over p < P of a[c P + p] b[q P + p], P >= 1. PC: P when the
+ * call fixes it (mcu-vww's 3x3 planes), and then every load is an immediate offset from a and b;
+ * else four pointers a side, stepped four positions at a time. INIT: the first product starts
+ * the sum, neither a zero nor its addition. */
+POET_INLINE void pw_grad_block(float *s, const float *a, const float *b, uint32_t P, const uint32_t PC, const int INIT)
+{
+    const float *pa[4], *pb[4];
+    uint32_t c, p = 0;
+    if (PC) {
+        for (c = 0; c < 4; ++c)
+            pa[c] = a + c * PC, pb[c] = b + c * PC;
+        if (INIT)
+            pw_grad_step(s, pa, pb, 0, 1), p = 1;
+        for (; p < PC; ++p)
+            pw_grad_step(s, pa, pb, (int32_t)p, 0);
+        return;
+    }
+    for (c = 0; c < 4; ++c)
+        pa[c] = a + c * P, pb[c] = b + c * P;
+    if (INIT) {
+        pw_grad_step(s, pa, pb, 0, 1);
+        for (c = 0; c < 4; ++c)
+            ++pa[c], ++pb[c];
+        p = 1;
+    }
+    for (; p + 4 <= P; p += 4) {
+        pw_grad_step(s, pa, pb, 0, 0);
+        pw_grad_step(s, pa, pb, 1, 0);
+        pw_grad_step(s, pa, pb, 2, 0);
+        pw_grad_step(s, pa, pb, 3, 0);
+        for (c = 0; c < 4; ++c)
+            pa[c] += 4, pb[c] += 4;
+    }
+    for (; p < P; ++p) {
+        pw_grad_step(s, pa, pb, 0, 0);
+        for (c = 0; c < 4; ++c)
+            ++pa[c], ++pb[c];
+    }
+}
+
+/* Weight gradients of a 1x1 stride-1 layer (as one row) with channels in fours: 4 x 4 blocks of
+ * sums over the batch and the plane's positions, each input loaded once for four of them, with
+ * no per-tap set-up (the general tiles' output ranges and eight row pointers cost as much as a
+ * reduction over mcu-vww's 6x6 and 3x3 planes). Returns 0 for other shapes. */
+POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                         float lr, int sgd, const uint32_t PC)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = PC ? PC : s->w_out;
+    uint32_t g, co, ci, n, c, q;
     for (g = 0; g < s->groups; ++g)
         for (co = g * cout_g; co < (g + 1) * cout_g; co += 4)
             for (ci = 0; ci < cin_g; ci += 4) {
                 float acc[16], *at = gw + co * cin_g + ci;
-                for (c = 0; c < 16; ++c)
-                    acc[c] = 0.0f;
-                for (n = 0; n < s->n; ++n) {
-                    const float *a = dy + (n * s->c_out + co) * P, *bx = x + (n * s->c_in + g * cin_g + ci) * P;
-                    for (p = 0; p < P; ++p) {
-                        float av[4], bv[4];
-                        for (c = 0; c < 4; ++c)
-                            av[c] = a[c * P + p], bv[c] = bx[c * P + p];
-                        for (c = 0; c < 4; ++c)
-                            for (q = 0; q < 4; ++q)
-                                acc[c * 4 + q] += av[c] * bv[q];
-                    }
-                }
+                const float *a = dy + co * P, *bx = x + (g * cin_g + ci) * P;
+                pw_grad_block(acc, a, bx, P, PC, 1);
+                for (n = 1; n < s->n; ++n)
+                    pw_grad_block(acc, a + n * s->c_out * P, bx + n * s->c_in * P, P, PC, 0);
                 for (c = 0; c < 4; ++c)
                     for (q = 0; q < 4; ++q) {
                         if (sgd)
@@ -1356,6 +1396,18 @@ POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *
                             at[c * cin_g + q] += acc[c * 4 + q];
                     }
             }
+}
+
+POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                       float lr, int sgd)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g % 4 || cout_g % 4)
+        return 0;
+    if (s->w_out == 9)
+        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 9);
+    else
+        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 0);
     return 1;
 }
 #endif
