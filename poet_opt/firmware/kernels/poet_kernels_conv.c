@@ -687,26 +687,54 @@ POET_OUTLINE void forward_channel3_s2_x2(float *y, const float *x, const float *
  * for every four columns and their reduction over so few channels is as short as their set-up.
  * yo[c P + p] (+)= sum over u < CIN of xg[u P + p] w[c wc + u wu]; the data gradient runs in it
  * too, four output channels at a time, with the weights transposed by their strides. */
+POET_INLINE void pointwise_few_at(float *const *yp, const float *const *xp, const float *wr, uint32_t k,
+                                  const int accumulate, const uint32_t CIN)
+{
+    float xv[4];
+    uint32_t c, u;
+    for (u = 0; u < CIN; ++u)
+        xv[u] = xp[u][k];
+    for (c = 0; c < 4; ++c) {
+        float acc = xv[0] * wr[c * 4];
+        for (u = 1; u < CIN; ++u)
+            acc += xv[u] * wr[c * 4 + u];
+        if (accumulate)
+            yp[c][k] += acc;
+        else
+            yp[c][k] = acc;
+    }
+}
+
+/* the plane's positions four at a time, at immediate offsets from a pointer a row */
 POET_INLINE void pointwise_few(float *yo, const float *xg, uint32_t P, const float *w, uint32_t wc, uint32_t wu,
                                const int accumulate, const uint32_t CIN)
 {
-    float wr[16], xv[4];
+    float wr[16], *yp[4];
+    const float *xp[4];
     uint32_t c, u, p;
     for (c = 0; c < 4; ++c)
         for (u = 0; u < CIN; ++u)
             wr[c * 4 + u] = w[c * wc + u * wu];
-    for (p = 0; p < P; ++p) {
+    for (c = 0; c < 4; ++c)
+        yp[c] = yo + c * P;
+    for (u = 0; u < CIN; ++u)
+        xp[u] = xg + u * P;
+    for (p = 0; p + 4 <= P; p += 4) {
+        pointwise_few_at(yp, xp, wr, 0, accumulate, CIN);
+        pointwise_few_at(yp, xp, wr, 1, accumulate, CIN);
+        pointwise_few_at(yp, xp, wr, 2, accumulate, CIN);
+        pointwise_few_at(yp, xp, wr, 3, accumulate, CIN);
+        for (c = 0; c < 4; ++c)
+            yp[c] += 4;
         for (u = 0; u < CIN; ++u)
-            xv[u] = xg[u * P + p];
-        for (c = 0; c < 4; ++c) {
-            float acc = xv[0] * wr[c * 4];
-            for (u = 1; u < CIN; ++u)
-                acc += xv[u] * wr[c * 4 + u];
-            if (accumulate)
-                yo[c * P + p] += acc;
-            else
-                yo[c * P + p] = acc;
-        }
+            xp[u] += 4;
+    }
+    for (; p < P; ++p) {
+        pointwise_few_at(yp, xp, wr, 0, accumulate, CIN);
+        for (c = 0; c < 4; ++c)
+            ++yp[c];
+        for (u = 0; u < CIN; ++u)
+            ++xp[u];
     }
 }
 
@@ -746,6 +774,125 @@ POET_OUTLINE int pointwise_few_backward_input(float *dx, const float *dy, const 
             for (co = 0; co < cout_g; co += 4)
                 pointwise_few(dx + (n * s->c_in + g * cin_g) * P, dy + (n * s->c_out + g * cout_g + co) * P, P,
                               w + (g * cout_g + co) * cin_g, 1, cin_g, 1, 4);
+    return 1;
+}
+#endif
+
+#ifndef POET_KERNELS_SMALL
+/* A 1x1 stride-1 layer as one row is a matrix product over the plane's P positions:
+ * y[c P + q] (+)= sum over u < U of w[c wc + u wu] x[u P + q], in tiles of 4 channels by Q
+ * positions. The forward (wu 1) reads the four channels' weights at immediate offsets from a
+ * pointer each, four u at a time; the data gradient (wc 1, the weights transposed) reads them
+ * from one pointer stepped along u. The first product starts each sum. The general tiles step
+ * five pointers every u, a third of an instruction per multiply-add on these short rows. */
+POET_INLINE void pw_mm_step(float *s, const float *xp, const float *const *wq, const float *w1, int32_t k,
+                            const int WC1, const int INIT, const uint32_t Q)
+{
+    float xv[4], wv[4];
+    uint32_t c, q;
+    for (q = 0; q < Q; ++q)
+        xv[q] = xp[q];
+    for (c = 0; c < 4; ++c)
+        wv[c] = WC1 ? w1[c] : wq[c][k];
+    for (c = 0; c < 4; ++c)
+        for (q = 0; q < Q; ++q)
+            s[c * Q + q] = INIT ? wv[c] * xv[q] : s[c * Q + q] + wv[c] * xv[q];
+}
+
+POET_INLINE void pw_mm_tile(float *yo, uint32_t P, const float *x, const float *w, uint32_t U, uint32_t wc,
+                            uint32_t wu, const int accumulate, const int WC1, const uint32_t Q)
+{
+    float s[16];
+    const float *wq[4], *w1 = w + wu, *xp = x + P;
+    uint32_t u = 1, c, q;
+    for (c = 0; c < 4; ++c)
+        wq[c] = w + c * wc + 1;
+    pw_mm_step(s, x, wq, w, -1, WC1, 1, Q);
+    if (WC1)
+        for (; u < U; ++u, xp += P, w1 += wu)
+            pw_mm_step(s, xp, wq, w1, 0, 1, 0, Q);
+    else {
+        for (; u + 4 <= U; u += 4) {
+            pw_mm_step(s, xp, wq, w1, 0, 0, 0, Q);
+            pw_mm_step(s, xp + P, wq, w1, 1, 0, 0, Q);
+            pw_mm_step(s, xp + 2 * P, wq, w1, 2, 0, 0, Q);
+            pw_mm_step(s, xp + 3 * P, wq, w1, 3, 0, 0, Q);
+            xp += 4 * P;
+            for (c = 0; c < 4; ++c)
+                wq[c] += 4;
+        }
+        for (; u < U; ++u, xp += P) {
+            pw_mm_step(s, xp, wq, w1, 0, 0, 0, Q);
+            for (c = 0; c < 4; ++c)
+                ++wq[c];
+        }
+    }
+    for (c = 0; c < 4; ++c)
+        for (q = 0; q < Q; ++q) {
+            if (accumulate)
+                yo[c * P + q] += s[c * Q + q];
+            else
+                yo[c * P + q] = s[c * Q + q];
+        }
+}
+
+/* Four channels' rows of the product across the plane: tiles of 4 positions, or of 3 where P is
+ * a multiple of 3 but not of 4 (mcu-vww's 3x3 plane), the rest one at a time */
+POET_INLINE void pw_mm_rows(float *yo, uint32_t P, const float *x, const float *w, uint32_t U, uint32_t wc,
+                            uint32_t wu, const int accumulate, const int WC1)
+{
+    uint32_t p = 0;
+    if (P % 4 && P % 3 == 0)
+        for (; p < P; p += 3)
+            pw_mm_tile(yo + p, P, x + p, w, U, wc, wu, accumulate, WC1, 3);
+    for (; p + 4 <= P; p += 4)
+        pw_mm_tile(yo + p, P, x + p, w, U, wc, wu, accumulate, WC1, 4);
+    for (; p < P; ++p)
+        pw_mm_tile(yo + p, P, x + p, w, U, wc, wu, accumulate, WC1, 1);
+}
+
+POET_OUTLINE void pw_mm_rows_forward(float *yo, uint32_t P, const float *x, const float *w, uint32_t U)
+{
+    pw_mm_rows(yo, P, x, w, U, U, 1, 0, 0);
+}
+
+POET_OUTLINE void pw_mm_rows_backward(float *dxo, uint32_t P, const float *dy, const float *w, uint32_t U, uint32_t wu)
+{
+    pw_mm_rows(dxo, P, dy, w, U, 1, wu, 1, 1);
+}
+
+/* The forward of such a layer with more than 4 inputs and outputs in fours; 0 for other shapes */
+static int pointwise_mm_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
+    uint32_t n, g, co, p;
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g <= 4 || cout_g % 4)
+        return 0;
+    for (n = 0; n < s->n; ++n)
+        for (g = 0; g < s->groups; ++g)
+            for (co = g * cout_g; co < (g + 1) * cout_g; co += 4)
+                pw_mm_rows_forward(y + (n * s->c_out + co) * P, P, x + (n * s->c_in + g * cin_g) * P, w + co * cin_g,
+                                   cin_g);
+    if (b) /* a second pass, so that a layer without a bias pays nothing for it */
+        for (n = 0; n < s->n; ++n)
+            for (co = 0; co < s->c_out; ++co)
+                for (p = 0; p < P; ++p)
+                    y[(n * s->c_out + co) * P + p] += b[co];
+    return 1;
+}
+
+/* The data gradient of such a layer with inputs in fours (more than 4: pointwise_few has those) */
+static int pointwise_mm_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
+    uint32_t n, g, ci;
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g <= 4 || cin_g % 4)
+        return 0;
+    for (n = 0; n < s->n; ++n)
+        for (g = 0; g < s->groups; ++g)
+            for (ci = 0; ci < cin_g; ci += 4)
+                pw_mm_rows_backward(dx + (n * s->c_in + g * cin_g + ci) * P, P, dy + (n * s->c_out + g * cout_g) * P,
+                                    w + g * cout_g * cin_g + ci, cout_g, cin_g);
     return 1;
 }
 #endif
@@ -790,6 +937,8 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
+    if (pointwise_mm_forward(y, x, w, b, s))
+        return;
     if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 1)
         forward_all(y, x, w, b, s, 3, 3, 1);
     else if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 2)
@@ -1110,7 +1259,7 @@ void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, cons
         return;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
-    if (pointwise_few_backward_input(dx, dy, w, s))
+    if (pointwise_few_backward_input(dx, dy, w, s) || pointwise_mm_backward_input(dx, dy, w, s))
         return;
     if ((s->k_w == 3 || s->k_w == 1) && s->stride_w == 1)
         backward_input_all(dx, dy, w, s, 1);
