@@ -240,6 +240,7 @@ CONV_CASES = {
     # pointwise as a matrix product (more than 4 inputs, channels in fours), positions in 4s + 1s
     "tiled pointwise 6 -> 8 on a 2x5 plane, batch 2": (2, 6, 2, 5, 8, (1, 1), (1, 1), (0, 0), 1, True),
     "tiled pointwise 8 -> 12 on a 2x5 plane": (1, 8, 2, 5, 12, (1, 1), (1, 1), (0, 0), 1, False),
+    "tiled pointwise stride 2, channels in fours, batch 2": (2, 4, 5, 18, 8, (1, 1), (2, 2), (0, 0), 1, True),
     # the depthwise row walks' edges: odd heights (a last dy row with no dx row after it at
     # stride 2), even widths, pairs of rows, and planes too narrow for the walk (w < 3)
     "tiled depthwise stride 2 odd height": (2, 3, 7, 8, 3, (3, 3), (2, 2), (1, 1), 3, True),

@@ -62,6 +62,7 @@ CONV = [
     (2, 4, 3, 7, 8, 1, 1, (0, 0), 1),
     (2, 6, 2, 5, 8, 1, 1, (0, 0), 1),
     (1, 8, 2, 5, 12, 1, 1, (0, 0), 1),
+    (2, 4, 5, 18, 8, 1, 2, (0, 0), 1),
     # one input channel to several outputs (the stem): two output channels a walk, and one left
     (1, 1, 9, 10, 5, 3, 2, (1, 1), 1),
     (2, 2, 6, 7, 6, 3, 1, (1, 1), 2),

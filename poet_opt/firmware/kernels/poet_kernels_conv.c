@@ -1468,23 +1468,26 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
 
 #ifndef POET_KERNELS_SMALL
 /* One step of a 4 x 4 block of pointwise weight gradients: s[c 4 + q] (INIT: =, else +=)
- * pa[c][k] pb[q][k] */
-POET_INLINE void pw_grad_step(float *s, const float *const *pa, const float *const *pb, int32_t k, const int INIT)
+ * pa[c][k] pb[q][kb] */
+POET_INLINE void pw_grad_step(float *s, const float *const *pa, const float *const *pb, int32_t k, int32_t kb,
+                              const int INIT)
 {
     float av[4], bv[4];
     uint32_t c, q;
     for (c = 0; c < 4; ++c)
-        av[c] = pa[c][k], bv[c] = pb[c][k];
+        av[c] = pa[c][k], bv[c] = pb[c][kb];
     for (c = 0; c < 4; ++c)
         for (q = 0; q < 4; ++q)
             s[c * 4 + q] = INIT ? av[c] * bv[q] : s[c * 4 + q] + av[c] * bv[q];
 }
 
-/* s[c 4 + q] (INIT: =, else +=) sum over p < P of a[c P + p] b[q P + p], P >= 1. PC: P when the
- * call fixes it (mcu-vww's 3x3 planes), and then every load is an immediate offset from a and b;
- * else four pointers a side, stepped four positions at a time. INIT: the first product starts
- * the sum, neither a zero nor its addition. */
-POET_INLINE void pw_grad_block(float *s, const float *a, const float *b, uint32_t P, const uint32_t PC, const int INIT)
+/* s[c 4 + q] (INIT: =, else +=) sum over p < P of a[c ca + p] b[q cb + p SB], P >= 1. PC: P (and
+ * ca, cb) when the call fixes it (mcu-vww's 3x3 planes), and then every load is an immediate
+ * offset from a and b; else four pointers a side, stepped four positions at a time. SB: the
+ * stride along the input row (a 1x1 stride-2 downsample). INIT: the first product starts the sum,
+ * neither a zero nor its addition. */
+POET_INLINE void pw_grad_block(float *s, const float *a, const float *b, uint32_t P, uint32_t ca, uint32_t cb,
+                               const uint32_t PC, const uint32_t SB, const int INIT)
 {
     const float *pa[4], *pb[4];
     uint32_t c, p = 0;
@@ -1492,51 +1495,64 @@ POET_INLINE void pw_grad_block(float *s, const float *a, const float *b, uint32_
         for (c = 0; c < 4; ++c)
             pa[c] = a + c * PC, pb[c] = b + c * PC;
         if (INIT)
-            pw_grad_step(s, pa, pb, 0, 1), p = 1;
+            pw_grad_step(s, pa, pb, 0, 0, 1), p = 1;
         for (; p < PC; ++p)
-            pw_grad_step(s, pa, pb, (int32_t)p, 0);
+            pw_grad_step(s, pa, pb, (int32_t)p, (int32_t)p, 0);
         return;
     }
     for (c = 0; c < 4; ++c)
-        pa[c] = a + c * P, pb[c] = b + c * P;
+        pa[c] = a + c * ca, pb[c] = b + c * cb;
     if (INIT) {
-        pw_grad_step(s, pa, pb, 0, 1);
+        pw_grad_step(s, pa, pb, 0, 0, 1);
         for (c = 0; c < 4; ++c)
-            ++pa[c], ++pb[c];
+            ++pa[c], pb[c] += SB;
         p = 1;
     }
+    if (SB == 2) /* a downsample's short rows (ResNet's 8 outputs wide) in one step of eight */
+        for (; p + 8 <= P; p += 8) {
+            for (c = 0; c < 8; ++c)
+                pw_grad_step(s, pa, pb, (int32_t)c, (int32_t)(c * SB), 0);
+            for (c = 0; c < 4; ++c)
+                pa[c] += 8, pb[c] += 8 * SB;
+        }
     for (; p + 4 <= P; p += 4) {
-        pw_grad_step(s, pa, pb, 0, 0);
-        pw_grad_step(s, pa, pb, 1, 0);
-        pw_grad_step(s, pa, pb, 2, 0);
-        pw_grad_step(s, pa, pb, 3, 0);
+        pw_grad_step(s, pa, pb, 0, 0, 0);
+        pw_grad_step(s, pa, pb, 1, (int32_t)SB, 0);
+        pw_grad_step(s, pa, pb, 2, 2 * (int32_t)SB, 0);
+        pw_grad_step(s, pa, pb, 3, 3 * (int32_t)SB, 0);
         for (c = 0; c < 4; ++c)
-            pa[c] += 4, pb[c] += 4;
+            pa[c] += 4, pb[c] += 4 * SB;
     }
     for (; p < P; ++p) {
-        pw_grad_step(s, pa, pb, 0, 0);
+        pw_grad_step(s, pa, pb, 0, 0, 0);
         for (c = 0; c < 4; ++c)
-            ++pa[c], ++pb[c];
+            ++pa[c], pb[c] += SB;
     }
 }
 
-/* Weight gradients of a 1x1 stride-1 layer (as one row) with channels in fours: 4 x 4 blocks of
- * sums over the batch and the plane's positions, each input loaded once for four of them, with
- * no per-tap set-up (the general tiles' output ranges and eight row pointers cost as much as a
- * reduction over mcu-vww's 6x6 and 3x3 planes). Returns 0 for other shapes. */
+/* Weight gradients of a 1x1 layer without padding, stride 1 (as one row) or 2, with channels in
+ * fours: 4 x 4 blocks of sums over the batch and the plane's positions, each input loaded once
+ * for four of them, with no per-tap set-up (the general tiles' output ranges and eight row
+ * pointers cost as much as a reduction over mcu-vww's 6x6 and 3x3 planes). */
 POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
-                                         float lr, int sgd, const uint32_t PC)
+                                         float lr, int sgd, const uint32_t PC, const uint32_t SB)
 {
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = PC ? PC : s->w_out;
-    uint32_t g, co, ci, n, c, q;
+    const uint32_t out_plane = s->h_out * s->w_out, in_plane = s->h_in * s->w_in;
+    const uint32_t brow = s->stride_h * s->w_in;
+    uint32_t g, co, ci, n, c, q, oh;
     for (g = 0; g < s->groups; ++g)
         for (co = g * cout_g; co < (g + 1) * cout_g; co += 4)
             for (ci = 0; ci < cin_g; ci += 4) {
                 float acc[16], *at = gw + co * cin_g + ci;
-                const float *a = dy + co * P, *bx = x + (g * cin_g + ci) * P;
-                pw_grad_block(acc, a, bx, P, PC, 1);
+                const float *a = dy + co * out_plane, *bx = x + (g * cin_g + ci) * in_plane;
+                pw_grad_block(acc, a, bx, P, out_plane, in_plane, PC, SB, 1);
+                for (oh = 1; oh < s->h_out; ++oh)
+                    pw_grad_block(acc, a + oh * s->w_out, bx + oh * brow, P, out_plane, in_plane, PC, SB, 0);
                 for (n = 1; n < s->n; ++n)
-                    pw_grad_block(acc, a + n * s->c_out * P, bx + n * s->c_in * P, P, PC, 0);
+                    for (oh = 0; oh < s->h_out; ++oh)
+                        pw_grad_block(acc, a + n * s->c_out * out_plane + oh * s->w_out,
+                                      bx + n * s->c_in * in_plane + oh * brow, P, out_plane, in_plane, PC, SB, 0);
                 for (c = 0; c < 4; ++c)
                     for (q = 0; q < 4; ++q) {
                         if (sgd)
@@ -1551,12 +1567,16 @@ POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *
                                        float lr, int sgd)
 {
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
-    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g % 4 || cout_g % 4)
+    if (s->k_h != 1 || s->k_w != 1 || s->pad_h || s->pad_w || cin_g % 4 || cout_g % 4)
         return 0;
-    if (s->w_out == 9)
-        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 9);
+    if (s->stride_w == 1 && s->h_out == 1 && s->w_out == 9)
+        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 9, 1);
+    else if (s->stride_w == 1 && s->h_out == 1)
+        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 0, 1);
+    else if (s->stride_w == 2)
+        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 0, 2);
     else
-        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 0);
+        return 0;
     return 1;
 }
 #endif
