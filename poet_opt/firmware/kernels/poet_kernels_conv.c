@@ -631,6 +631,24 @@ POET_OUTLINE void depthwise3_grad_s2(float *g, const float *dy, const float *x, 
     depthwise3_grad(g, dy, x, s, co, 2, 1);
 }
 
+/* A whole depthwise layer at stride 1 in one call: its planes are small (mcu-vww's 6x6 and 3x3),
+ * and two calls a channel cost a tenth of their multiply-adds. gw += g (sgd 0), or w -= lr g. */
+POET_OUTLINE void depthwise3_grad_layer_s1(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                           float lr, int sgd)
+{
+    uint32_t c, k;
+    for (c = 0; c < s->c_out; ++c) {
+        float g[9], *at = gw + c * 9;
+        depthwise3_grad(g, dy, x, s, c, 1, 1);
+        for (k = 0; k < 9; ++k) {
+            if (sgd)
+                at[k] -= lr * g[k];
+            else
+                at[k] += g[k];
+        }
+    }
+}
+
 POET_OUTLINE void depthwise3_grad_s1_x2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
                                         uint32_t co)
 {
@@ -645,39 +663,44 @@ POET_OUTLINE void depthwise3_grad_s2_x2(float *g, const float *dy, const float *
 #endif
 
 /* Depthwise 3x3 channels (one input channel a group), out of line: CO output channels from co on
- * that read the same input channel */
+ * that read the same input channel, or (CO 1) count channels from co on, one call for a whole
+ * depthwise layer so that its small planes do not pay a call each */
 POET_INLINE void forward_channel3(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
-                                  uint32_t n, uint32_t co, const uint32_t SW, const uint32_t CO)
+                                  uint32_t n, uint32_t co, uint32_t count, const uint32_t SW, const uint32_t CO)
 {
-    /* one input channel a group: channel co reads input channel co / (c_out / groups) */
-    depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
-                    x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
-                    SW, 0, CO);
+    const uint32_t cout_g = s->c_out / s->groups, out_plane = s->h_out * s->w_out, in_plane = s->h_in * s->w_in;
+    uint32_t i;
+    for (i = 0; i < count; ++i, ++co)
+        /* one input channel a group: channel co reads input channel co / (c_out / groups) */
+        depthwise3_rows(y + (n * s->c_out + co) * out_plane, x + (n * s->c_in + co / cout_g) * in_plane, w + co * 9,
+                        b ? b + co : b, s, SW, 0, CO);
 }
 
 POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
-                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co, uint32_t count)
 {
-    forward_channel3(y, x, w, b, s, n, co, 1, 1);
+    forward_channel3(y, x, w, b, s, n, co, count, 1, 1);
 }
 
+/* at stride 2 a call a channel: the planes are larger, and the loop over channels costs the row
+ * walk registers */
 POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, const float *b,
                                       const poet_conv2d_shape *s, uint32_t n, uint32_t co)
 {
-    forward_channel3(y, x, w, b, s, n, co, 2, 1);
+    forward_channel3(y, x, w, b, s, n, co, 1, 2, 1);
 }
 
 #ifndef POET_KERNELS_SMALL
 POET_OUTLINE void forward_channel3_s1_x2(float *y, const float *x, const float *w, const float *b,
                                          const poet_conv2d_shape *s, uint32_t n, uint32_t co)
 {
-    forward_channel3(y, x, w, b, s, n, co, 1, 2);
+    forward_channel3(y, x, w, b, s, n, co, 1, 1, 2);
 }
 
 POET_OUTLINE void forward_channel3_s2_x2(float *y, const float *x, const float *w, const float *b,
                                          const poet_conv2d_shape *s, uint32_t n, uint32_t co)
 {
-    forward_channel3(y, x, w, b, s, n, co, 2, 2);
+    forward_channel3(y, x, w, b, s, n, co, 1, 2, 2);
 }
 #endif
 
@@ -903,7 +926,11 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
 {
     const uint32_t cout_g = s->c_out / s->groups, cin_g = s->c_in / s->groups;
     uint32_t n, g, co;
-    for (n = 0; n < s->n; ++n)
+    for (n = 0; n < s->n; ++n) {
+        if (KH == 3 && SW == 1 && cin_g == 1 && cout_g == 1) { /* depthwise: the layer in one call */
+            forward_channel3_s1(y, x, w, b, s, n, 0, s->c_out);
+            continue;
+        }
         for (g = 0; g < s->groups; ++g) {
             co = 0;
 #ifndef POET_KERNELS_SMALL
@@ -922,14 +949,15 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
                 else
                     forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
-                if (KH == 3 && SW == 1 && cin_g == 1) /* depthwise layers: one input channel */
-                    forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co);
+                if (KH == 3 && SW == 1 && cin_g == 1) /* one input channel: the depthwise walk */
+                    forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co, 1);
                 else if (KH == 3 && SW == 2 && cin_g == 1)
                     forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
                 else /* the odd channel left over after tiles of 4 */
                     forward_one_channel(y, x, w, b, s, n, g * cout_g + co);
             }
         }
+    }
 }
 
 void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
@@ -1369,14 +1397,17 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
 #ifndef POET_KERNELS_SMALL
     if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && (sw == 1 || sw == 2)) {
-        float g[9];
+        float g[9], *at = gw + co * 9; /* one input channel, 3x3: channel co's nine weights */
         if (sw == 1)
             depthwise3_grad_s1(g, dy, x, s, co);
         else
             depthwise3_grad_s2(g, dy, x, s, co);
-        for (kh = 0; kh < 3; ++kh)
-            for (kw = 0; kw < 3; ++kw)
-                apply_grad(gw, s, co, 0, kh, kw, g[kh * 3 + kw], lr, sgd);
+        for (kh = 0; kh < 9; ++kh) {
+            if (sgd)
+                at[kh] -= lr * g[kh];
+            else
+                at[kh] += g[kh];
+        }
         return;
     }
 #endif
@@ -1427,6 +1458,13 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
 {
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
     uint32_t g, co, ci;
+#ifndef POET_KERNELS_SMALL
+    if (cin_g == 1 && cout_g == 1 && s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->w_in >= 3 &&
+        s->stride_w == 1) {
+        depthwise3_grad_layer_s1(gw, dy, x, s, lr, sgd);
+        return;
+    }
+#endif
     for (g = 0; g < s->groups; ++g) {
         const uint32_t co0 = g * cout_g;
         co = 0;
@@ -1439,16 +1477,18 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
         if (cin_g == 1 && s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->w_in >= 3 &&
             (s->stride_w == 1 || s->stride_w == 2))
             for (; co + 2 <= cout_g; co += 2) {
-                float g[18];
-                uint32_t o, kh, kw;
+                float g[18], *at = gw + (co0 + co) * 9; /* the two channels' 18 weights */
+                uint32_t k;
                 if (s->stride_w == 1)
                     depthwise3_grad_s1_x2(g, dy, x, s, co0 + co);
                 else
                     depthwise3_grad_s2_x2(g, dy, x, s, co0 + co);
-                for (o = 0; o < 2; ++o)
-                    for (kh = 0; kh < 3; ++kh)
-                        for (kw = 0; kw < 3; ++kw)
-                            apply_grad(gw, s, co0 + co + o, 0, kh, kw, g[9 * o + kh * 3 + kw], lr, sgd);
+                for (k = 0; k < 18; ++k) {
+                    if (sgd)
+                        at[k] -= lr * g[k];
+                    else
+                        at[k] += g[k];
+                }
             }
 #endif
         for (; co + 4 <= cout_g; co += 4) {
