@@ -213,6 +213,12 @@ POET_INLINE void tiled(float *y, uint32_t ldy, const float *bias, const float *a
     }
 }
 
+/* As in poet_kernels_conv.c: ARMv6-M (no FPU, little flash) keeps only the tiles */
+#if !defined(POET_KERNELS_SMALL) && !defined(POET_KERNELS_FAST) && defined(__ARM_ARCH_6M__)
+#define POET_KERNELS_SMALL 1
+#endif
+
+#ifndef POET_KERNELS_SMALL
 /* One row (batch 1: a classifier head). The 4 x 4 tiles then run as 1 x 1 or 1 x 4 tiles, whose
  * set-up, for a reduction as short as a two-class head's, costs more than their multiply-adds:
  * these loops hold the row's few shared values in registers instead. The sums are the tiles',
@@ -305,13 +311,17 @@ POET_INLINE void linear_row_outer(float *gw, const float *dy, const float *x, ui
     }
 }
 
+#endif
+
 /* y[r][o] = x[r][.] . w[o][.] + b[o] */
 void poet_linear_forward(float *y, const float *x, const float *w, const float *b, uint32_t rows,
                          uint32_t in, uint32_t out)
 {
+#ifndef POET_KERNELS_SMALL
     if (rows == 1)
         linear_row_forward(y, x, w, b, in, out);
     else
+#endif
         tiled(y, out, b, x, in, 1, w, in, 1, rows, out, in, 0.0f, TILE_STORE);
 }
 
@@ -320,9 +330,11 @@ void poet_linear_forward(float *y, const float *x, const float *w, const float *
 void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
                                 uint32_t out)
 {
+#ifndef POET_KERNELS_SMALL
     if (rows == 1)
         linear_row_backward_input(dx, dy, w, in, out);
     else
+#endif
         tiled(dx, in, NULL, dy, out, 1, w, 1, in, rows, in, out, 0.0f, TILE_ADD);
 }
 
@@ -341,10 +353,14 @@ void poet_linear_backward_params(float *gw, float *gb, const float *dy, const fl
                                  uint32_t in, uint32_t out)
 {
     uint32_t o;
-    if (gw && rows == 1)
-        linear_row_outer(gw, dy, x, in, out, 0.0f, 0);
-    else if (gw)
-        tiled(gw, in, NULL, dy, 1, out, x, 1, in, out, in, rows, 0.0f, TILE_ADD);
+    if (gw) {
+#ifndef POET_KERNELS_SMALL
+        if (rows == 1)
+            linear_row_outer(gw, dy, x, in, out, 0.0f, 0);
+        else
+#endif
+            tiled(gw, in, NULL, dy, 1, out, x, 1, in, out, in, rows, 0.0f, TILE_ADD);
+    }
     if (gb)
         for (o = 0; o < out; ++o)
             gb[o] += column_sum(dy, rows, out, o);
@@ -355,9 +371,11 @@ void poet_linear_backward_params_sgd(float *w, float *b, const float *dy, const 
                                      uint32_t in, uint32_t out, float lr)
 {
     uint32_t o;
+#ifndef POET_KERNELS_SMALL
     if (rows == 1)
         linear_row_outer(w, dy, x, in, out, lr, 1);
     else
+#endif
         tiled(w, in, NULL, dy, 1, out, x, 1, in, out, in, rows, lr, TILE_SGD);
     if (b)
         for (o = 0; o < out; ++o)

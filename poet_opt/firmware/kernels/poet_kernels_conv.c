@@ -619,12 +619,6 @@ POET_INLINE void depthwise3_grad(float *g, const float *dy, const float *x, cons
         g[k] = acc[k];
 }
 
-POET_OUTLINE void depthwise3_grad_s1(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
-                                     uint32_t co)
-{
-    depthwise3_grad(g, dy, x, s, co, 1, 1);
-}
-
 POET_OUTLINE void depthwise3_grad_s2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
                                      uint32_t co)
 {
@@ -1396,12 +1390,10 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
 #ifndef POET_KERNELS_SMALL
-    if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && (sw == 1 || sw == 2)) {
+    /* (stride 1 takes depthwise3_grad_layer_s1, the whole layer in one call) */
+    if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && sw == 2) {
         float g[9], *at = gw + co * 9; /* one input channel, 3x3: channel co's nine weights */
-        if (sw == 1)
-            depthwise3_grad_s1(g, dy, x, s, co);
-        else
-            depthwise3_grad_s2(g, dy, x, s, co);
+        depthwise3_grad_s2(g, dy, x, s, co);
         for (kh = 0; kh < 9; ++kh) {
             if (sgd)
                 at[kh] -= lr * g[kh];
