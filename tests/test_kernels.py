@@ -236,6 +236,11 @@ CONV_CASES = {
     "tiled pointwise, 1 input": (1, 1, 3, 3, 4, (1, 1), (1, 1), (0, 0), 1, True),
     "tiled pointwise on a 3x3 plane, batch 2": (2, 8, 3, 3, 8, (1, 1), (1, 1), (0, 0), 1, True),
     "tiled pointwise on a 2x3 plane, grouped": (1, 8, 2, 3, 16, (1, 1), (1, 1), (0, 0), 2, False),
+    "tiled pointwise on a 3x7 plane, batch 2": (2, 4, 3, 7, 8, (1, 1), (1, 1), (0, 0), 1, True),
+    # pointwise as a matrix product (more than 4 inputs, channels in fours), positions in 4s + 1s
+    "tiled pointwise 6 -> 8 on a 2x5 plane, batch 2": (2, 6, 2, 5, 8, (1, 1), (1, 1), (0, 0), 1, True),
+    "tiled pointwise 8 -> 12 on a 2x5 plane": (1, 8, 2, 5, 12, (1, 1), (1, 1), (0, 0), 1, False),
+    "tiled pointwise stride 2, channels in fours, batch 2": (2, 4, 5, 18, 8, (1, 1), (2, 2), (0, 0), 1, True),
     # the depthwise row walks' edges: odd heights (a last dy row with no dx row after it at
     # stride 2), even widths, pairs of rows, and planes too narrow for the walk (w < 3)
     "tiled depthwise stride 2 odd height": (2, 3, 7, 8, 3, (3, 3), (2, 2), (1, 1), 3, True),
@@ -244,6 +249,10 @@ CONV_CASES = {
     "tiled depthwise 3 rows by 2 columns": (1, 2, 3, 2, 2, (3, 3), (1, 1), (1, 1), 2, False),
     "tiled depthwise stride 2 on rows, 1 on columns": (1, 2, 7, 6, 2, (3, 3), (2, 1), (1, 1), 2, True),
     "tiled grouped, 4 channels a group": (1, 8, 4, 10, 8, (3, 3), (1, 1), (1, 1), 2, True),
+    # one input channel a group and several outputs (mcu-vww's stem): the depthwise walks, two
+    # output channels on each input window, and the odd one left over
+    "tiled stem, 1 input to 5 outputs, stride 2": (2, 1, 9, 10, 5, (3, 3), (2, 2), (1, 1), 1, True),
+    "tiled 1 input a group to 3 outputs, stride 1": (1, 2, 6, 7, 6, (3, 3), (1, 1), (1, 1), 2, True),
     "tiled 5x5 (general path)": (1, 4, 7, 15, 5, (5, 5), (1, 1), (2, 2), 1, True),
     "tiled 3x3 stride 3 (general path)": (1, 5, 8, 20, 4, (3, 3), (3, 3), (1, 1), 1, True),
 }
@@ -479,7 +488,8 @@ def test_layernorm(k, shape, affine):
 # The kernels run in tiles of 4 rows by 4 outputs over a reduction unrolled by 4: (9, 13) -> 11 has
 # a remainder of every one (rows 4 + 4 + 1, outputs 4 + 4 + 3, inputs 12 + 1), (8, 16) -> 8 none.
 @pytest.mark.parametrize("x_shape,out,bias", [((5, 7), 3, True), ((2, 3, 8), 6, False), ((1, 33), 10, True),
-                                              ((9, 13), 11, True), ((8, 16), 8, False), ((3, 2, 6), 5, True)])
+                                              ((9, 13), 11, True), ((8, 16), 8, False), ((3, 2, 6), 5, True),
+                                              ((1, 7), 3, False)])
 def test_linear(k, x_shape, out, bias):
     rng = np.random.default_rng(12)
     d_in = x_shape[-1]

@@ -59,8 +59,15 @@ CONV = [
     # pointwise with few inputs (weights in registers), and on a 3x3 plane (its weight gradient)
     (1, 4, 5, 6, 8, 1, 1, (0, 0), 1),
     (2, 8, 3, 3, 8, 1, 1, (0, 0), 1),
+    (2, 4, 3, 7, 8, 1, 1, (0, 0), 1),
+    (2, 6, 2, 5, 8, 1, 1, (0, 0), 1),
+    (1, 8, 2, 5, 12, 1, 1, (0, 0), 1),
+    (2, 4, 5, 18, 8, 1, 2, (0, 0), 1),
+    # one input channel to several outputs (the stem): two output channels a walk, and one left
+    (1, 1, 9, 10, 5, 3, 2, (1, 1), 1),
+    (2, 2, 6, 7, 6, 3, 1, (1, 1), 2),
 ]
-LINEAR = [(5, 13, 11), (1, 33, 6)]
+LINEAR = [(5, 13, 11), (1, 33, 6), (1, 7, 3)]
 
 
 @pytest.fixture(scope="module")

@@ -213,11 +213,116 @@ POET_INLINE void tiled(float *y, uint32_t ldy, const float *bias, const float *a
     }
 }
 
+/* As in poet_kernels_conv.c: ARMv6-M (no FPU, little flash) keeps only the tiles */
+#if !defined(POET_KERNELS_SMALL) && !defined(POET_KERNELS_FAST) && defined(__ARM_ARCH_6M__)
+#define POET_KERNELS_SMALL 1
+#endif
+
+#ifndef POET_KERNELS_SMALL
+/* One row (batch 1: a classifier head). The 4 x 4 tiles then run as 1 x 1 or 1 x 4 tiles, whose
+ * set-up, for a reduction as short as a two-class head's, costs more than their multiply-adds:
+ * these loops hold the row's few shared values in registers instead. The sums are the tiles',
+ * each in the order of its reduction index from the first product. */
+
+/* y[o] = x . w[o] (+ b[o]), two outputs on each loaded x */
+static void linear_row_forward(float *y, const float *x, const float *w, const float *b, uint32_t in, uint32_t out)
+{
+    uint32_t o = 0, k;
+    for (; o + 2 <= out; o += 2) {
+        const float *w0 = w + o * in, *w1 = w0 + in, *xp = x;
+        float s0 = 0.0f, s1 = 0.0f;
+        /* pointers stepped four floats at a time: the loads take immediate offsets */
+        for (k = in / 4; k > 0; --k, xp += 4, w0 += 4, w1 += 4) {
+            const float x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
+            s0 += x0 * w0[0], s1 += x0 * w1[0];
+            s0 += x1 * w0[1], s1 += x1 * w1[1];
+            s0 += x2 * w0[2], s1 += x2 * w1[2];
+            s0 += x3 * w0[3], s1 += x3 * w1[3];
+        }
+        for (k = in % 4; k > 0; --k, ++xp, ++w0, ++w1)
+            s0 += xp[0] * w0[0], s1 += xp[0] * w1[0];
+        y[o] = b ? s0 + b[o] : s0;
+        y[o + 1] = b ? s1 + b[o + 1] : s1;
+    }
+    if (o < out) {
+        const float *w0 = w + o * in;
+        float s0 = 0.0f;
+        for (k = 0; k < in; ++k)
+            s0 += x[k] * w0[k];
+        y[o] = b ? s0 + b[o] : s0;
+    }
+}
+
+/* dx[i] += dy . w[.][i], four inputs at a time */
+static void linear_row_backward_input(float *dx, const float *dy, const float *w, uint32_t in, uint32_t out)
+{
+    uint32_t i = 0, o;
+    for (; i + 4 <= in; i += 4) {
+        const float *wp = w + i, *dp = dy + 1;
+        float d = dy[0], s0 = d * wp[0], s1 = d * wp[1], s2 = d * wp[2], s3 = d * wp[3];
+        for (o = out - 1; o > 0; --o) {
+            wp += in, d = *dp++;
+            s0 += d * wp[0], s1 += d * wp[1], s2 += d * wp[2], s3 += d * wp[3];
+        }
+        dx[i] += s0, dx[i + 1] += s1, dx[i + 2] += s2, dx[i + 3] += s3;
+    }
+    for (; i < in; ++i) {
+        float s0 = dy[0] * w[i];
+        for (o = 1; o < out; ++o)
+            s0 += dy[o] * w[o * in + i];
+        dx[i] += s0;
+    }
+}
+
+/* gw[o][i] += dy[o] x[i] (sgd 0), or w[o][i] -= lr dy[o] x[i] (sgd 1): two rows on each loaded x */
+POET_INLINE void linear_row_outer(float *gw, const float *dy, const float *x, uint32_t in, uint32_t out, float lr,
+                                  const int sgd)
+{
+    uint32_t o = 0, i;
+    for (; o + 2 <= out; o += 2) {
+        float *g0 = gw + o * in, *g1 = g0 + in;
+        const float *xp = x;
+        const float d0 = dy[o], d1 = dy[o + 1];
+        uint32_t k;
+        for (i = in / 4; i > 0; --i, xp += 4, g0 += 4, g1 += 4)
+            for (k = 0; k < 4; ++k) {
+                const float xv = xp[k];
+                if (sgd)
+                    g0[k] -= lr * (d0 * xv), g1[k] -= lr * (d1 * xv);
+                else
+                    g0[k] += d0 * xv, g1[k] += d1 * xv;
+            }
+        for (i = in % 4; i > 0; --i, ++xp, ++g0, ++g1) {
+            if (sgd)
+                g0[0] -= lr * (d0 * xp[0]), g1[0] -= lr * (d1 * xp[0]);
+            else
+                g0[0] += d0 * xp[0], g1[0] += d1 * xp[0];
+        }
+    }
+    if (o < out) {
+        float *g0 = gw + o * in;
+        const float d0 = dy[o];
+        for (i = 0; i < in; ++i) {
+            if (sgd)
+                g0[i] -= lr * (d0 * x[i]);
+            else
+                g0[i] += d0 * x[i];
+        }
+    }
+}
+
+#endif
+
 /* y[r][o] = x[r][.] . w[o][.] + b[o] */
 void poet_linear_forward(float *y, const float *x, const float *w, const float *b, uint32_t rows,
                          uint32_t in, uint32_t out)
 {
-    tiled(y, out, b, x, in, 1, w, in, 1, rows, out, in, 0.0f, TILE_STORE);
+#ifndef POET_KERNELS_SMALL
+    if (rows == 1)
+        linear_row_forward(y, x, w, b, in, out);
+    else
+#endif
+        tiled(y, out, b, x, in, 1, w, in, 1, rows, out, in, 0.0f, TILE_STORE);
 }
 
 /* dx[r][i] += dy[r][.] . w[.][i]: the weight column is strided, but on a cacheless
@@ -225,7 +330,12 @@ void poet_linear_forward(float *y, const float *x, const float *w, const float *
 void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
                                 uint32_t out)
 {
-    tiled(dx, in, NULL, dy, out, 1, w, 1, in, rows, in, out, 0.0f, TILE_ADD);
+#ifndef POET_KERNELS_SMALL
+    if (rows == 1)
+        linear_row_backward_input(dx, dy, w, in, out);
+    else
+#endif
+        tiled(dx, in, NULL, dy, out, 1, w, 1, in, rows, in, out, 0.0f, TILE_ADD);
 }
 
 /* Column sums of dy, for the bias gradient, one register each */
@@ -243,8 +353,14 @@ void poet_linear_backward_params(float *gw, float *gb, const float *dy, const fl
                                  uint32_t in, uint32_t out)
 {
     uint32_t o;
-    if (gw)
-        tiled(gw, in, NULL, dy, 1, out, x, 1, in, out, in, rows, 0.0f, TILE_ADD);
+    if (gw) {
+#ifndef POET_KERNELS_SMALL
+        if (rows == 1)
+            linear_row_outer(gw, dy, x, in, out, 0.0f, 0);
+        else
+#endif
+            tiled(gw, in, NULL, dy, 1, out, x, 1, in, out, in, rows, 0.0f, TILE_ADD);
+    }
     if (gb)
         for (o = 0; o < out; ++o)
             gb[o] += column_sum(dy, rows, out, o);
@@ -255,7 +371,12 @@ void poet_linear_backward_params_sgd(float *w, float *b, const float *dy, const 
                                      uint32_t in, uint32_t out, float lr)
 {
     uint32_t o;
-    tiled(w, in, NULL, dy, 1, out, x, 1, in, out, in, rows, lr, TILE_SGD);
+#ifndef POET_KERNELS_SMALL
+    if (rows == 1)
+        linear_row_outer(w, dy, x, in, out, lr, 1);
+    else
+#endif
+        tiled(w, in, NULL, dy, 1, out, x, 1, in, out, in, rows, lr, TILE_SGD);
     if (b)
         for (o = 0; o < out; ++o)
             b[o] -= lr * column_sum(dy, rows, out, o);

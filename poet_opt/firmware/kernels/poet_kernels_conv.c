@@ -413,24 +413,32 @@ POET_INLINE void dw3_out2(float *y, const float *a, const float *b, float *wv,
  * input rows and the row's set-up. */
 #define DW3_OUT(y, a, b, c)                                                                                        \
     do {                                                                                                           \
-        dw3_out(y, a, b, c, wv, accumulate, NV);                                                                   \
-        if (PAIR)                                                                                                  \
-            dw3_out((y) + w_out, (a) + SW, (b) + SW, (c) + SW, wv, accumulate, 3);                                 \
+        for (o = 0; o < CO; ++o) {                                                                                 \
+            dw3_out((y) + o * ys, a, b, c, wv + 9 * o, accumulate, NV);                                            \
+            if (PAIR)                                                                                              \
+                dw3_out((y) + w_out, (a) + SW, (b) + SW, (c) + SW, wv, accumulate, 3);                             \
+        }                                                                                                          \
     } while (0)
 #define DW3_OUT2(y, a, b, w2)                                                                                      \
     do {                                                                                                           \
-        dw3_out2(y, a, b, w2, accumulate, NV);                                                                     \
-        if (PAIR)                                                                                                  \
-            dw3_out2((y) + w_out, (a) + SW, (b) + SW, w2, accumulate, 3);                                          \
+        for (o = 0; o < CO; ++o) {                                                                                 \
+            dw3_out2((y) + o * ys, a, b, (w2) + 9 * o, accumulate, NV);                                            \
+            if (PAIR)                                                                                              \
+                dw3_out2((y) + w_out, (a) + SW, (b) + SW, w2, accumulate, 3);                                      \
+        }                                                                                                          \
     } while (0)
+/* CO: output channels that read the same input (a layer with one input channel a group and
+ * several outputs, mcu-vww's stem), each input loaded once for all of them: channel o's output at
+ * yr + o ys, its weights (or sums) at wv + 9 o. PAIR only with CO 1. */
 POET_INLINE void dw3_row(float *yr, const float *row0, float *wv, uint32_t w_in, uint32_t w_out,
-                         uint32_t hi, const uint32_t SW, const int accumulate, const uint32_t NV, const uint32_t PAIR)
+                         uint32_t hi, const uint32_t SW, const int accumulate, const uint32_t NV, const uint32_t PAIR,
+                         const uint32_t CO, uint32_t ys)
 {
     /* a pair of output rows (PAIR, NV 3) reads 3 + SW input rows, the second row's from SW on */
     const uint32_t NL = PAIR ? 3 + SW : NV;
     float A[5], B[5], C[5];
     const float *r[5];
-    uint32_t ow = 1, v, i;
+    uint32_t ow = 1, v, i, o;
     for (v = 0; v < NL; ++v)
         r[v] = row0 + v * w_in;
     dw3_load(B, r, 0, NL);
@@ -493,20 +501,21 @@ POET_INLINE void dw3_row(float *yr, const float *row0, float *wv, uint32_t w_in,
 #undef DW3_OUT2
 
 POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
-                                 const poet_conv2d_shape *s, const uint32_t SW, const int accumulate)
+                                 const poet_conv2d_shape *s, const uint32_t SW, const int accumulate, const uint32_t CO)
 {
-    const uint32_t w_in = s->w_in, w_out = s->w_out;
-    float wl[9];
-    uint32_t oh, ow, v, kh0, kh1, lo, hi;
+    const uint32_t w_in = s->w_in, w_out = s->w_out, ys = s->h_out * w_out;
+    float wl[18];
+    uint32_t oh, ow, v, o, kh0, kh1, lo, hi;
 #ifdef POET_KERNELS_SMALL
     if (1) { /* the row walks' copies are 20 KB of code: the plain row pass on small parts */
 #else
     if (s->pad_w != 1 || w_in < 3) {
 #endif
-        depthwise3_rows_any(yc, xc, wc, b, s, SW, accumulate);
+        for (o = 0; o < CO; ++o)
+            depthwise3_rows_any(yc + o * ys, xc, wc + 9 * o, b ? b + o : b, s, SW, accumulate);
         return;
     }
-    for (v = 0; v < 9; ++v)
+    for (v = 0; v < 9 * CO; ++v)
         wl[v] = wc[v];
     interior(SW, 1, 3, w_in, w_out, &lo, &hi);
     for (oh = 0; oh < s->h_out; ++oh) {
@@ -515,44 +524,48 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
         tap_range(oh, s->stride_h, s->pad_h, 3, s->h_in, &kh0, &kh1);
         r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
         /* the weights' offsets constants, so that they stay in registers */
-        if (kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == SW &&
+        if (CO == 1 && kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == SW &&
             (oh + 1) * SW + 2 < s->h_in + s->pad_h) { /* this row and the next, all three kernel rows each */
-            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3, 1);
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3, 1, 1, ys);
             if (b && !accumulate)
                 for (ow = 0; ow < w_out; ++ow)
                     yr[ow] += b[0];
             yr += w_out, ++oh;
         } else if (kh1 - kh0 == 3)
-            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3, 0);
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 3, 0, CO, ys);
         else if (kh1 - kh0 == 2 && kh0 == 0)
-            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 2, 0);
+            dw3_row(yr, r, wl, w_in, w_out, hi, SW, accumulate, 2, 0, CO, ys);
         else if (kh1 - kh0 == 2)
-            dw3_row(yr, r, wl + 3, w_in, w_out, hi, SW, accumulate, 2, 0);
+            dw3_row(yr, r, wl + 3, w_in, w_out, hi, SW, accumulate, 2, 0, CO, ys);
         else if (kh1 - kh0 == 1)
         {
-            float w1[3]; /* a copy: an offset into wl known only at run time would keep wl in memory */
-            for (v = 0; v < 3; ++v)
-                w1[v] = wc[3 * kh0 + v];
-            dw3_row(yr, r, w1, w_in, w_out, hi, SW, accumulate, 1, 0);
+            float w1[18]; /* a copy: an offset into wl known only at run time would keep wl in memory */
+            for (o = 0; o < CO; ++o)
+                for (v = 0; v < 3; ++v)
+                    w1[9 * o + v] = wc[9 * o + 3 * kh0 + v];
+            dw3_row(yr, r, w1, w_in, w_out, hi, SW, accumulate, 1, 0, CO, ys);
         }
         else if (!accumulate) /* a row whose window lies wholly in the padding */
-            for (ow = 0; ow < w_out; ++ow)
-                yr[ow] = 0.0f;
+            for (o = 0; o < CO; ++o)
+                for (ow = 0; ow < w_out; ++ow)
+                    yr[o * ys + ow] = 0.0f;
         if (b && !accumulate)
-            for (ow = 0; ow < w_out; ++ow)
-                yr[ow] += b[0];
+            for (o = 0; o < CO; ++o)
+                for (ow = 0; ow < w_out; ++ow)
+                    yr[o * ys + ow] += b[o];
     }
 }
 
 #ifndef POET_KERNELS_SMALL
 /* The weight gradient of a depthwise 3x3 channel with one column of padding each side (w_in >= 3):
  * the forward's walk over the plane, adding each window times its dy into nine sums held in
- * registers over the whole channel and batch. Returns 0 for the shapes it does not take. */
+ * registers over the whole channel and batch (CO channels reading the same input: 9 CO sums,
+ * channel o's dy at dyc + o ys). */
 POET_INLINE void depthwise3_grad_rows(float *g, const float *dyc, const float *xc, const poet_conv2d_shape *s,
-                                      const uint32_t SW)
+                                      const uint32_t SW, const uint32_t CO, uint32_t ys)
 {
     const uint32_t w_in = s->w_in, w_out = s->w_out;
-    uint32_t oh, v, kh0, kh1, lo, hi;
+    uint32_t oh, v, o, kh0, kh1, lo, hi;
     interior(SW, 1, 3, w_in, w_out, &lo, &hi);
     for (oh = 0; oh < s->h_out; ++oh) {
         /* read only: dw3_row takes y writable for the forward, which shares its walk */
@@ -562,74 +575,128 @@ POET_INLINE void depthwise3_grad_rows(float *g, const float *dyc, const float *x
         r = xc + (oh * s->stride_h + kh0 - s->pad_h) * w_in;
         /* pairs of rows at stride 1 only: at stride 2 a pair's fifteen inputs, the nine sums and
          * the temporaries spill out of the 32 registers */
-        if (SW == 1 && kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == 1 && oh + 3 < s->h_in + s->pad_h) {
-            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 1);
+        if (CO == 1 && SW == 1 && kh1 - kh0 == 3 && oh + 1 < s->h_out && s->stride_h == 1 &&
+            oh + 3 < s->h_in + s->pad_h) {
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 1, 1, ys);
             ++oh;
         } else if (kh1 - kh0 == 3)
-            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 0);
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 3, 0, CO, ys);
         else if (kh1 - kh0 == 2 && kh0 == 0)
-            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 2, 0);
+            dw3_row(dyr, r, g, w_in, w_out, hi, SW, 2, 2, 0, CO, ys);
         else if (kh1 - kh0 == 2)
-            dw3_row(dyr, r, g + 3, w_in, w_out, hi, SW, 2, 2, 0);
+            dw3_row(dyr, r, g + 3, w_in, w_out, hi, SW, 2, 2, 0, CO, ys);
         else if (kh1 - kh0 == 1) {
-            float g1[3] = {0.0f, 0.0f, 0.0f};
-            dw3_row(dyr, r, g1, w_in, w_out, hi, SW, 2, 1, 0);
-            for (v = 0; v < 3; ++v) /* constant indices into g, so that g stays in registers */
-                if (kh0 == 0)
-                    g[v] += g1[v];
-                else if (kh0 == 1)
-                    g[3 + v] += g1[v];
-                else
-                    g[6 + v] += g1[v];
+            float g1[18];
+            for (v = 0; v < 9 * CO; ++v)
+                g1[v] = 0.0f;
+            dw3_row(dyr, r, g1, w_in, w_out, hi, SW, 2, 1, 0, CO, ys);
+            for (o = 0; o < CO; ++o)
+                for (v = 0; v < 3; ++v) /* constant indices into g, so that g stays in registers */
+                    if (kh0 == 0)
+                        g[9 * o + v] += g1[9 * o + v];
+                    else if (kh0 == 1)
+                        g[9 * o + 3 + v] += g1[9 * o + v];
+                    else
+                        g[9 * o + 6 + v] += g1[9 * o + v];
         }
     }
 }
 
+/* Output channels co .. co + CO of one group (one input channel), g[9 o + k] their sums */
 POET_INLINE void depthwise3_grad(float *g, const float *dy, const float *x, const poet_conv2d_shape *s, uint32_t co,
-                                 const uint32_t SW)
+                                 const uint32_t SW, const uint32_t CO)
 {
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out;
-    float acc[9];
+    const uint32_t ci = co / (s->c_out / s->groups);
+    float acc[18];
     uint32_t n, k;
-    for (k = 0; k < 9; ++k)
+    for (k = 0; k < 9 * CO; ++k)
         acc[k] = 0.0f;
     for (n = 0; n < s->n; ++n)
-        depthwise3_grad_rows(acc, dy + (n * s->c_out + co) * out_plane, x + (n * s->c_in + co) * in_plane, s, SW);
-    for (k = 0; k < 9; ++k)
+        depthwise3_grad_rows(acc, dy + (n * s->c_out + co) * out_plane, x + (n * s->c_in + ci) * in_plane, s, SW, CO,
+                             out_plane);
+    for (k = 0; k < 9 * CO; ++k)
         g[k] = acc[k];
-}
-
-POET_OUTLINE void depthwise3_grad_s1(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
-                                     uint32_t co)
-{
-    depthwise3_grad(g, dy, x, s, co, 1);
 }
 
 POET_OUTLINE void depthwise3_grad_s2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
                                      uint32_t co)
 {
-    depthwise3_grad(g, dy, x, s, co, 2);
+    depthwise3_grad(g, dy, x, s, co, 2, 1);
+}
+
+/* A whole depthwise layer at stride 1 in one call: its planes are small (mcu-vww's 6x6 and 3x3),
+ * and two calls a channel cost a tenth of their multiply-adds. gw += g (sgd 0), or w -= lr g. */
+POET_OUTLINE void depthwise3_grad_layer_s1(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                           float lr, int sgd)
+{
+    uint32_t c, k;
+    for (c = 0; c < s->c_out; ++c) {
+        float g[9], *at = gw + c * 9;
+        depthwise3_grad(g, dy, x, s, c, 1, 1);
+        for (k = 0; k < 9; ++k) {
+            if (sgd)
+                at[k] -= lr * g[k];
+            else
+                at[k] += g[k];
+        }
+    }
+}
+
+POET_OUTLINE void depthwise3_grad_s1_x2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                        uint32_t co)
+{
+    depthwise3_grad(g, dy, x, s, co, 1, 2);
+}
+
+POET_OUTLINE void depthwise3_grad_s2_x2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                        uint32_t co)
+{
+    depthwise3_grad(g, dy, x, s, co, 2, 2);
 }
 #endif
 
-/* A depthwise 3x3 channel (one input channel a group), out of line */
-POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
-                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+/* Depthwise 3x3 channels (one input channel a group), out of line: CO output channels from co on
+ * that read the same input channel, or (CO 1) count channels from co on, one call for a whole
+ * depthwise layer so that its small planes do not pay a call each */
+POET_INLINE void forward_channel3(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
+                                  uint32_t n, uint32_t co, uint32_t count, const uint32_t SW, const uint32_t CO)
 {
-    /* one input channel a group: channel co reads input channel co / (c_out / groups) */
-    depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
-                    x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
-                    1, 0);
+    const uint32_t cout_g = s->c_out / s->groups, out_plane = s->h_out * s->w_out, in_plane = s->h_in * s->w_in;
+    uint32_t i;
+    for (i = 0; i < count; ++i, ++co)
+        /* one input channel a group: channel co reads input channel co / (c_out / groups) */
+        depthwise3_rows(y + (n * s->c_out + co) * out_plane, x + (n * s->c_in + co / cout_g) * in_plane, w + co * 9,
+                        b ? b + co : b, s, SW, 0, CO);
 }
 
+POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
+                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co, uint32_t count)
+{
+    forward_channel3(y, x, w, b, s, n, co, count, 1, 1);
+}
+
+/* at stride 2 a call a channel: the planes are larger, and the loop over channels costs the row
+ * walk registers */
 POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, const float *b,
                                       const poet_conv2d_shape *s, uint32_t n, uint32_t co)
 {
-    /* one input channel a group: channel co reads input channel co / (c_out / groups) */
-    depthwise3_rows(y + (n * s->c_out + co) * s->h_out * s->w_out,
-                    x + (n * s->c_in + co / (s->c_out / s->groups)) * s->h_in * s->w_in, w + co * 9, b ? b + co : b, s,
-                    2, 0);
+    forward_channel3(y, x, w, b, s, n, co, 1, 2, 1);
 }
+
+#ifndef POET_KERNELS_SMALL
+POET_OUTLINE void forward_channel3_s1_x2(float *y, const float *x, const float *w, const float *b,
+                                         const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+{
+    forward_channel3(y, x, w, b, s, n, co, 1, 1, 2);
+}
+
+POET_OUTLINE void forward_channel3_s2_x2(float *y, const float *x, const float *w, const float *b,
+                                         const poet_conv2d_shape *s, uint32_t n, uint32_t co)
+{
+    forward_channel3(y, x, w, b, s, n, co, 1, 2, 2);
+}
+#endif
 
 /* Four output channels of a 1x1 stride-1 layer (as one row) with CIN <= 4 input channels a
  * group, mcu-vww's first pointwise layers: the 4 x CIN weights stay in registers over the whole
@@ -637,26 +704,54 @@ POET_OUTLINE void forward_channel3_s2(float *y, const float *x, const float *w, 
  * for every four columns and their reduction over so few channels is as short as their set-up.
  * yo[c P + p] (+)= sum over u < CIN of xg[u P + p] w[c wc + u wu]; the data gradient runs in it
  * too, four output channels at a time, with the weights transposed by their strides. */
+POET_INLINE void pointwise_few_at(float *const *yp, const float *const *xp, const float *wr, uint32_t k,
+                                  const int accumulate, const uint32_t CIN)
+{
+    float xv[4];
+    uint32_t c, u;
+    for (u = 0; u < CIN; ++u)
+        xv[u] = xp[u][k];
+    for (c = 0; c < 4; ++c) {
+        float acc = xv[0] * wr[c * 4];
+        for (u = 1; u < CIN; ++u)
+            acc += xv[u] * wr[c * 4 + u];
+        if (accumulate)
+            yp[c][k] += acc;
+        else
+            yp[c][k] = acc;
+    }
+}
+
+/* the plane's positions four at a time, at immediate offsets from a pointer a row */
 POET_INLINE void pointwise_few(float *yo, const float *xg, uint32_t P, const float *w, uint32_t wc, uint32_t wu,
                                const int accumulate, const uint32_t CIN)
 {
-    float wr[16], xv[4];
+    float wr[16], *yp[4];
+    const float *xp[4];
     uint32_t c, u, p;
     for (c = 0; c < 4; ++c)
         for (u = 0; u < CIN; ++u)
             wr[c * 4 + u] = w[c * wc + u * wu];
-    for (p = 0; p < P; ++p) {
+    for (c = 0; c < 4; ++c)
+        yp[c] = yo + c * P;
+    for (u = 0; u < CIN; ++u)
+        xp[u] = xg + u * P;
+    for (p = 0; p + 4 <= P; p += 4) {
+        pointwise_few_at(yp, xp, wr, 0, accumulate, CIN);
+        pointwise_few_at(yp, xp, wr, 1, accumulate, CIN);
+        pointwise_few_at(yp, xp, wr, 2, accumulate, CIN);
+        pointwise_few_at(yp, xp, wr, 3, accumulate, CIN);
+        for (c = 0; c < 4; ++c)
+            yp[c] += 4;
         for (u = 0; u < CIN; ++u)
-            xv[u] = xg[u * P + p];
-        for (c = 0; c < 4; ++c) {
-            float acc = xv[0] * wr[c * 4];
-            for (u = 1; u < CIN; ++u)
-                acc += xv[u] * wr[c * 4 + u];
-            if (accumulate)
-                yo[c * P + p] += acc;
-            else
-                yo[c * P + p] = acc;
-        }
+            xp[u] += 4;
+    }
+    for (; p < P; ++p) {
+        pointwise_few_at(yp, xp, wr, 0, accumulate, CIN);
+        for (c = 0; c < 4; ++c)
+            ++yp[c];
+        for (u = 0; u < CIN; ++u)
+            ++xp[u];
     }
 }
 
@@ -700,28 +795,163 @@ POET_OUTLINE int pointwise_few_backward_input(float *dx, const float *dy, const 
 }
 #endif
 
+#ifndef POET_KERNELS_SMALL
+/* A 1x1 stride-1 layer as one row is a matrix product over the plane's P positions:
+ * y[c P + q] (+)= sum over u < U of w[c wc + u wu] x[u P + q], in tiles of 4 channels by Q
+ * positions. The forward (wu 1) reads the four channels' weights at immediate offsets from a
+ * pointer each, four u at a time; the data gradient (wc 1, the weights transposed) reads them
+ * from one pointer stepped along u. The first product starts each sum. The general tiles step
+ * five pointers every u, a third of an instruction per multiply-add on these short rows. */
+POET_INLINE void pw_mm_step(float *s, const float *xp, const float *const *wq, const float *w1, int32_t k,
+                            const int WC1, const int INIT, const uint32_t Q)
+{
+    float xv[4], wv[4];
+    uint32_t c, q;
+    for (q = 0; q < Q; ++q)
+        xv[q] = xp[q];
+    for (c = 0; c < 4; ++c)
+        wv[c] = WC1 ? w1[c] : wq[c][k];
+    for (c = 0; c < 4; ++c)
+        for (q = 0; q < Q; ++q)
+            s[c * Q + q] = INIT ? wv[c] * xv[q] : s[c * Q + q] + wv[c] * xv[q];
+}
+
+POET_INLINE void pw_mm_tile(float *yo, uint32_t P, const float *x, const float *w, uint32_t U, uint32_t wc,
+                            uint32_t wu, const int accumulate, const int WC1, const uint32_t Q)
+{
+    float s[16];
+    const float *wq[4], *w1 = w + wu, *xp = x + P;
+    uint32_t u = 1, c, q;
+    for (c = 0; c < 4; ++c)
+        wq[c] = w + c * wc + 1;
+    pw_mm_step(s, x, wq, w, -1, WC1, 1, Q);
+    if (WC1)
+        for (; u < U; ++u, xp += P, w1 += wu)
+            pw_mm_step(s, xp, wq, w1, 0, 1, 0, Q);
+    else {
+        for (; u + 4 <= U; u += 4) {
+            pw_mm_step(s, xp, wq, w1, 0, 0, 0, Q);
+            pw_mm_step(s, xp + P, wq, w1, 1, 0, 0, Q);
+            pw_mm_step(s, xp + 2 * P, wq, w1, 2, 0, 0, Q);
+            pw_mm_step(s, xp + 3 * P, wq, w1, 3, 0, 0, Q);
+            xp += 4 * P;
+            for (c = 0; c < 4; ++c)
+                wq[c] += 4;
+        }
+        for (; u < U; ++u, xp += P) {
+            pw_mm_step(s, xp, wq, w1, 0, 0, 0, Q);
+            for (c = 0; c < 4; ++c)
+                ++wq[c];
+        }
+    }
+    for (c = 0; c < 4; ++c)
+        for (q = 0; q < Q; ++q) {
+            if (accumulate)
+                yo[c * P + q] += s[c * Q + q];
+            else
+                yo[c * P + q] = s[c * Q + q];
+        }
+}
+
+/* Four channels' rows of the product across the plane: tiles of 4 positions, or of 3 where P is
+ * a multiple of 3 but not of 4 (mcu-vww's 3x3 plane), the rest one at a time */
+POET_INLINE void pw_mm_rows(float *yo, uint32_t P, const float *x, const float *w, uint32_t U, uint32_t wc,
+                            uint32_t wu, const int accumulate, const int WC1)
+{
+    uint32_t p = 0;
+    if (P % 4 && P % 3 == 0)
+        for (; p < P; p += 3)
+            pw_mm_tile(yo + p, P, x + p, w, U, wc, wu, accumulate, WC1, 3);
+    for (; p + 4 <= P; p += 4)
+        pw_mm_tile(yo + p, P, x + p, w, U, wc, wu, accumulate, WC1, 4);
+    for (; p < P; ++p)
+        pw_mm_tile(yo + p, P, x + p, w, U, wc, wu, accumulate, WC1, 1);
+}
+
+POET_OUTLINE void pw_mm_rows_forward(float *yo, uint32_t P, const float *x, const float *w, uint32_t U)
+{
+    pw_mm_rows(yo, P, x, w, U, U, 1, 0, 0);
+}
+
+POET_OUTLINE void pw_mm_rows_backward(float *dxo, uint32_t P, const float *dy, const float *w, uint32_t U, uint32_t wu)
+{
+    pw_mm_rows(dxo, P, dy, w, U, 1, wu, 1, 1);
+}
+
+/* The forward of such a layer with more than 4 inputs and outputs in fours; 0 for other shapes */
+static int pointwise_mm_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
+    uint32_t n, g, co, p;
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g <= 4 || cout_g % 4)
+        return 0;
+    for (n = 0; n < s->n; ++n)
+        for (g = 0; g < s->groups; ++g)
+            for (co = g * cout_g; co < (g + 1) * cout_g; co += 4)
+                pw_mm_rows_forward(y + (n * s->c_out + co) * P, P, x + (n * s->c_in + g * cin_g) * P, w + co * cin_g,
+                                   cin_g);
+    if (b) /* a second pass, so that a layer without a bias pays nothing for it */
+        for (n = 0; n < s->n; ++n)
+            for (co = 0; co < s->c_out; ++co)
+                for (p = 0; p < P; ++p)
+                    y[(n * s->c_out + co) * P + p] += b[co];
+    return 1;
+}
+
+/* The data gradient of such a layer with inputs in fours (more than 4: pointwise_few has those) */
+static int pointwise_mm_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
+    uint32_t n, g, ci;
+    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g <= 4 || cin_g % 4)
+        return 0;
+    for (n = 0; n < s->n; ++n)
+        for (g = 0; g < s->groups; ++g)
+            for (ci = 0; ci < cin_g; ci += 4)
+                pw_mm_rows_backward(dx + (n * s->c_in + g * cin_g + ci) * P, P, dy + (n * s->c_out + g * cout_g) * P,
+                                    w + g * cout_g * cin_g + ci, cout_g, cin_g);
+    return 1;
+}
+#endif
+
 /* Output channels in tiles of 4 within each group, then one at a time */
 POET_INLINE void forward_all(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s,
                              const uint32_t KH, const uint32_t KW, const uint32_t SW)
 {
     const uint32_t cout_g = s->c_out / s->groups, cin_g = s->c_in / s->groups;
     uint32_t n, g, co;
-    for (n = 0; n < s->n; ++n)
+    for (n = 0; n < s->n; ++n) {
+        if (KH == 3 && SW == 1 && cin_g == 1 && cout_g == 1) { /* depthwise: the layer in one call */
+            forward_channel3_s1(y, x, w, b, s, n, 0, s->c_out);
+            continue;
+        }
         for (g = 0; g < s->groups; ++g) {
-            for (co = 0; co + 4 <= cout_g; co += 4)
+            co = 0;
+#ifndef POET_KERNELS_SMALL
+            /* a 3x3 layer with one input channel a group and several outputs (mcu-vww's stem):
+             * the depthwise row walk, two output channels on each input window */
+            if (KH == 3 && SW == 1 && cin_g == 1)
+                for (; co + 2 <= cout_g; co += 2)
+                    forward_channel3_s1_x2(y, x, w, b, s, n, g * cout_g + co);
+            else if (KH == 3 && SW == 2 && cin_g == 1)
+                for (; co + 2 <= cout_g; co += 2)
+                    forward_channel3_s2_x2(y, x, w, b, s, n, g * cout_g + co);
+#endif
+            for (; co + 4 <= cout_g; co += 4)
                 if (KH == 1 && SW == 1 && s->h_out == 1 && cin_g <= 4) /* 1x1 as one row, few inputs */
                     pointwise_few_forward(y, x, w, b, s, n, g * cout_g + co, cin_g);
                 else
                     forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
-                if (KH == 3 && SW == 1 && cin_g == 1) /* depthwise layers: one input channel */
-                    forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co);
+                if (KH == 3 && SW == 1 && cin_g == 1) /* one input channel: the depthwise walk */
+                    forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co, 1);
                 else if (KH == 3 && SW == 2 && cin_g == 1)
                     forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
                 else /* the odd channel left over after tiles of 4 */
                     forward_one_channel(y, x, w, b, s, n, g * cout_g + co);
             }
         }
+    }
 }
 
 void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
@@ -729,6 +959,8 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
+    if (pointwise_mm_forward(y, x, w, b, s))
+        return;
     if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 1)
         forward_all(y, x, w, b, s, 3, 3, 1);
     else if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 2)
@@ -894,76 +1126,128 @@ POET_INLINE void backward_input_all(float *dx, const float *dy, const float *w, 
  * takes its taps from dy (m, j) and, for a or b odd, (m + 1, j) and (m, j + 1): in a 2x2 block
  * of dx per dy position, walked along a pair of dy rows with those rows' values in registers,
  * each block's four sums add into dx once. D1: dy row m + 1 exists; X1: dx row 2m + 1 does. */
-POET_INLINE void dw3_s2_block(float *x0, float *x1, float a0, float a1, float b0, float b1, const float *w,
-                              const int D1, const int X1)
+POET_INLINE void dw3_s2_block(float *x0, float *x1, const float *a0, const float *a1, const float *b0,
+                              const float *b1, const float *w, const int D1, const int X1, const uint32_t CO)
 {
-    x0[0] += a0 * w[4];
-    x0[1] += a0 * w[5] + b0 * w[3];
+    float s00 = a0[0] * w[4], s01 = a0[0] * w[5] + b0[0] * w[3], s10, s11;
+    uint32_t o;
+    for (o = 1; o < CO; ++o) {
+        s00 += a0[o] * w[9 * o + 4];
+        s01 += a0[o] * w[9 * o + 5] + b0[o] * w[9 * o + 3];
+    }
+    x0[0] += s00;
+    x0[1] += s01;
     if (X1) {
-        x1[0] += D1 ? a0 * w[7] + a1 * w[1] : a0 * w[7];
-        x1[1] += D1 ? a0 * w[8] + b0 * w[6] + (a1 * w[2] + b1 * w[0]) : a0 * w[8] + b0 * w[6];
+        s10 = D1 ? a0[0] * w[7] + a1[0] * w[1] : a0[0] * w[7];
+        s11 = D1 ? a0[0] * w[8] + b0[0] * w[6] + (a1[0] * w[2] + b1[0] * w[0]) : a0[0] * w[8] + b0[0] * w[6];
+        for (o = 1; o < CO; ++o) {
+            const float *wo = w + 9 * o;
+            s10 += D1 ? a0[o] * wo[7] + a1[o] * wo[1] : a0[o] * wo[7];
+            s11 += D1 ? a0[o] * wo[8] + b0[o] * wo[6] + (a1[o] * wo[2] + b1[o] * wo[0]) : a0[o] * wo[8] + b0[o] * wo[6];
+        }
+        x1[0] += s10;
+        x1[1] += s11;
     }
 }
 
-POET_INLINE void dw3_s2_rows(float *x0, float *x1, const float *d0, const float *d1, const float *w, uint32_t w_in,
-                             uint32_t w_out, const int D1, const int X1)
+/* CO output channels (dy rows d0 + o ds, d1 + o ds; weights w + 9 o) into the same dx rows */
+POET_INLINE void dw3_s2_rows(float *x0, float *x1, const float *d0, const float *d1, uint32_t ds, const float *w,
+                             uint32_t w_in, uint32_t w_out, const int D1, const int X1, const uint32_t CO)
 {
-    float a0 = d0[0], a1 = D1 ? d1[0] : 0.0f, b0, b1;
-    uint32_t j = 0;
+    float a0[2], a1[2], b0[2], b1[2];
+    uint32_t j = 0, o;
+    for (o = 0; o < CO; ++o)
+        a0[o] = d0[o * ds], a1[o] = D1 ? d1[o * ds] : 0.0f;
     /* blocks 0 .. w_out - 2 have dy column j + 1 and dx column 2j + 1; two a step, their roles
      * swapped, so that the carried column is not moved */
     for (; j + 3 <= w_out; j += 2) {
-        b0 = d0[j + 1], b1 = D1 ? d1[j + 1] : 0.0f;
-        dw3_s2_block(x0 + 2 * j, x1 + 2 * j, a0, a1, b0, b1, w, D1, X1);
-        a0 = d0[j + 2], a1 = D1 ? d1[j + 2] : 0.0f;
-        dw3_s2_block(x0 + 2 * j + 2, x1 + 2 * j + 2, b0, b1, a0, a1, w, D1, X1);
+        for (o = 0; o < CO; ++o)
+            b0[o] = d0[o * ds + j + 1], b1[o] = D1 ? d1[o * ds + j + 1] : 0.0f;
+        dw3_s2_block(x0 + 2 * j, x1 + 2 * j, a0, a1, b0, b1, w, D1, X1, CO);
+        for (o = 0; o < CO; ++o)
+            a0[o] = d0[o * ds + j + 2], a1[o] = D1 ? d1[o * ds + j + 2] : 0.0f;
+        dw3_s2_block(x0 + 2 * j + 2, x1 + 2 * j + 2, b0, b1, a0, a1, w, D1, X1, CO);
     }
     if (j + 2 <= w_out) {
-        b0 = d0[j + 1], b1 = D1 ? d1[j + 1] : 0.0f;
-        dw3_s2_block(x0 + 2 * j, x1 + 2 * j, a0, a1, b0, b1, w, D1, X1);
-        a0 = b0, a1 = b1, ++j;
+        for (o = 0; o < CO; ++o)
+            b0[o] = d0[o * ds + j + 1], b1[o] = D1 ? d1[o * ds + j + 1] : 0.0f;
+        dw3_s2_block(x0 + 2 * j, x1 + 2 * j, a0, a1, b0, b1, w, D1, X1, CO);
+        for (o = 0; o < CO; ++o)
+            a0[o] = b0[o], a1[o] = b1[o];
+        ++j;
     }
     /* the last block: no dy column after it, and dx column 2j + 1 only for an even width */
-    x0[2 * j] += a0 * w[4];
-    if (X1)
-        x1[2 * j] += D1 ? a0 * w[7] + a1 * w[1] : a0 * w[7];
-    if (2 * j + 1 < w_in) {
-        x0[2 * j + 1] += a0 * w[5];
+    for (o = 0; o < CO; ++o) {
+        const float *wo = w + 9 * o;
+        x0[2 * j] += a0[o] * wo[4];
         if (X1)
-            x1[2 * j + 1] += D1 ? a0 * w[8] + a1 * w[2] : a0 * w[8];
+            x1[2 * j] += D1 ? a0[o] * wo[7] + a1[o] * wo[1] : a0[o] * wo[7];
+        if (2 * j + 1 < w_in) {
+            x0[2 * j + 1] += a0[o] * wo[5];
+            if (X1)
+                x1[2 * j + 1] += D1 ? a0[o] * wo[8] + a1[o] * wo[2] : a0[o] * wo[8];
+        }
+    }
+}
+
+/* dx channel dxc += the data gradient of CO output channels from dyc on (plane apart), weights wc */
+POET_INLINE void dw3_s2_backward_input(float *dxc, const float *dyc, const float *wc, const poet_conv2d_shape *s,
+                                       const uint32_t CO)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out, ds = s->h_out * w_out;
+    float w[18];
+    uint32_t m, i;
+    for (i = 0; i < 9 * CO; ++i)
+        w[i] = wc[i];
+    for (m = 0; m < s->h_out; ++m) {
+        float *x0 = dxc + 2 * m * w_in, *x1 = x0 + w_in;
+        const float *d0 = dyc + m * w_out, *d1 = d0 + w_out;
+        if (m + 1 < s->h_out && 2 * m + 1 < s->h_in)
+            dw3_s2_rows(x0, x1, d0, d1, ds, w, w_in, w_out, 1, 1, CO);
+        else if (2 * m + 1 < s->h_in) /* the last dy row, an even height */
+            dw3_s2_rows(x0, x1, d0, d0, ds, w, w_in, w_out, 0, 1, CO);
+        else /* the last dy row, an odd height: its dx row has no row after it */
+            dw3_s2_rows(x0, x0, d0, d0, ds, w, w_in, w_out, 0, 0, CO);
     }
 }
 
 POET_OUTLINE void dw3_s2_backward_input_channel(float *dxc, const float *dyc, const float *wc,
                                                 const poet_conv2d_shape *s)
 {
-    const uint32_t w_in = s->w_in, w_out = s->w_out;
-    float w[9];
-    uint32_t m, i;
-    for (i = 0; i < 9; ++i)
-        w[i] = wc[i];
-    for (m = 0; m < s->h_out; ++m) {
-        float *x0 = dxc + 2 * m * w_in, *x1 = x0 + w_in;
-        const float *d0 = dyc + m * w_out, *d1 = d0 + w_out;
-        if (m + 1 < s->h_out && 2 * m + 1 < s->h_in)
-            dw3_s2_rows(x0, x1, d0, d1, w, w_in, w_out, 1, 1);
-        else if (2 * m + 1 < s->h_in) /* the last dy row, an even height */
-            dw3_s2_rows(x0, x1, d0, d0, w, w_in, w_out, 0, 1);
-        else /* the last dy row, an odd height: its dx row has no row after it */
-            dw3_s2_rows(x0, x0, d0, d0, w, w_in, w_out, 0, 0);
-    }
+    dw3_s2_backward_input(dxc, dyc, wc, s, 1);
 }
 
+#ifndef POET_KERNELS_SMALL
+POET_OUTLINE void dw3_s2_backward_input_channels2(float *dxc, const float *dyc, const float *wc,
+                                                  const poet_conv2d_shape *s)
+{
+    dw3_s2_backward_input(dxc, dyc, wc, s, 2);
+}
+#endif
+
+/* One input channel a group (depthwise layers, and the stem's one input to several outputs),
+ * 3x3, stride 2, one row and column of padding: each group's dx from its output channels, two at
+ * a time where the build has the copy for them */
 static int depthwise3_s2_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
 {
-    uint32_t n, c;
-    if (s->groups != s->c_in || s->groups != s->c_out || s->k_h != 3 || s->k_w != 3 || s->stride_h != 2 ||
-        s->stride_w != 2 || s->pad_h != 1 || s->pad_w != 1)
+    const uint32_t cout_g = s->c_out / s->groups;
+    uint32_t n, c, co;
+    if (s->groups != s->c_in || s->k_h != 3 || s->k_w != 3 || s->stride_h != 2 || s->stride_w != 2 ||
+        s->pad_h != 1 || s->pad_w != 1)
         return 0;
     for (n = 0; n < s->n; ++n)
-        for (c = 0; c < s->c_in; ++c)
-            dw3_s2_backward_input_channel(dx + (n * s->c_in + c) * s->h_in * s->w_in,
-                                          dy + (n * s->c_out + c) * s->h_out * s->w_out, w + c * 9, s);
+        for (c = 0; c < s->c_in; ++c) {
+            float *dxc = dx + (n * s->c_in + c) * s->h_in * s->w_in;
+            co = 0;
+#ifndef POET_KERNELS_SMALL
+            for (; co + 2 <= cout_g; co += 2)
+                dw3_s2_backward_input_channels2(dxc, dy + (n * s->c_out + c * cout_g + co) * s->h_out * s->w_out,
+                                                w + (c * cout_g + co) * 9, s);
+#endif
+            for (; co < cout_g; ++co)
+                dw3_s2_backward_input_channel(dxc, dy + (n * s->c_out + c * cout_g + co) * s->h_out * s->w_out,
+                                              w + (c * cout_g + co) * 9, s);
+        }
     return 1;
 }
 
@@ -985,7 +1269,7 @@ static int depthwise3_backward_input(float *dx, const float *dy, const float *w,
             for (i = 0; i < 9; ++i)
                 flipped[i] = w[c * 9 + 8 - i];
             depthwise3_rows(dx + (n * s->c_in + c) * s->h_in * s->w_in, dy + (n * s->c_out + c) * s->h_out * s->w_out,
-                            flipped, NULL, &t, 1, 1);
+                            flipped, NULL, &t, 1, 1, 1);
         }
     return 1;
 }
@@ -997,7 +1281,7 @@ void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, cons
         return;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
-    if (pointwise_few_backward_input(dx, dy, w, s))
+    if (pointwise_few_backward_input(dx, dy, w, s) || pointwise_mm_backward_input(dx, dy, w, s))
         return;
     if ((s->k_w == 3 || s->k_w == 1) && s->stride_w == 1)
         backward_input_all(dx, dy, w, s, 1);
@@ -1106,15 +1390,16 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
 #ifndef POET_KERNELS_SMALL
-    if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && (sw == 1 || sw == 2)) {
-        float g[9];
-        if (sw == 1)
-            depthwise3_grad_s1(g, dy, x, s, co);
-        else
-            depthwise3_grad_s2(g, dy, x, s, co);
-        for (kh = 0; kh < 3; ++kh)
-            for (kw = 0; kw < 3; ++kw)
-                apply_grad(gw, s, co, 0, kh, kw, g[kh * 3 + kw], lr, sgd);
+    /* (stride 1 takes depthwise3_grad_layer_s1, the whole layer in one call) */
+    if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && sw == 2) {
+        float g[9], *at = gw + co * 9; /* one input channel, 3x3: channel co's nine weights */
+        depthwise3_grad_s2(g, dy, x, s, co);
+        for (kh = 0; kh < 9; ++kh) {
+            if (sgd)
+                at[kh] -= lr * g[kh];
+            else
+                at[kh] += g[kh];
+        }
         return;
     }
 #endif
@@ -1165,13 +1450,40 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
 {
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
     uint32_t g, co, ci;
+#ifndef POET_KERNELS_SMALL
+    if (cin_g == 1 && cout_g == 1 && s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->w_in >= 3 &&
+        s->stride_w == 1) {
+        depthwise3_grad_layer_s1(gw, dy, x, s, lr, sgd);
+        return;
+    }
+#endif
     for (g = 0; g < s->groups; ++g) {
         const uint32_t co0 = g * cout_g;
+        co = 0;
         if (cin_g == 1 && cout_g == 1 && s->k_w == 3) {
             weight_grad_depthwise3(gw, dy, x, s, co0, lr, sgd);
             continue;
         }
-        for (co = 0; co + 4 <= cout_g; co += 4) {
+#ifndef POET_KERNELS_SMALL
+        /* one input channel, several outputs (the stem): the depthwise walk, two outputs a pass */
+        if (cin_g == 1 && s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->w_in >= 3 &&
+            (s->stride_w == 1 || s->stride_w == 2))
+            for (; co + 2 <= cout_g; co += 2) {
+                float g[18], *at = gw + (co0 + co) * 9; /* the two channels' 18 weights */
+                uint32_t k;
+                if (s->stride_w == 1)
+                    depthwise3_grad_s1_x2(g, dy, x, s, co0 + co);
+                else
+                    depthwise3_grad_s2_x2(g, dy, x, s, co0 + co);
+                for (k = 0; k < 18; ++k) {
+                    if (sgd)
+                        at[k] -= lr * g[k];
+                    else
+                        at[k] += g[k];
+                }
+            }
+#endif
+        for (; co + 4 <= cout_g; co += 4) {
             for (ci = 0; ci + 4 <= cin_g; ci += 4)
                 weight_grad_channels(gw, dy, x, s, co0 + co, ci, lr, sgd, SW, 4, 4);
             for (; ci < cin_g; ++ci)
@@ -1187,36 +1499,92 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
 }
 
 #ifndef POET_KERNELS_SMALL
-/* Weight gradients of a 1x1 stride-1 layer (as one row) with channels in fours: 4 x 4 blocks of
- * sums over the batch and the plane's positions, each input loaded once for four of them. On
- * small planes (mcu-vww's 3x3) the general tiles' per-tap set-up (the tap's output ranges,
- * eight row pointers) cost as much as a reduction of 9. Returns 0 for other shapes. */
-POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
-                                       float lr, int sgd)
+/* One step of a 4 x 4 block of pointwise weight gradients: s[c 4 + q] (INIT: =, else +=)
+ * pa[c][k] pb[q][kb] */
+POET_INLINE void pw_grad_step(float *s, const float *const *pa, const float *const *pb, int32_t k, int32_t kb,
+                              const int INIT)
 {
-    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = s->w_out;
-    uint32_t g, co, ci, n, p, c, q;
-    /* from 16 positions on, the general tiles' reduction, unrolled by four, is the faster */
-    if (s->k_h != 1 || s->k_w != 1 || s->stride_w != 1 || s->h_out != 1 || s->pad_w || cin_g % 4 || cout_g % 4 ||
-        P >= 16)
-        return 0;
+    float av[4], bv[4];
+    uint32_t c, q;
+    for (c = 0; c < 4; ++c)
+        av[c] = pa[c][k], bv[c] = pb[c][kb];
+    for (c = 0; c < 4; ++c)
+        for (q = 0; q < 4; ++q)
+            s[c * 4 + q] = INIT ? av[c] * bv[q] : s[c * 4 + q] + av[c] * bv[q];
+}
+
+/* s[c 4 + q] (INIT: =, else +=) sum over p < P of a[c ca + p] b[q cb + p SB], P >= 1. PC: P (and
+ * ca, cb) when the call fixes it (mcu-vww's 3x3 planes), and then every load is an immediate
+ * offset from a and b; else four pointers a side, stepped four positions at a time. SB: the
+ * stride along the input row (a 1x1 stride-2 downsample). INIT: the first product starts the sum,
+ * neither a zero nor its addition. */
+POET_INLINE void pw_grad_block(float *s, const float *a, const float *b, uint32_t P, uint32_t ca, uint32_t cb,
+                               const uint32_t PC, const uint32_t SB, const int INIT)
+{
+    const float *pa[4], *pb[4];
+    uint32_t c, p = 0;
+    if (PC) {
+        for (c = 0; c < 4; ++c)
+            pa[c] = a + c * PC, pb[c] = b + c * PC;
+        if (INIT)
+            pw_grad_step(s, pa, pb, 0, 0, 1), p = 1;
+        for (; p < PC; ++p)
+            pw_grad_step(s, pa, pb, (int32_t)p, (int32_t)p, 0);
+        return;
+    }
+    for (c = 0; c < 4; ++c)
+        pa[c] = a + c * ca, pb[c] = b + c * cb;
+    if (INIT) {
+        pw_grad_step(s, pa, pb, 0, 0, 1);
+        for (c = 0; c < 4; ++c)
+            ++pa[c], pb[c] += SB;
+        p = 1;
+    }
+    if (SB == 2) /* a downsample's short rows (ResNet's 8 outputs wide) in one step of eight */
+        for (; p + 8 <= P; p += 8) {
+            for (c = 0; c < 8; ++c)
+                pw_grad_step(s, pa, pb, (int32_t)c, (int32_t)(c * SB), 0);
+            for (c = 0; c < 4; ++c)
+                pa[c] += 8, pb[c] += 8 * SB;
+        }
+    for (; p + 4 <= P; p += 4) {
+        pw_grad_step(s, pa, pb, 0, 0, 0);
+        pw_grad_step(s, pa, pb, 1, (int32_t)SB, 0);
+        pw_grad_step(s, pa, pb, 2, 2 * (int32_t)SB, 0);
+        pw_grad_step(s, pa, pb, 3, 3 * (int32_t)SB, 0);
+        for (c = 0; c < 4; ++c)
+            pa[c] += 4, pb[c] += 4 * SB;
+    }
+    for (; p < P; ++p) {
+        pw_grad_step(s, pa, pb, 0, 0, 0);
+        for (c = 0; c < 4; ++c)
+            ++pa[c], pb[c] += SB;
+    }
+}
+
+/* Weight gradients of a 1x1 layer without padding, stride 1 (as one row) or 2, with channels in
+ * fours: 4 x 4 blocks of sums over the batch and the plane's positions, each input loaded once
+ * for four of them, with no per-tap set-up (the general tiles' output ranges and eight row
+ * pointers cost as much as a reduction over mcu-vww's 6x6 and 3x3 planes). */
+POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                         float lr, int sgd, const uint32_t PC, const uint32_t SB)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = PC ? PC : s->w_out;
+    const uint32_t out_plane = s->h_out * s->w_out, in_plane = s->h_in * s->w_in;
+    const uint32_t brow = s->stride_h * s->w_in;
+    uint32_t g, co, ci, n, c, q, oh;
     for (g = 0; g < s->groups; ++g)
         for (co = g * cout_g; co < (g + 1) * cout_g; co += 4)
             for (ci = 0; ci < cin_g; ci += 4) {
                 float acc[16], *at = gw + co * cin_g + ci;
-                for (c = 0; c < 16; ++c)
-                    acc[c] = 0.0f;
-                for (n = 0; n < s->n; ++n) {
-                    const float *a = dy + (n * s->c_out + co) * P, *bx = x + (n * s->c_in + g * cin_g + ci) * P;
-                    for (p = 0; p < P; ++p) {
-                        float av[4], bv[4];
-                        for (c = 0; c < 4; ++c)
-                            av[c] = a[c * P + p], bv[c] = bx[c * P + p];
-                        for (c = 0; c < 4; ++c)
-                            for (q = 0; q < 4; ++q)
-                                acc[c * 4 + q] += av[c] * bv[q];
-                    }
-                }
+                const float *a = dy + co * out_plane, *bx = x + (g * cin_g + ci) * in_plane;
+                pw_grad_block(acc, a, bx, P, out_plane, in_plane, PC, SB, 1);
+                for (oh = 1; oh < s->h_out; ++oh)
+                    pw_grad_block(acc, a + oh * s->w_out, bx + oh * brow, P, out_plane, in_plane, PC, SB, 0);
+                for (n = 1; n < s->n; ++n)
+                    for (oh = 0; oh < s->h_out; ++oh)
+                        pw_grad_block(acc, a + n * s->c_out * out_plane + oh * s->w_out,
+                                      bx + n * s->c_in * in_plane + oh * brow, P, out_plane, in_plane, PC, SB, 0);
                 for (c = 0; c < 4; ++c)
                     for (q = 0; q < 4; ++q) {
                         if (sgd)
@@ -1225,6 +1593,22 @@ POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *
                             at[c * cin_g + q] += acc[c * 4 + q];
                     }
             }
+}
+
+POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+                                       float lr, int sgd)
+{
+    const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
+    if (s->k_h != 1 || s->k_w != 1 || s->pad_h || s->pad_w || cin_g % 4 || cout_g % 4)
+        return 0;
+    if (s->stride_w == 1 && s->h_out == 1 && s->w_out == 9)
+        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 9, 1);
+    else if (s->stride_w == 1 && s->h_out == 1)
+        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 0, 1);
+    else if (s->stride_w == 2)
+        pointwise_weight_grad_p(gw, dy, x, s, lr, sgd, 0, 2);
+    else
+        return 0;
     return 1;
 }
 #endif
