@@ -1,6 +1,6 @@
 """`poet-opt run` runs every operator of the registry whole (issue 27, "every plan runs"): ELU with
-its own alpha, sqrt and rsqrt (backwards from the output, which is all the graph keeps), sub, mul
-and div of activations and constants, 1-d and 3-d convolutions, group and instance norm (their
+its own alpha, sqrt and rsqrt (backwards from the output, which is all the graph keeps), clip as
+torch.clamp, sub, mul and div of activations and constants, 1-d and 3-d convolutions, group and instance norm (their
 affine weights trained), log-softmax; and the hand-written encoder block, whose attention scores
 are divided by a constant. Each is one step (or a few) against torch.optim.SGD on the same module,
 also under plans that free and recompute or page, where a gradient may read only what the graph
@@ -31,7 +31,7 @@ class Mixed(nn.Module):
     """Every operator the executor gained, on (C, H, W) tensors: group norm, ELU (alpha 0.5, module
     and function), affine instance norm with running statistics, sqrt and rsqrt of a positive
     tensor, a product of two activations and a square, a difference, a quotient of activations,
-    a division by a constant and of a constant, a constant added, a log-softmax head."""
+    a division by a constant and of a constant, a constant added, a clamp, a log-softmax head."""
 
     def __init__(self):
         super().__init__()
@@ -48,7 +48,7 @@ class Mixed(nn.Module):
         m = h * s
         den = s + r
         z = (m * m - r) / den + 2.0 / den - h / 4.0 + 1.0
-        return self.out(self.head(torch.flatten(self.pool(z), 1)))
+        return self.out(self.head(torch.flatten(self.pool(z.clamp(-3.0, 3.0)), 1)))
 
 
 class Convs(nn.Module):
@@ -108,7 +108,7 @@ def test_a_plan_of_the_new_operators_trains_as_torch_sgd(case, mode):
     network = prepare(module, shape)
     ops = {layer.op for layer in network.layers.values()}
     if case == "mixed":
-        assert {"groupnorm", "elu", "instancenorm", "sqrt", "mul", "sub", "div", "log_softmax"} <= ops, ops
+        assert {"groupnorm", "elu", "instancenorm", "sqrt", "mul", "sub", "div", "clip", "log_softmax"} <= ops, ops
     else:
         assert {"conv1d", "conv3d", "maxpool"} <= ops, ops
     plain = solve(network.graph, "rpi4", ram=10 ** 12, mode="none")

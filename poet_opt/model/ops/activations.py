@@ -67,7 +67,8 @@ register(
     _act("abs", 1, "in", (), ("abs",), ("Abs",), lambda t, x: t.abs(x)),
     _act("reciprocal", 1, "out", (), ("reciprocal",), ("Reciprocal",), lambda t, x: t.reciprocal(x),
          lambda t, g, y: -g * y * y),
-    _act("clip", 2, "in", doc="ONNX Clip with bounds other than (0, 6)"),
+    _act("clip", 2, "in", (), ("clamp", "clip"), doc="ONNX Clip with bounds other than (0, 6); torch.clamp, whose "
+         "bounds only the traced call has (the executor, whole)"),
 )
 
 # Arithmetic of two tensors: they may broadcast (a scale per channel), so no piece of one operand
