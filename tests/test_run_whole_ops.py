@@ -207,3 +207,24 @@ def test_a_division_by_an_activation_keeps_both_operands():
     div = next(layer for layer in network.layers.values() if layer.op == "div" and len(set(layer.operands)) == 2)
     grad = next(n for n in graph.nodes if n.name == f"grad:{div.operands[1]}")
     assert set(div.operands) <= {names[d] for d in grad.deps}
+
+
+def test_a_recomputed_instance_norm_leaves_its_running_statistics_alone():
+    """The running statistics move at a node's first compute only, as plain training's one forward
+    moves them: a recompute gives the same output and leaves them as they were."""
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+    module = nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3))
+    network = prepare(module, (2, 3, 8, 8))
+    kernels = ScheduleExecutor(network, solve(network.graph, "rpi4", ram=10 ** 12, mode="none"), lr=LR,
+                               device="cpu").kernels
+    x, _ = _batch((2, 3, 8, 8))
+    with torch.no_grad():
+        table = {"0": module[0](x)}
+    start = norm.running_mean.clone()
+    first = kernels.forward("1", table, first=True)
+    moved = norm.running_mean.clone()
+    assert not torch.equal(moved, start)
+    again = kernels.forward("1", table, first=False)
+    assert torch.equal(norm.running_mean, moved)
+    assert torch.allclose(again, first, rtol=0, atol=1e-6)

@@ -19,8 +19,9 @@ reads their inputs (batch, layer, group and instance norm, GELU, ReLU6, pooling,
 activation, attention) are differentiated by autograd on a re-run of their forward from those
 inputs, which gives exactly the gradient PyTorch's own backward gives; an operand the graph does not
 keep is one the operator is linear in (a difference, a product's own factor), re-run at zero. ELU
-and sqrt go back from their output by torch's formula for the traced call (its alpha, rsqrt). Side effects happen once per step: batch norm's running statistics move only at
-a node's first compute, weight gradients accumulate only at ``grad:f``'s first compute.
+and sqrt go back from their output by torch's formula for the traced call (its alpha, rsqrt).
+Side effects happen once per step: batch and instance norm's running statistics move only at a
+node's first compute, weight gradients accumulate only at ``grad:f``'s first compute.
 """
 
 from __future__ import annotations

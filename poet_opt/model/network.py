@@ -409,7 +409,7 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             if m.dim not in (-1, len(xs) - 1):
                 raise _unsupported(name, "a softmax over a dimension other than the last")
             return make("softmax", x)
-        whole = _executor_module(m, xs, name) if chains is not None else None
+        whole = _executor_module(m, xs) if chains is not None else None
         if whole is not None:
             return make(whole, x)
         if isinstance(m, nn.MaxPool2d):
@@ -478,7 +478,7 @@ def _elementwise(spec, name: str, what: str, chains) -> str:
     return spec.name
 
 
-def _executor_module(m, xs, name: str) -> str | None:
+def _executor_module(m, xs) -> str | None:
     """The op of a module only the PyTorch executor runs (whole, torch's own forward and autograd):
     1-d and 3-d convolutions, group and instance norm, log-softmax over the last axis; else None."""
     import torch
@@ -489,9 +489,7 @@ def _executor_module(m, xs, name: str) -> str | None:
     if isinstance(m, nn.GroupNorm):
         return "groupnorm"
     if isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
-        if m.track_running_stats and m.momentum is None:
-            raise _unsupported(name, "instance norm with a cumulative moving average (momentum=None)")
-        return "instancenorm"
+        return "instancenorm"  # running statistics move at the first compute only (executor/kernels.py)
     if isinstance(m, nn.LogSoftmax):
         if m.dim not in (-1, len(xs) - 1):
             raise _unsupported(name, "a log-softmax over a dimension other than the last")

@@ -22,9 +22,10 @@ TILINGS_CHECKED = ("whole", "strips", "rows", "slices")
 # Elementwise operators (activations, add) follow from their registry entry: the firmware runs
 # those with C kernels of the elementwise convention, whole and strip by strip; the executor runs
 # one it can differentiate from what the graph keeps (its input; or its output, with a torch
-# backward from it, or, whole, from it and the traced call: elu's alpha), whole when PyTorch spells it (it runs the traced node itself) and over strips
-# when the registry has its PyTorch reference (the replay calls torch_forward); over row blocks too,
-# where the row replay differentiates one operand (add routes its gradient to both).
+# backward from it, or, whole, from it and the traced call: elu's alpha), whole when PyTorch
+# spells it (it runs the traced node itself) and over strips when the registry has its PyTorch
+# reference (the replay calls torch_forward); over row blocks too, where the row replay
+# differentiates one operand (add routes its gradient to both).
 
 
 def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
