@@ -15,10 +15,13 @@ generator (firmware/writer.py) reads them:
 A data gradient reads only the tensors the graph says it reads (its node's ``deps``), since those
 are the ones the schedule keeps resident: a convolution's or a linear layer's input gradient needs
 the weights only, a ReLU's its output, a product's the other operand. Operators whose backward
-reads their inputs (batch and layer norm, GELU, ReLU6, pooling, attention) are differentiated by
-autograd on a re-run of their forward from those inputs, which gives exactly the gradient PyTorch's
-own backward gives. Side effects happen once per step: batch norm's running statistics move only at
-a node's first compute, weight gradients accumulate only at ``grad:f``'s first compute.
+reads their inputs (batch, layer, group and instance norm, GELU, ReLU6, pooling, a division by an
+activation, attention) are differentiated by autograd on a re-run of their forward from those
+inputs, which gives exactly the gradient PyTorch's own backward gives; an operand the graph does not
+keep is one the operator is linear in (a difference, a product's own factor), re-run at zero. ELU
+and sqrt go back from their output by torch's formula for the traced call (its alpha, rsqrt).
+Side effects happen once per step: batch and instance norm's running statistics move only at a
+node's first compute, weight gradients accumulate only at ``grad:f``'s first compute.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class Kernels:
                 raise PoetError(f"internal: layer {layer.name!r} was lowered without views=True")
             for operand in dict.fromkeys(layer.operands):
                 self.users[operand].append(layer)
+        # per gradient node grad:f, the tensors the graph keeps resident for it (its deps)
+        by_id = {n.id: n.name for n in network.graph.nodes}
+        self.kept = {n.name[len("grad:"):]: {by_id[d] for d in n.deps} for n in network.graph.nodes
+                     if n.kind == "backward" and n.name.startswith("grad:")}
         self.x = self.y = None
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -110,6 +117,9 @@ class Kernels:
                 return m(operands[0])  # in training mode: moves the running statistics, as plain training
             # a recompute: the same batch statistics, running statistics left alone
             return torch.nn.functional.batch_norm(operands[0], None, None, m.weight, m.bias, True, 0.0, m.eps)
+        if layer.op == "instancenorm" and not first and self.modules[n.target].track_running_stats:
+            m = self.modules[n.target]  # a recompute: the instance statistics, running statistics left alone
+            return torch.nn.functional.instance_norm(operands[0], None, None, m.weight, m.bias, True, 0.0, m.eps)
         fx = torch.fx
         it = iter(operands)
         args = tuple(next(it) if isinstance(a, fx.Node) and "poet_const" not in a.meta else self._const(a)
@@ -183,12 +193,19 @@ class Kernels:
                 (g,) = torch.autograd.grad(self._run(user, [self._view(p, chain)], first=False), p, gu)
             return g
         spec = registry.get(op)
-        if op not in _EXPLICIT and spec is not None and spec.saves == "out" and spec.torch_backward is not None:
+        if op not in _EXPLICIT and spec is not None and spec.saves == "out" and \
+                (spec.torch_backward is not None or spec.torch_backward_call is not None):
             with torch.no_grad():
-                gv = spec.torch_backward(torch, gu, table[user.name])
+                if spec.torch_backward is not None:
+                    gv = spec.torch_backward(torch, gu, table[user.name])
+                else:  # from the output and the traced call (elu's alpha, rsqrt or sqrt)
+                    gv = spec.torch_backward_call(torch, gu, table[user.name], *self._call_arguments(user))
             return self._unview(user.operand_shapes[which], chain, gv) if chain else gv
         if op not in _EXPLICIT:
             return self._by_autograd(user, which, table, gu)
+        if op == "add" and (len(user.operands) != 2 or user.origin.kwargs.get("alpha", 1) != 1
+                            or tuple(self._viewed_shape(user, which, table)) != tuple(gu.shape)):
+            return self._by_autograd(user, which, table, gu)  # a constant or a broadcast operand: linear
         m = self.modules.get(user.origin.target) if user.origin.op == "call_module" else None
         with torch.no_grad():
             if op in ("add", "copy"):
@@ -214,17 +231,38 @@ class Kernels:
         meta = self.torch.empty(shape, device="meta")  # a view's shape, without the producer's data
         return tuple(self._view(meta, user.operand_views[which]).shape)
 
+    def _call_arguments(self, user: Layer) -> tuple[str, dict]:
+        """(the traced call's name, its arguments): a module's attributes, a function's bound ones."""
+        import inspect
+
+        n = user.origin
+        if n.op == "call_module":
+            m = self.modules[n.target]
+            return type(m).__name__.lower(), {k: v for k, v in vars(m).items() if not k.startswith("_")}
+        args, kwargs = self._const(tuple(n.args[1:])), self._const(dict(n.kwargs))
+        name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+        try:
+            bound = inspect.signature(n.target).bind(None, *args, **kwargs).arguments
+        except (TypeError, ValueError):  # a builtin without a signature, a method: what was spelled
+            bound = dict(kwargs)
+        return name.strip("_"), dict(bound)
+
     def _by_autograd(self, user: Layer, which: int, table: dict, gu):
+        """Autograd on a re-run of ``user`` from what the graph keeps for the gradient: an operand it
+        does not keep is one the operator is linear in (a - b, a * b's own factor, a / c's
+        numerator), taken at a zero of its shape, which holds one number, not the tensor."""
         torch = self.torch
+        kept = self.kept.get(user.operands[which], set())
         leaves = {}
         operands = []
         for i, name in enumerate(user.operands):
+            value = table[name] if name in kept else gu.new_zeros(()).expand(user.operand_shapes[i])
             if name == user.operands[which] and i == which:
-                leaf = table[name].detach().requires_grad_(True)
+                leaf = value.detach().requires_grad_(True)
                 leaves[i] = leaf
                 operands.append(self._view(leaf, user.operand_views[i]))
             else:
-                operands.append(self.operand(user, i, table).detach())
+                operands.append(self._view(value, user.operand_views[i]).detach())
         with torch.enable_grad():
             out = self._run(user, operands, first=False)
             (g,) = torch.autograd.grad(out, leaves[which], gu)

@@ -106,7 +106,7 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
     module, name = resolve_module(torch_model)  # once: a factory would give other initial weights each call
     try:
         resident, unrunnable = prepare(module, input_shape, trainable=trainable, name=name), None
-    except PoetError as exc:  # a row graph may still run it (a scaled attention): solve's graph decides
+    except PoetError as exc:  # a row graph may still run what whole lowering refuses: solve's graph decides
         from poet_opt.model.torch_import import import_torch
 
         resident, unrunnable = None, exc

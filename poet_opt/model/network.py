@@ -409,6 +409,9 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             if m.dim not in (-1, len(xs) - 1):
                 raise _unsupported(name, "a softmax over a dimension other than the last")
             return make("softmax", x)
+        whole = _executor_module(m, xs) if chains is not None else None
+        if whole is not None:
+            return make(whole, x)
         if isinstance(m, nn.MaxPool2d):
             if m.dilation not in (1, (1, 1)) or m.ceil_mode or m.return_indices:
                 raise _unsupported(name, "a dilated or ceil-mode max pooling")
@@ -421,7 +424,13 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
                         padding=_pair(m.padding))
         if isinstance(m, nn.AdaptiveAvgPool2d) and math.prod(shape) == xs[0] * xs[1]:
             return make("global_avgpool", x)
+        pooling = registry.by_torch_module(type(m).__name__)
+        if chains is not None and pooling is not None and pooling.name in ("maxpool", "avgpool") and \
+                not getattr(m, "return_indices", False):  # 1-d, 3-d, adaptive: torch's own, as traced
+            return make(pooling.name, x)
         raise _unsupported(name, f"module {type(m).__name__}")
+    if fn in _ADD and chains is not None:  # a constant or a broadcast operand too: the executor replays it
+        return make("add", _executor_operands(n, registry.spec("add"), len(shape), producers, modules, name, chains))
     if fn in _ADD:
         operands = _tensor_args(n, producers, modules, name, chains)
         if len(operands) != 2 or n.kwargs.get("alpha", 1) != 1 or shapes[operands[0]] != shapes[operands[1]]:
@@ -441,10 +450,16 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             raise _unsupported(name, "a matrix product with broadcasting")
         return make("matmul", operands)
     if fn in ("mean", "adaptive_avg_pool2d", "avg_pool2d"):
-        x = [_source(n.args[0], producers, modules, name, chains)]
+        views: list | None = [] if chains is not None else None  # kept only when it is global pooling
+        x = [_source(n.args[0], producers, modules, name, views)]
         xs = shapes[x[0]]
         if len(xs) == 4 and math.prod(shape) == xs[0] * xs[1] and (fn != "avg_pool2d"):
+            if chains is not None:
+                chains.extend(views)
             return make("global_avgpool", x)
+    if chains is not None and spec is not None and (spec.name in ("softmax", "log_softmax", "avgpool") or
+                                                    spec.split == "whole" and spec.arity == 2):
+        return make(spec.name, _executor_operands(n, spec, len(shape), producers, modules, name, chains))
     if fn == "scaled_dot_product_attention" and chains is not None and not n.kwargs and len(n.args) == 3:
         return make("attention", _tensor_args(n, producers, modules, name, chains))
     if o.op == "copy":
@@ -457,10 +472,48 @@ def _elementwise(spec, name: str, what: str, chains) -> str:
     needs its C kernels, the executor (a list) a backward from what the graph keeps (OpSpec)."""
     if chains is None and spec.c_forward is None:
         raise _unsupported(name, what)
-    if chains is not None and spec.saves == "out" and spec.torch_backward is None:
+    if chains is not None and spec.saves == "out" and spec.torch_backward is None and spec.torch_backward_call is None:
         raise PoetError(f"node {name!r}: {what}; the PyTorch executor has no backward for it from its output, "
                         "the only tensor the graph keeps for it", field=FIELD)
     return spec.name
+
+
+def _executor_module(m, xs) -> str | None:
+    """The op of a module only the PyTorch executor runs (whole, torch's own forward and autograd):
+    1-d and 3-d convolutions, group and instance norm, log-softmax over the last axis; else None."""
+    import torch
+    nn = torch.nn
+
+    if isinstance(m, (nn.Conv1d, nn.Conv3d)):
+        return "conv1d" if isinstance(m, nn.Conv1d) else "conv3d"
+    if isinstance(m, nn.GroupNorm):
+        return "groupnorm"
+    if isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
+        return "instancenorm"  # running statistics move at the first compute only (executor/kernels.py)
+    if isinstance(m, nn.LogSoftmax):
+        if m.dim not in (-1, len(xs) - 1):
+            raise _unsupported(name, "a log-softmax over a dimension other than the last")
+        return "log_softmax"
+    return None
+
+
+def _executor_operands(n, spec, rank: int, producers, modules, name: str, chains: list) -> list[str]:
+    """The tensor operands of a call the PyTorch executor replays as traced: a softmax or
+    log-softmax over the last axis, a mean or sum (avgpool: linear, differentiated as traced), or
+    sub, mul, div of tensors and constants (its ``_run`` passes the constants as the trace recorded
+    them)."""
+    import torch.fx
+
+    tensors = [a for a in n.args if isinstance(a, torch.fx.Node) and "poet_const" not in a.meta]
+    if any(isinstance(v, torch.fx.Node) and "poet_const" not in v.meta for v in n.kwargs.values()):
+        raise _unsupported(name, f"{spec.name} with a tensor passed by keyword")
+    if spec.name in ("softmax", "log_softmax"):
+        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+        if len(tensors) != 1 or not isinstance(dim, int) or dim not in (-1, rank - 1):
+            raise _unsupported(name, f"a {spec.name} over a dimension other than the last")
+    if spec.name == "avgpool" and len(tensors) != 1:
+        raise _unsupported(name, f"a pooling of {len(tensors)} tensors")
+    return [_source(a, producers, modules, name, chains) for a in tensors]
 
 
 def _pair(v) -> tuple[int, int]:

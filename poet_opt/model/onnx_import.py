@@ -171,7 +171,9 @@ def import_onnx(path, *, input_shape=None, bytes_per_element: int = 4, trainable
             kind, flops, saves = "matmul", 2.0 * out_elems * a[-1], "other"
         elif op_type in BINARY:
             kind, flops = BINARY[op_type], float(out_elems)
-            saves = "other" if len(acts) == 2 and kind in ("mul", "div") else ""
+            # d(a/b)/db = -a/b^2 reads both inputs; d(a*b)/da reads b; a square x * x reads x
+            saves = "in" if kind == "div" and node.input[1] in acts or kind == "mul" and len(acts) == 2 and \
+                producer[acts[0]] == producer[acts[1]] else "other" if kind == "mul" and len(acts) == 2 else ""
         elif op_type == "Clip":
             kind = "relu6" if _clip_bounds(node, attrs, graph) == (0.0, 6.0) else "clip"
             per, saves = registry.elementwise_rule(kind)

@@ -313,6 +313,19 @@ def _callable_name(n) -> str:
     return getattr(n.target, "__name__", str(n.target)).strip("_")
 
 
+def _arithmetic_saves(torch, spec, n, producer) -> str:
+    """What the backward of a + b, a - b, a * b, a / b reads: d(a*b)/da reads b, so a product of two
+    activations keeps the other operand, a square x * x its input; d(a/b)/db = -a/b^2 reads both, so
+    a division by an activation keeps its inputs; a constant operand leaves the rest linear: nothing."""
+    args = [a for a in n.args[:2]]
+    tensors = [producer[a] for a in args if isinstance(a, torch.fx.Node) and a in producer]
+    if spec.name == "div" and len(args) == 2 and isinstance(args[1], torch.fx.Node) and args[1] in producer:
+        return "in"
+    if spec.saves == "other" and len(tensors) == 2:
+        return "other" if tensors[0] != tensors[1] else "in"
+    return ""
+
+
 def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_costs):
     """-> None (not an activation), "alias" (a view of its first input), or
     (op, flops, saves, parameters it owns)."""
@@ -333,9 +346,7 @@ def _lower_node(torch, n, value, act_inputs, producer, values, modules, known_co
     out = value.numel()
     spec = registry.by_torch_function(fn)
     if spec is not None and spec.arity == 2 and spec.flops_per_element is not None:  # add, sub, mul, div
-        both = len(act_inputs) == 2
-        # d(a*b)/da reads b: a product of two activations keeps the other operand
-        return spec.name, spec.flops(out), "other" if both and spec.saves == "other" else "", []
+        return spec.name, spec.flops(out), _arithmetic_saves(torch, spec, n, producer), []
     if spec is not None and spec.name == "concat":
         return spec.name, spec.flops(out), spec.saves, []
     if spec is not None and spec.name == "matmul":

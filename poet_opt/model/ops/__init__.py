@@ -52,6 +52,11 @@ class OpSpec:
     # ``saved`` (its output when saves == "out"); None: autograd through torch_forward
     torch_forward: Callable | None = None
     torch_backward: Callable | None = None
+    # torch_backward_call(torch, grad_out, y, fn, arguments) -> grad_in: the backward from the output
+    # of an operator whose formula depends on how the traced call spells it (``fn``: "rsqrt" or "sqrt")
+    # or on its arguments (``arguments``: the module's attributes or the function's bound arguments,
+    # elu's alpha). Only the whole-tensor executor, which runs the traced node itself, has them.
+    torch_backward_call: Callable | None = None
     # C kernels (firmware/kernels/). With c_convention "elementwise" the generators call
     # c_forward(y, *inputs, n) and c_backward(dx, dy, *saved, n), saved as ``saves`` says, and
     # accumulate into dx; "own": the generators write the call themselves (a shape struct, ...)

@@ -22,9 +22,10 @@ TILINGS_CHECKED = ("whole", "strips", "rows", "slices")
 # Elementwise operators (activations, add) follow from their registry entry: the firmware runs
 # those with C kernels of the elementwise convention, whole and strip by strip; the executor runs
 # one it can differentiate from what the graph keeps (its input; or its output, with a torch
-# backward from it), whole when PyTorch spells it (it runs the traced node itself) and over strips
-# when the registry has its PyTorch reference (the replay calls torch_forward); over row blocks too,
-# where the row replay differentiates one operand (add routes its gradient to both).
+# backward from it, or, whole, from it and the traced call: elu's alpha), whole when PyTorch
+# spells it (it runs the traced node itself) and over strips when the registry has its PyTorch
+# reference (the replay calls torch_forward); over row blocks too, where the row replay
+# differentiates one operand (add routes its gradient to both).
 
 
 def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
@@ -34,8 +35,9 @@ def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
         kernels = spec.c_convention == "elementwise" and spec.c_forward is not None
         return kernels and (tiling != "rows" or _elementwise(spec, "rows", "executor"))
     from_what_is_kept = spec.saves != "out" or spec.torch_backward is not None
-    if tiling == "whole":
-        return from_what_is_kept and bool(spec.torch_modules or spec.torch_functions)
+    if tiling == "whole":  # the traced call itself: its arguments too (OpSpec.torch_backward_call)
+        return (from_what_is_kept or spec.torch_backward_call is not None) and \
+            bool(spec.torch_modules or spec.torch_functions)
     if tiling == "rows":
         return from_what_is_kept and spec.torch_forward is not None and (spec.arity == 1 or spec.name == "add")
     return from_what_is_kept and spec.torch_forward is not None
@@ -55,8 +57,9 @@ FIRMWARE = {
 # (executor/rows.py, walked by executor/tiled.py) for a torch transformer's row tiles
 # (model/torch_rows.py). An embedding reads the integer token ids `run --data` gives as x.
 EXECUTOR = {
-    "whole": {"copy", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
-              "softmax", "attention", "embedding"},
+    "whole": {"copy", "conv2d", "conv1d", "conv3d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm",
+              "groupnorm", "instancenorm", "linear", "matmul", "softmax", "log_softmax", "attention", "embedding",
+              "sub", "mul", "div"},
     "strips": {"concat", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
     "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool", "embedding"},
     "slices": {"conv2d", "linear", "concat"},
