@@ -18,14 +18,13 @@ import pytest
 from conftest import make_test_device
 from poet_opt.device.costs import node_costs
 from poet_opt.model.random_graph import random_training_graph
-from poet_opt.schedule import validator
-from poet_opt.schedule.decisions import Budgets, build_steps, totals_of
-from poet_opt.schedule.document import Schedule
+from poet_opt.schedule.decisions import Budgets
 from poet_opt.solver import driver, gap_lns
 from poet_opt.solver.backends import solve_milp
 from poet_opt.solver.baselines import dtr_decisions
 from poet_opt.solver.gap_milp import MAX_EARLY_RETURNS, GapMilp
 from poet_opt.solver.heuristics import gap_plan, plan_energy_j, starting_points
+from test_lns import replayed_energy
 
 DEVICE = make_test_device()
 REL = 1e-6
@@ -36,15 +35,6 @@ def _case(seed: int, n_forward: int, frac: float):
     costs = node_costs(graph, DEVICE)
     lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
     return graph, costs, Budgets(int(lo + (hi - lo) * frac), math.inf, DEVICE.storage.capacity_bytes)
-
-
-def _replayed_energy(graph, costs, budgets, mode, decisions) -> float:
-    steps = build_steps(graph, decisions)
-    plan = Schedule(model=graph.name, mode=mode, graph=graph, profile=DEVICE, costs=costs, budgets=budgets,
-                    decisions=decisions, steps=steps, totals=totals_of(graph, costs, steps), plain={}, solver={})
-    doc = plan.to_dict()
-    validator.replay(doc)  # raises on any broken rule or budget
-    return doc["totals"]["energy_j"]
 
 
 def _gap_optimum(graph, costs, budgets, mode, early_returns=MAX_EARLY_RETURNS) -> float:
@@ -74,7 +64,7 @@ def test_a_rounded_point_replays_valid_at_the_model_energy(seed, mode, frac):
     x = gap_lns.rounded_point(model, time_limit=30)
     if x is None:
         pytest.skip("no point of the gap space at this budget")
-    energy = _replayed_energy(graph, costs, budgets, mode, model.decode(x))
+    energy = replayed_energy(graph, costs, budgets, mode, model.decode(x))
     assert energy == pytest.approx(model.milp.c @ x + model.milp.offset, rel=1e-9)
     assert energy >= _gap_optimum(graph, costs, budgets, mode, early_returns=0) * (1 - REL)
 
@@ -87,7 +77,7 @@ def test_the_search_stays_between_its_start_and_the_gap_optimum_and_reaches_it(s
     before = plan_energy_j(graph, costs, start)
     best = _gap_optimum(graph, costs, budgets, mode)
     plan, stats = gap_lns.improve(graph, costs, budgets, mode, start, deadline=time.perf_counter() + 60)
-    energy = _replayed_energy(graph, costs, budgets, mode, plan)
+    energy = replayed_energy(graph, costs, budgets, mode, plan)
     assert best * (1 - REL) <= energy <= before * (1 + 1e-12)
     assert energy == pytest.approx(best, rel=REL), "given time, the windows grow to the whole gap MILP"
     assert stats["saved_j"] == pytest.approx(before - energy, abs=1e-12)
@@ -118,7 +108,7 @@ def test_searched_plan_is_valid_and_never_above_the_greedy_nor_below_the_gap_opt
     greedy = gap_plan(graph, costs, budgets, allow_paging=False, allow_remat=True)
     plan = gap_lns.searched_plan(graph, costs, budgets, "remat", time_limit=60)
     assert plan is not None
-    energy = _replayed_energy(graph, costs, budgets, "remat", plan)
+    energy = replayed_energy(graph, costs, budgets, "remat", plan)
     assert energy >= _gap_optimum(graph, costs, budgets, "remat") * (1 - REL)
     if greedy is not None:
         assert energy <= plan_energy_j(graph, costs, greedy) * (1 + 1e-12)
@@ -158,7 +148,7 @@ def test_rins_gives_a_cheaper_valid_point_or_none(seed, mode, frac):
     assert lp is not None and lp <= plan_energy_j(graph, costs, start) * (1 + 1e-9)
     if y is None:
         return  # a heuristic: the LP may agree with the start where it would have to change
-    energy = _replayed_energy(graph, costs, budgets, mode, model.decode(y))
+    energy = replayed_energy(graph, costs, budgets, mode, model.decode(y))
     assert energy == pytest.approx(model.milp.c @ y + model.milp.offset, rel=1e-9)
     assert lp * (1 - REL) <= _gap_optimum(graph, costs, budgets, mode) * (1 + REL)
     assert _gap_optimum(graph, costs, budgets, mode) * (1 - REL) <= energy < plan_energy_j(graph, costs, start)

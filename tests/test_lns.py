@@ -45,7 +45,8 @@ def _optimum(graph, costs, budgets, mode) -> float:
     return result.objective
 
 
-def _replayed_energy(graph, costs, budgets, mode, decisions) -> float:
+def replayed_energy(graph, costs, budgets, mode, decisions) -> float:
+    """The plan's energy as the validator's replay of its steps counts it (which raises on any broken rule)."""
     steps = build_steps(graph, decisions)
     plan = Schedule(model=graph.name, mode=mode, graph=graph, profile=DEVICE, costs=costs, budgets=budgets,
                     decisions=decisions, steps=steps, totals=totals_of(graph, costs, steps), plain={}, solver={})
@@ -78,7 +79,7 @@ def test_every_window_splices_into_a_valid_plan_between_the_optimum_and_the_star
         assert form.milp.c @ x0 + form.milp.offset == pytest.approx(before, rel=1e-9)
         result = solve_milp(form.milp, gap=0.0, time_limit=60, start=x0)
         spliced = lns.spliced(start, form.decode(result.x), a, b)
-        energy = _replayed_energy(graph, costs, budgets, mode, spliced)
+        energy = replayed_energy(graph, costs, budgets, mode, spliced)
         assert energy == pytest.approx(result.objective, rel=1e-7)
         assert best * (1 - 1e-7) <= energy <= before * (1 + 1e-9)
 
@@ -90,7 +91,7 @@ def test_the_search_reaches_the_optimum_from_a_weak_start():
     assert before > best * (1 + 1e-6), "the start must leave room to improve"
     plan, stats = lns.improve(graph, costs, budgets, "remat", start, deadline=time.perf_counter() + 60)
     assert stats["improved"] >= 1 and stats["saved_j"] == pytest.approx(before - plan_energy_j(graph, costs, plan))
-    assert _replayed_energy(graph, costs, budgets, "remat", plan) == pytest.approx(best, rel=1e-6)
+    assert replayed_energy(graph, costs, budgets, "remat", plan) == pytest.approx(best, rel=1e-6)
 
 
 def test_windows_cover_every_dear_stage_the_dearest_first():

@@ -189,6 +189,23 @@ def test_run_refuses_what_its_strip_replay_cannot_run_in_one_line(tmp_path):
     assert err.value.field == "--strips"
 
 
+def torch_sgd_losses(module, batch_file, lr: float, steps: int = 2) -> list[float]:
+    """The losses of ``steps`` plain torch.optim.SGD steps of ``module`` on the batch file's x and y."""
+    import torch.nn.functional as F
+
+    with np.load(batch_file) as b:
+        x, y = torch.from_numpy(b["x"]), torch.from_numpy(b["y"])
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(module(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def run_executor_md_section(heading: str, tmp_path, monkeypatch) -> tuple[str, dict]:
     """The sh block of docs/executor.md's section ``heading`` (a python line, then two poet-opt
     lines), line by line in ``tmp_path``: (the section's text, the last command's JSON summary)."""
