@@ -4,7 +4,8 @@ Tiny random training graphs (n_forward=3, 6 nodes; 8 nodes for the cheaper modes
 budgets from the smallest working set to the plain-training peak x runtime budgets: solve(...,
 gap=0, order="given") must find the exhaustive optimum's energy (1e-9 relative) and agree on
 infeasibility: both search the formulation's space for the graph's own execution order.
-The search is exponential: about 1 s per joint case at 6 nodes, over a minute at 8.
+The search is exponential: the slowest joint case at 6 nodes (w19 at the smallest budget) takes
+about 2.5 s on a loaded 2-core machine; 8 nodes would take minutes.
 """
 
 from __future__ import annotations
