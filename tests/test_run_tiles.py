@@ -333,6 +333,25 @@ def test_run_model_trains_a_zoo_mlp_in_weight_slices_as_pytorch(name, tmp_path):
     assert np.allclose(summary["loss"], losses, rtol=1e-5)
 
 
+def test_run_model_reads_its_data_file_once(tmp_path, monkeypatch):
+    """`run --model` takes its input's shape from --data's x and hands the batch it read to the
+    training: the file is read once, not once for the shape and again to train."""
+    rng = np.random.default_rng(2)
+    data = tmp_path / "b.npz"
+    np.savez(data, x=rng.standard_normal((1, 784)).astype(np.float32), y=np.array([5]))
+    reads, real_load = [], np.load
+
+    def counted(file, *args, **kwargs):
+        reads.append(str(file))
+        return real_load(file, *args, **kwargs)
+
+    monkeypatch.setattr(np, "load", counted)
+    result = cli("run", "--model", "mlp", "--device", "rpi4", "--ram", "1MiB", "--weights", "resident", "--steps", "1",
+                 "--lr", str(LR), "--data", data, "--time-limit", "5", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert reads.count(str(data)) == 1, reads
+
+
 def test_run_model_takes_its_shape_from_the_data(tmp_path):
     result = cli("run", "--model", "mlp", "--input-shape", "1,784", "--device", "nrf52840", "--ram", "64KiB",
                  "--steps", "1", "--lr", "0.1", "--data", tmp_path / "b.npz")

@@ -95,14 +95,14 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
 
             if input_shape is not None:
                 raise PoetError("--model takes its input's shape from --data's x", field="--input-shape")
-            x, _ = load_batch(data, token_ids=True)  # a bad file is refused here as it would be by --torch
-            input_shape, torch_spec = ",".join(map(str, x.shape)), zoo_module(model)
+            batch = load_batch(data, token_ids=True)  # a bad file is refused here as it would be by --torch
+            input_shape, torch_spec = ",".join(map(str, batch[0].shape)), zoo_module(model)
         # with a plan, --mode is checked against it only when given: its default is for solving
         given_mode = ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT
         # progress only to a terminal: a script reading stderr sees one line, the error, if any
         say = None if as_json or not sys.stderr.isatty() else (lambda text: click.echo(f"poet-opt: {text}", err=True))
         result = run_training(torch_model=torch_spec, input_shape=input_shape, device=device, ram=ram, steps=steps,
-                              lr=lr, data=data, storage=storage, schedule=schedule_file, costs=costs_file,
+                              lr=lr, data=data if model is None else batch, storage=storage, schedule=schedule_file, costs=costs_file,
                               runtime=runtime, mode=mode if given_mode or schedule_file is None else None,
                               # with --schedule there is no solve: a limit given is refused, not defaulted
                               time_limit=time_limit if schedule_file else parse_time_limit(time_limit),

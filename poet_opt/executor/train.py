@@ -17,7 +17,7 @@ import numpy as np
 from poet_opt.device.profiles import load_profile
 from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, ScheduleExecutor, StepStats, Storage
-from poet_opt.model.batch import check_x, divergence, finite_or_none, load_batch
+from poet_opt.model.batch import check_batch, check_x, divergence, finite_or_none, load_batch
 from poet_opt.model.load import strips_value
 from poet_opt.model.network import Network, lower_network
 from poet_opt.model.operators import parse_full_shape
@@ -215,7 +215,7 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
                  trainable="all", storage=None, torch_device=None, progress=None, weights="auto",
                  weight_tile=None, strips="auto") -> RunResult:
     """Train ``steps`` SGD steps of ``torch_model`` (a module, factory or ``FILE.py:FACTORY``) on the
-    batch in ``data``, following ``schedule`` step for step: a schedule file (what `poet-opt solve
+    batch in ``data`` (an .npz file, or its ``(x, y)`` arrays already read), following ``schedule`` step for step: a schedule file (what `poet-opt solve
     --out` wrote), its dict or a Schedule. Without one, solve the least-energy schedule on ``device``
     within ``ram`` first, as `poet-opt solve` would with the same ``costs`` (a measured-costs file),
     ``runtime``, ``mode`` (None: joint) and ``time_limit`` (None: none), the defaults of `solve`.
@@ -254,7 +254,8 @@ def run_training(*, torch_model, input_shape, steps: int, lr: float, data, devic
     # a missing or malformed batch, or one of another shape, and a storage directory that cannot be
     # written fail before the trace and the solve
     # the traced network takes exactly this shape; integer token ids are checked against it once traced
-    x, y = load_batch(data, parse_full_shape(input_shape), token_ids=True)
+    x, y = check_batch(*data, parse_full_shape(input_shape), token_ids=True) if isinstance(data, tuple) else \
+        load_batch(data, parse_full_shape(input_shape), token_ids=True)
     if storage is not None:
         Storage(storage).close()
     table = None

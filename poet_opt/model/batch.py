@@ -32,6 +32,12 @@ def load_batch(path, input_shape: Optional[tuple[int, ...]] = None, *,
             x, y = np.asarray(data["x"]), np.asarray(data["y"])
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise PoetError(f"cannot read {path} as .npz: {exc}", field="--data") from None
+    return check_batch(x, y, input_shape, token_ids=token_ids)
+
+
+def check_batch(x: np.ndarray, y: np.ndarray, input_shape: Optional[tuple[int, ...]] = None, *,
+                token_ids: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """What :func:`load_batch` asks of a file's arrays, asked of arrays already in memory."""
     if x.dtype != np.float32 and not (token_ids and np.issubdtype(x.dtype, np.integer)):
         raise PoetError(f"x is {x.dtype}; expected float32" + (" (or integer token ids)" if token_ids else ""),
                         field="--data")
