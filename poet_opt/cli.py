@@ -18,7 +18,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from poet_opt.signals import end_unless_ended, install_early, leave_at_once, signal_behind
+from poet_opt.signals import end_unless_ended, install_early, leave_at_once, redeliver_lost_signals, signal_behind
 
 install_early(__name__)
 
@@ -38,6 +38,8 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where a Ctrl-C would be, so that the same cleanup runs: finally blocks remove
     temporary files, a sweep stops its workers. By default SIGTERM ends the process on the spot."""
+
+    signum = signal.SIGTERM  # what redeliver_lost_signals sends again when a finalizer swallowed it
 
 
 _TERMINATED = threading.Event()  # for code that catches _Terminated as a KeyboardInterrupt, then reports
@@ -110,6 +112,7 @@ class _Group(click.Group):
         if early:  # Ctrl-C is a KeyboardInterrupt while the command runs: its cleanup runs
             signal.signal(signal.SIGINT, signal.default_int_handler)
         _TERMINATED.clear()
+        put_back_hook = redeliver_lost_signals() if handled else None
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as exc:  # bare `poet-opt`: the help, as click prints it
@@ -125,6 +128,8 @@ class _Group(click.Group):
             _fail(f"{'terminated' if terminated else 'interrupted'}; nothing was written",
                   EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
         finally:
+            if put_back_hook is not None:
+                put_back_hook()
             if handled:  # None: a handler installed outside Python, which cannot be put back
                 signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
             if early:

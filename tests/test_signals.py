@@ -325,6 +325,41 @@ def test_a_sigterm_whose_exception_is_lost_still_ends_the_command():
     assert time.perf_counter() - started < 8
 
 
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_swallowed_by_a_finalizer_is_delivered_again(name):
+    """A Ctrl-C 0.1 s into `run`'s first step landed in importlib's module-lock callback (a first
+    import inside torch), was printed as "Exception ignored" and lost, and `run` trained on to its
+    100,000th step. While a command runs, such an exception goes to the main thread again: the
+    process ends as the signal asks, without the "Exception ignored" traceback."""
+    script = ("import gc, os, signal, sys, time\n"
+              "from poet_opt.signals import redeliver_lost_signals\n"
+              "class Terminated(KeyboardInterrupt):\n"
+              "    signum = signal.SIGTERM\n"
+              "def terminate(signum, frame):\n"
+              "    raise Terminated\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "signal.signal(signal.SIGTERM, terminate)\n"
+              "redeliver_lost_signals()\n"
+              "class Slow:\n"
+              "    def __del__(self):\n"
+              f"        os.kill(os.getpid(), signal.{name})\n"
+              "        time.sleep(0.1)  # the handler runs here, and its exception would be lost\n"
+              "try:\n"
+              "    Slow()\n"
+              "    gc.collect()\n"
+              "    time.sleep(10)\n"
+              "except Terminated:\n"
+              "    sys.exit(143)\n"
+              "except KeyboardInterrupt:\n"
+              "    sys.exit(130)\n"
+              "sys.exit(0)\n")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == (130 if name == "SIGINT" else 143), done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert time.perf_counter() - started < 5
+
+
 def test_ctrl_c_while_measure_runs_the_firmware_stops_it_and_writes_nothing(tmp_path):
     """`measure --device`: a Ctrl-C in the emulated step ends the command at once (exit 130), and
     no costs file is half there. The step runs about half a second: the signal comes early in it (a
