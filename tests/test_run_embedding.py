@@ -139,12 +139,13 @@ def test_run_trains_embeddings_in_row_tiles_as_torch_sgd_at_the_plan_s_peak(fact
 def test_the_commands_of_docs_executor_md_on_token_ids_run(tmp_path, monkeypatch):
     """The sh block of docs/executor.md's "Token ids", line by line in a scratch directory: the
     plan's peak and bytes held, two steps equal to torch.optim.SGD's on the module."""
-    from test_run_tiles import run_executor_md_section, torch_sgd_losses
+    from test_run_tiles import run_executor_md_section, torch_sgd
 
     _, summary = run_executor_md_section("## Token ids", tmp_path, monkeypatch)
     assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] <= 16 * 1024
     assert summary["storage_bytes_read"] == summary["planned_storage_bytes_read"] > 0
-    assert summary["loss"] == pytest.approx(torch_sgd_losses(small_token_classifier(), tmp_path / "ids_batch.npz", LR), rel=1e-5)
+    losses, _ = torch_sgd(small_token_classifier(), tmp_path / "ids_batch.npz", 2, LR)
+    assert summary["loss"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_paged_token_ids_come_back_as_the_same_ids(tmp_path):

@@ -190,7 +190,7 @@ def test_run_refuses_to_stream_a_transformer_it_would_not_tile_naming_strips(bat
 def test_the_commands_of_docs_executor_md_on_row_tiles_run(tmp_path, monkeypatch):
     """The sh block of docs/executor.md's "Row tiles of a transformer", line by line in a scratch
     directory, and what the text around it says of the result."""
-    from test_run_tiles import run_executor_md_section, torch_sgd_losses
+    from test_run_tiles import run_executor_md_section, torch_sgd
 
     section, summary = run_executor_md_section("## Row tiles of a transformer", tmp_path, monkeypatch)
     plan = json.loads((tmp_path / "rows_plan.json").read_text())
@@ -199,7 +199,8 @@ def test_the_commands_of_docs_executor_md_on_row_tiles_run(tmp_path, monkeypatch
     assert any("@r1@" in n for n in names) and not any("@r2@" in n for n in names)
     assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] <= 16 * 1024
     assert summary["storage_bytes_read"] == summary["planned_storage_bytes_read"] > 0
-    assert summary["loss"] == pytest.approx(torch_sgd_losses(small_encoder_classifier(), tmp_path / "rows_batch.npz", LR), rel=1e-5)
+    losses, _ = torch_sgd(small_encoder_classifier(), tmp_path / "rows_batch.npz", 2, LR)
+    assert summary["loss"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_frozen_layers_of_a_row_plan_stay_and_the_trained_ones_step_as_sgd():

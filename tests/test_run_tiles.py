@@ -45,10 +45,11 @@ def batch(tmp_path):
     return path
 
 
-def _torch_sgd(module, data, steps):
+def torch_sgd(module, data, steps, lr=LR):
+    """The losses and weights of ``steps`` plain torch.optim.SGD steps of ``module`` on the batch file."""
     with np.load(data) as b:
         x, y = torch.from_numpy(b["x"]), torch.from_numpy(b["y"])
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -113,7 +114,7 @@ def test_run_trains_a_strip_and_slice_plan_as_pytorch_with_the_plan_s_peak(batch
                                    "page_ins": totals["page_ins"], "steps": len(doc["steps"])}
     torch.manual_seed(0)  # strip_cnn seeds itself: the module run trained starts from the same weights
     module = strip_cnn()
-    losses, reference = _torch_sgd(module, batch, 2)
+    losses, reference = torch_sgd(module, batch, 2)
     running = _running(module)  # moved from the statistics chained over 12 strips of every batch norm
     assert summary["loss"] == pytest.approx(losses, rel=1e-5)
     with np.load(out) as trained:
@@ -189,23 +190,6 @@ def test_run_refuses_what_its_strip_replay_cannot_run_in_one_line(tmp_path):
     assert err.value.field == "--strips"
 
 
-def torch_sgd_losses(module, batch_file, lr: float, steps: int = 2) -> list[float]:
-    """The losses of ``steps`` plain torch.optim.SGD steps of ``module`` on the batch file's x and y."""
-    import torch.nn.functional as F
-
-    with np.load(batch_file) as b:
-        x, y = torch.from_numpy(b["x"]), torch.from_numpy(b["y"])
-    opt = torch.optim.SGD(module.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = F.cross_entropy(module(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def run_executor_md_section(heading: str, tmp_path, monkeypatch) -> tuple[str, dict]:
     """The sh block of docs/executor.md's section ``heading`` (a python line, then two poet-opt
     lines), line by line in ``tmp_path``: (the section's text, the last command's JSON summary)."""
@@ -241,7 +225,7 @@ def test_the_commands_of_docs_executor_md_on_strips_run(tmp_path, monkeypatch):
     names = {n["name"] for n in plan["graph"]["nodes"]}
     assert "stem@s15" in names and "stem@s16" not in names and "pool@s3" in names and "pool@s4" not in names
     module = strip_cnn()
-    losses, _ = _torch_sgd(module, tmp_path / "strip_batch.npz", 2)
+    losses, _ = torch_sgd(module, tmp_path / "strip_batch.npz", 2)
     assert summary["loss"] == pytest.approx(losses, rel=1e-5)
     assert not any((tmp_path / "card").iterdir())
     # head_bn is one strip here (its own batch statistics), the other two a chain over 16 and 4
@@ -280,7 +264,7 @@ def test_a_recompute_of_batch_norm_s_statistics_moves_the_running_statistics_onc
     for _ in range(2):
         run_plan(network.graph, steps, params, x, y, LR, running)
     module = strip_cnn()
-    _torch_sgd(module, batch, 2)
+    torch_sgd(module, batch, 2)
     want = _running(module)
     got = {layer.buffers[role].torch_name: getattr(running[name], role.split("_")[1]).numpy()
            for name, layer in network.layers.items() if name in running for role in ("running_mean", "running_var")}
@@ -326,7 +310,7 @@ def test_run_model_trains_a_zoo_mlp_in_weight_slices_as_pytorch(name, tmp_path):
     summary = json.loads(result.stdout)
     assert summary["weights"] == "streamed" and summary["peak_live_bytes"] == summary["planned_peak_bytes"]
     assert summary["storage_bytes_written"] == summary["planned_storage_bytes_written"]
-    losses, want = _torch_sgd(zoo_module(name), data, 2)
+    losses, want = torch_sgd(zoo_module(name), data, 2)
     with np.load(tmp_path / "w.npz") as trained:
         largest = max(float(np.abs(w).max()) for w in want.values())
         assert max(float(np.abs(trained[n] - w).max()) for n, w in want.items()) <= 1e-5 * largest
@@ -379,7 +363,7 @@ def test_the_strip_replay_normalises_with_each_batch_norm_s_own_eps(batch, tmp_p
     for m in module.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.eps = 0.5
-    losses, reference = _torch_sgd(module, batch, 2)
+    losses, reference = torch_sgd(module, batch, 2)
     assert json.loads(ran.stdout)["loss"] == pytest.approx(losses, rel=1e-5)
     with np.load(out) as trained:
         scale = max(float(np.abs(v).max()) for v in reference.values())
