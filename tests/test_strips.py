@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from poet_opt.model.strips import fit_strips, partition, receptive, touching
+from poet_opt.model.strips import fit_strips, partition
+from poet_opt.model.tiling_records import receptive, touching
 from poet_opt.model.zoo import _Net, build_model, training_graph
 
 torch = pytest.importorskip("torch")

@@ -4,7 +4,11 @@ the graph gives the node."""
 
 import pickle
 
-from poet_opt.model.tiling_records import RowTiling, StripTiling, WeightSlices, partition
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poet_opt.model.tiling_records import (RowTiling, StripTiling, WeightSlices, partition, receptive, touching,
+                                           window_rows)
 from poet_opt.model.zoo import build_model
 
 
@@ -49,3 +53,41 @@ def test_a_row_node_covers_the_tokens_and_features_its_bytes_say():
         assert node.bytes == (t1 - t0) * (f1 - f0) * 4, node.name
         checked += 1
     assert checked > 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(h=st.integers(1, 40), k=st.integers(1, 7), s=st.integers(1, 3), p=st.integers(0, 3), data=st.data())
+def test_window_rows_receptive_and_touching_agree_with_a_row_by_row_walk(h, k, s, p, data):
+    """The geometry both replays take their row ranges from: output row m reads input rows
+    m*s - p .. m*s - p + k - 1, and an input row is touched by exactly the outputs that read it."""
+    h_out = (h + 2 * p - k) // s + 1
+    if h_out < 1:
+        return
+    a = data.draw(st.integers(0, h_out - 1))
+    b = data.draw(st.integers(a + 1, h_out))
+    r0, r1 = window_rows((a, b), (k, s, p))
+    read = {m * s - p + i for m in range(a, b) for i in range(k)}
+    assert (r0, r1) == (min(read), max(read) + 1)
+    assert receptive((a, b), (k, s, p), h) == (max(0, r0), min(h, r1))
+    lo = data.draw(st.integers(0, h - 1))
+    hi = data.draw(st.integers(lo + 1, h))
+    readers = [m for m in range(h_out) if any(lo <= m * s - p + i < hi for i in range(k))]
+    m0, m1 = touching((lo, hi), (k, s, p), h_out)
+    assert list(range(m0, m1)) == readers
+
+
+def test_strip_pieces_cover_a_row_range_once_in_order():
+    graph = build_model("resnet18-cifar", weights="streamed", strips={32: 8, 16: 4}, tile_bytes=48 * 1024)
+    strips = graph.meta["strips"]
+    layer = next(name for name in strips.tensors if strips.layers[name].shape[1] == 32 and name != "input")
+    assert strips.striped(layer) and len(strips.strips(layer)) == 8
+    for lo, hi in [(0, 32), (3, 9), (4, 8), (31, 32), (-2, 5), (30, 40)]:
+        pieces = strips.pieces(layer, lo, hi)
+        covered = [r for _, _, (r0, r1) in pieces for r in range(r0, r1)]
+        assert covered == list(range(max(0, lo), min(32, hi)))
+        for j, (a, b), (r0, r1) in pieces:
+            assert strips.strips(layer)[j] == (a, b) and a <= r0 < r1 <= b
+            assert strips.strip_name(layer, j, "grad:") in {n.name for n in graph.nodes}
+    assert strips.chain_end("stats:", layer) == f"stats:{layer}@s7"
+    whole = next(name for name, lay in strips.layers.items() if len(lay.shape) == 3 and not strips.striped(name))
+    assert strips.strips(whole) == [(0, strips.layers[whole].shape[1])] and strips.strip_name(whole, 0) == whole

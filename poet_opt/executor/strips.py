@@ -28,6 +28,7 @@ from typing import Any
 
 from poet_opt.model import ops as registry
 from poet_opt.model.strips import ELEMENTWISE
+from poet_opt.model.tiling_records import touching, window_rows
 
 EPS = 1e-5  # batch norm's where the caller names none: torch.nn.BatchNorm2d's default
 
@@ -70,9 +71,8 @@ class _Replay:
         self.t, self.graph, self.params, self.x, self.y, self.lr = torch, graph, params, x, y, lr
         self.eps = eps or {}
         self.running, self.moved = running or {}, set()
-        tiling = graph.meta["strips"]
+        self.tiling = tiling = graph.meta["strips"]
         self.layers, self.records, self.alias = tiling.layers, tiling.nodes, tiling.grad_alias
-        self.parts = {name: [tuple(r) for r in rows] for name, rows in tiling.tensors.items()}
         self.values: dict = {}
         self.weight_grads: dict = {}
         # weight slice L#j -> the output channels [lo, hi) of L it computes
@@ -87,11 +87,8 @@ class _Replay:
 
     # -- strips ------------------------------------------------------------------------------------
 
-    def strips(self, layer: str) -> list[tuple[int, int]]:
-        return self.parts.get(layer) or [(0, self.layers[layer].shape[1])]
-
     def strip_name(self, layer: str, j: int, prefix: str = "") -> str:
-        return f"{prefix}{layer}" if layer not in self.parts else f"{prefix}{layer}@s{j}"
+        return self.tiling.strip_name(layer, j, prefix)
 
     def rows_of(self, env, layer: str, lo: int, hi: int, prefix: str = ""):
         """Rows [lo, hi) of tensor ``layer`` (or of its gradient, prefix "grad:"), from the strips
@@ -99,11 +96,8 @@ class _Replay:
         if prefix == "grad:" and layer in self.alias:  # a weight slice: its channels of the concat's gradient
             c0, c1 = self.channels[layer]
             return self.rows_of(env, self.alias[layer], lo, hi, prefix)[:, c0:c1]
-        pieces = []
-        for j, (a, b) in enumerate(self.strips(layer)):
-            if a < hi and lo < b:
-                whole = env[self.strip_name(layer, j, prefix)]
-                pieces.append(whole[:, :, max(lo, a) - a:min(hi, b) - a])
+        pieces = [env[self.strip_name(layer, j, prefix)][:, :, r0 - a:r1 - a]
+                  for j, (a, _), (r0, r1) in self.tiling.pieces(layer, lo, hi)]
         return self.t.cat(pieces, dim=2)
 
     def whole(self, env, layer: str, prefix: str = ""):
@@ -139,7 +133,7 @@ class _Replay:
             n = n_a + count
             delta = mean - mean_a
             out = (n, mean_a + delta * count / n, m2_a + m2 + delta ** 2 * n_a * count / n)
-            if self._index(rec) == len(self.strips(rec.layer)) - 1:  # the chain's end: the whole tensor's
+            if self._index(rec) == len(self.tiling.strips(rec.layer)) - 1:  # the chain's end: the whole tensor's
                 self._move(rec.layer, *out)
             return out
         if role == "bn_gstats":
@@ -157,11 +151,11 @@ class _Replay:
         raise ValueError(f"unknown role {role!r} of node {node.name}")
 
     def _index(self, rec) -> int:
-        return self.strips(rec.layer).index(tuple(rec.rows))
+        return self.tiling.strip_index(rec.layer, rec.rows)
 
     def _previous(self, env, prefix, rec):
         j = self._index(rec)
-        return env[f"{prefix}{rec.layer}@s{j - 1}"] if j else None
+        return env[self.tiling.strip_name(rec.layer, j - 1, prefix)] if j else None
 
     def _move(self, layer: str, count: int, mean, m2) -> None:
         if layer in self.running and layer not in self.moved:
@@ -170,7 +164,7 @@ class _Replay:
                 self.running[layer].move(count, mean, m2)
 
     def _stats(self, env, layer):
-        n, mean, m2 = env[f"stats:{layer}@s{len(self.strips(layer)) - 1}"]
+        n, mean, m2 = env[self.tiling.chain_end("stats:", layer)]
         return mean, m2 / n
 
     def _xhat(self, env, layer, xs):
@@ -182,9 +176,9 @@ class _Replay:
 
     def _window_input(self, env, layer: dict, name_in: str, rows, prefix: str = "", fill: float = 0.0):
         """The input rows output rows [a, b) read, padded past the tensor with ``fill`` (and along W)."""
-        k, s, p = layer.window
+        p = layer.window[2]
         h = self.layers[name_in].shape[1]
-        r0, r1 = rows[0] * s - p, (rows[1] - 1) * s - p + k
+        r0, r1 = window_rows(rows, layer.window)
         local = self.rows_of(env, name_in, max(0, r0), min(h, r1), prefix)
         pad = (p, p, max(0, -r0), max(0, r1 - h))
         return self.t.nn.functional.pad(local, pad, value=fill)
@@ -203,7 +197,7 @@ class _Replay:
                 w = self.weights(env, name)
                 return F.linear(xs[0].flatten(1), w["weight"], w.get("bias"))
             return self._elementwise(op, xs, "whole")
-        j = self.strips(name).index(tuple(rows))
+        j = self.tiling.strip_index(name, rows)
         if op in ("conv2d", "maxpool", "avgpool"):
             k, s, _ = layer.window
             local = self._window_input(env, layer, inputs[0], rows, fill=-math.inf if op == "maxpool" else 0.0)
@@ -216,7 +210,7 @@ class _Replay:
         xs = [env[self.strip_name(i, j)] for i in inputs]
         if op == "batchnorm":
             w = self.weights(env, name)
-            if name not in self.parts:
+            if not self.tiling.striped(name):
                 if name in self.running and name not in self.moved:
                     mean = xs[0].mean(dim=(0, 2, 3))
                     self._move(name, xs[0].numel() // xs[0].shape[1], mean,
@@ -240,7 +234,7 @@ class _Replay:
     def gradient(self, rec, env):
         f, rows = rec.of, rec.rows
         shape = self.layers[f].shape
-        j = self.strips(f).index(tuple(rows)) if rows is not None else 0
+        j = self.tiling.strip_index(f, rows) if rows is not None else 0
         total = env[rec.prev] if rec.prev else 0
         if rec.logits:
             logits = env[f]
@@ -268,14 +262,12 @@ class _Replay:
         lo, hi = rows if rows is not None else (0, shape[1])
         if op in ("conv2d", "maxpool", "avgpool"):
             k, s, p = layer.window
-            from poet_opt.model.strips import touching
-
             m0, m1 = touching((lo, hi), layer.window, layer.shape[1])
             out = t.zeros(self.x.shape[0], shape[0], hi - lo, shape[2], dtype=self.x.dtype)
             if m0 >= m1:
                 return out
             g = self.rows_of(env, u, m0, m1, "grad:")
-            r0 = m0 * s - p
+            r0, _ = window_rows((m0, m1), layer.window)
             if op == "conv2d":
                 w = self.weights(env, u)["weight"]
                 size = (g.shape[0], shape[0], (m1 - 1 - m0) * s + k, shape[2] + 2 * p)
@@ -299,7 +291,7 @@ class _Replay:
                                               lambda: env[self.strip_name(u, j)])
         w = self.weights(env, u)
         xs = env[self.strip_name(f, j)]
-        if u not in self.parts:  # one strip: its own batch statistics
+        if not self.tiling.striped(u):  # one strip: its own batch statistics
             mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
             xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + self._eps(u))[None, :, None, None]
             n = xs.numel() // xs.shape[1]
@@ -309,7 +301,7 @@ class _Replay:
             _, var = self._stats(env, u)
             xhat = self._xhat(env, u, xs)
             n = self.x.shape[0] * layer.shape[1] * layer.shape[2]
-            sums = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
+            sums = env[self.tiling.chain_end("gstats:", u)]
             rstd = 1 / t.sqrt(var + self._eps(u))
         scale = (w["weight"] * rstd)[None, :, None, None]
         return scale * (g - sums[0][None, :, None, None] / n - xhat * sums[1][None, :, None, None] / n)
@@ -335,8 +327,8 @@ class _Replay:
         """The weight gradient of layer u whose update a data-gradient node applies."""
         layer = self.layers[u]
         op = layer.op
-        if op == "batchnorm" and u in self.parts:
-            s0, s1 = env[f"gstats:{u}@s{len(self.strips(u)) - 1}"]
+        if op == "batchnorm" and self.tiling.striped(u):
+            s0, s1 = env[self.tiling.chain_end("gstats:", u)]
             return {"weight": s1, "bias": s0}
         return self.strip_weight_gradient(u, None, env)
 

@@ -32,7 +32,7 @@ from poet_opt.errors import PoetError
 from poet_opt.firmware.c_text import identifier
 from poet_opt.firmware.writer import LR, StepWriter, c_float, c_ident, elementwise_backward, elementwise_kernel
 from poet_opt.model import ops as registry
-from poet_opt.model.strips import touching
+from poet_opt.model.tiling_records import touching, window_rows
 
 WINDOWED = registry.names(split="window", tiling="strips")  # the registry's convolutions and pooling
 NEG_INF = "(-__builtin_inff())"
@@ -44,9 +44,8 @@ SCRATCH_BYTES = 8 * 1024
 class StripWriter(StepWriter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        tiling = self.net.graph.meta["strips"]
+        self.tiling = tiling = self.net.graph.meta["strips"]
         self.layers_meta, self.records = tiling.layers, tiling.nodes
-        self.tensors = {name: [tuple(r) for r in rows] for name, rows in tiling.tensors.items()}
         # a weight slice over strips reads its channels of the concat's gradient strips (model/strips.py)
         self.alias = dict(tiling.grad_alias)
         self.scratch_floats = 0
@@ -55,13 +54,10 @@ class StripWriter(StepWriter):
     # -- geometry --------------------------------------------------------------------------------
 
     def strips(self, layer: str) -> list[tuple[int, int]]:
-        return self.tensors.get(layer) or [(0, self.net.layers[layer].shape[2])]
+        return self.tiling.strips(layer)
 
     def striped(self, layer: str) -> bool:
-        return layer in self.tensors
-
-    def name(self, layer: str, j: int, prefix: str = "") -> str:
-        return f"{prefix}{layer}" if layer not in self.tensors else f"{prefix}{layer}@s{j}"
+        return self.tiling.striped(layer)
 
     def buf(self, ops, layer: str, j: int, prefix: str = "") -> str:
         if prefix == "grad:" and layer in self.alias:
@@ -71,7 +67,7 @@ class StripWriter(StepWriter):
                 raise PoetError(f"internal: {layer}'s gradient strip is not contiguous at batch {n}; gather it")
             a, b = self.strips(layer)[j]
             return f"({self.buf(ops, concat, j, prefix)} + {lo * (b - a) * w}u)"
-        return self.at(ops, self.name(layer, j, prefix), f"a strip of {layer}")
+        return self.at(ops, self.tiling.strip_name(layer, j, prefix), f"a strip of {layer}")
 
     def aliased(self, layer: str) -> tuple[str, int, int]:
         """(the concat whose gradient a weight slice reads, the slice's first channel, the concat's
@@ -91,7 +87,7 @@ class StripWriter(StepWriter):
         return n, c, h, w
 
     def index(self, layer: str, rows) -> int:
-        return self.strips(layer).index(tuple(rows))
+        return self.tiling.strip_index(layer, rows)
 
     def scratch(self, floats: int) -> None:
         self.scratch_floats = max(self.scratch_floats, floats)
@@ -102,16 +98,15 @@ class StripWriter(StepWriter):
         rows) of every plane; rows past the tensor are ``fill``."""
         n, c, h, w = self.nchw(layer)
         lines = []
-        for j, (a, b) in enumerate(self.strips(layer)):
-            r0, r1 = max(lo, a), min(hi, b)
-            if r0 < r1 and prefix == "grad:" and layer in self.alias:
+        for j, (a, b), (r0, r1) in self.tiling.pieces(layer, lo, hi):
+            if prefix == "grad:" and layer in self.alias:
                 # a weight slice's channels of the concat's gradient strip: c planes in each sample's block
                 concat, first, channels = self.aliased(layer)
                 src = self.buf(ops, concat, j, prefix)
                 lines += [f"poet_copy_strided({dst} + {(s * c * rows + r0 - row0) * w}u, {src} + "
                           f"{((s * channels + first) * (b - a) + r0 - a) * w}u, {c}u, {(r1 - r0) * w}u, {rows * w}u, "
                           f"{(b - a) * w}u);" for s in range(n)]
-            elif r0 < r1:
+            else:
                 lines.append(f"poet_copy_strided({dst} + {(r0 - row0) * w}u, {self.buf(ops, layer, j, prefix)} + "
                              f"{(r0 - a) * w}u, {n * c}u, {(r1 - r0) * w}u, {rows * w}u, {(b - a) * w}u);")
         if lo < 0:
@@ -198,7 +193,7 @@ class StripWriter(StepWriter):
             return [self.batchnorm_eval(layer, out, xs[0], ops, n, (b - a) * w)]
         if op == "batchnorm":
             k = self.layer_index[name]
-            stats = self.at(ops, f"stats:{name}@s{len(self.strips(name)) - 1}", f"{name}'s strips")
+            stats = self.at(ops, self.tiling.chain_end("stats:", name), f"{name}'s strips")
             lines = [f"poet_batchnorm_strip_forward({out}, {xs[0]}, {stats}, {self.param(layer, 'weight', ops)}, "
                      f"{self.param(layer, 'bias', ops)}, {n}u, {c}u, {(b - a) * w}u, {n * h * w}u, "
                      f"{c_float(layer.attrs['eps'])});"]
@@ -231,7 +226,8 @@ class StripWriter(StepWriter):
         a chunk reads are gathered into scratch, the kernel writes the chunk beside them (or
         straight into ``out`` when one chunk is the whole strip) and the chunk is copied into place."""
         x = layer.operands[0]
-        k, s, p = self.layers_meta[layer.name].window
+        window = self.layers_meta[layer.name].window
+        k, s, _ = window
         n, c, _, w = self.nchw(layer.name)
         _, cx, _, wx = self.nchw(x)
 
@@ -242,7 +238,8 @@ class StripWriter(StepWriter):
         lines = []
         for c0 in range(a, b, per):
             c1 = min(b, c0 + per)
-            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            r0, r1 = window_rows((c0, c1), window)
+            rows_in = r1 - r0
             local = n * cx * rows_in * wx
             y = out if c1 - c0 == b - a else f"(poet_scratch + {local}u)"
             self.scratch(local + (0 if y == out else n * c * (c1 - c0) * w))
@@ -264,17 +261,23 @@ class StripWriter(StepWriter):
         j = self.index(name, (a, b))
         x = self.layers_meta[name].inputs[0]
         n, c, _, w = self.nchw(name)
-        prev = self.at(ops, f"stats:{name}@s{j - 1}", f"stats:{name}@s{j}") if j else "NULL"
+        prev = self.chain_link(ops, "stats:", name, j)
         return [f"poet_batchnorm_strip_stats({out}, {prev}, {self.buf(ops, x, j)}, {n}u, {c}u, {(b - a) * w}u, "
                 f"{n * a * w}u);"]
+
+    def chain_link(self, ops, prefix: str, layer: str, j: int) -> str:
+        """The previous link of strip j's statistics chain, NULL for the first."""
+        if not j:
+            return "NULL"
+        return self.at(ops, self.tiling.strip_name(layer, j - 1, prefix), self.tiling.strip_name(layer, j, prefix))
 
     def grad_stats(self, rec, out, ops) -> list[str]:
         name, (a, b) = rec.layer, rec.rows
         j = self.index(name, (a, b))
         x = self.layers_meta[name].inputs[0]
         n, c, h, w = self.nchw(name)
-        prev = self.at(ops, f"gstats:{name}@s{j - 1}", f"gstats:{name}@s{j}") if j else "NULL"
-        stats = self.at(ops, f"stats:{name}@s{len(self.strips(name)) - 1}", f"gstats:{name}@s{j}")
+        prev = self.chain_link(ops, "gstats:", name, j)
+        stats = self.at(ops, self.tiling.chain_end("stats:", name), self.tiling.strip_name(name, j, "gstats:"))
         return [f"poet_batchnorm_strip_grad_stats({out}, {prev}, {self.buf(ops, name, j, 'grad:')}, "
                 f"{self.buf(ops, x, j)}, {stats}, {n}u, {c}u, {(b - a) * w}u, {n * h * w}u, "
                 f"{c_float(self.net.layers[name].attrs['eps'])});"]
@@ -316,9 +319,8 @@ class StripWriter(StepWriter):
         j = self.index(f, rows)
         g = self.buf(ops, u, j, "grad:")
         if op == "batchnorm":
-            last = len(self.strips(u)) - 1
-            stats = self.at(ops, f"stats:{u}@s{last}", f"{u}'s backward")
-            sums = self.at(ops, f"gstats:{u}@s{last}", f"{u}'s backward")
+            stats = self.at(ops, self.tiling.chain_end("stats:", u), f"{u}'s backward")
+            sums = self.at(ops, self.tiling.chain_end("gstats:", u), f"{u}'s backward")
             return [f"poet_batchnorm_strip_backward({out}, {g}, {self.buf(ops, f, j)}, {stats}, {sums}, "
                     f"{self.param(user, 'weight', ops)}, {n}u, {c}u, {(hi - lo) * w}u, {n * h * w}u, "
                     f"{c_float(user.attrs['eps'])});"]
@@ -338,7 +340,7 @@ class StripWriter(StepWriter):
         u = user.name
         lo, hi = rows
         window = self.layers_meta[u].window
-        k, s, p = window
+        k, s, _ = window
         m0, m1 = touching((lo, hi), window, self.nchw(u)[2])
         n, c, _, w = self.nchw(f)
         _, cu, _, wu = self.nchw(u)
@@ -351,7 +353,8 @@ class StripWriter(StepWriter):
         per = self.chunk_rows(m1 - m0, floats) if m0 < m1 else 1
         for c0 in range(m0, m1, per):
             c1 = min(m1, c0 + per)
-            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            r0, r1 = window_rows((c0, c1), window)
+            rows_in = r1 - r0
             local = n * c * rows_in * w
             dx, gy = "poet_scratch", f"(poet_scratch + {local}u)"
             x = f"(poet_scratch + {local + n * cu * (c1 - c0) * wu}u)"
@@ -384,7 +387,8 @@ class StripWriter(StepWriter):
             return [line for p in updates for line in self.update(p, ops)]
         a, b = rows
         x = layer.operands[0]
-        k, s, p = self.layers_meta[name].window
+        window = self.layers_meta[name].window
+        k, s, _ = window
         n, cx, _, wx = self.nchw(x)
         _, c, _, w = self.nchw(name)
         # a slice's gradient rows at batch > 1 lie in several blocks of the concat's: gathered
@@ -411,7 +415,8 @@ class StripWriter(StepWriter):
         w_arena = self.param(layer, "weight", ops) if last else None
         for c0 in range(a, b, per):
             c1 = min(b, c0 + per)
-            r0, rows_in = c0 * s - p, (c1 - 1 - c0) * s + k
+            r0, r1 = window_rows((c0, c1), window)
+            rows_in = r1 - r0
             local = n * cx * rows_in * wx
             self.scratch(floats(c1 - c0) if own else
                          local + (n * c * (c1 - c0) * w if per < b - a or gather_gy else 0))
@@ -443,7 +448,7 @@ class StripWriter(StepWriter):
             return super().update(p, ops)
         # gamma and beta's gradients are the whole tensor's sums of dy * xhat and dy
         c = layer.shape[1]
-        sums = self.at(ops, f"gstats:{layer.name}@s{len(self.strips(layer.name)) - 1}", f"{layer.name}'s update")
+        sums = self.at(ops, self.tiling.chain_end("gstats:", layer.name), f"{layer.name}'s update")
         lr = LR
         return [f"poet_sgd_step({self.param(layer, 'weight', ops)}, {sums} + {c}u, {c}u, {lr});",
                 f"poet_sgd_step({self.param(layer, 'bias', ops)}, {sums}, {c}u, {lr});", *self.write_back(p, ops)]

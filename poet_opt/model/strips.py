@@ -34,27 +34,13 @@ from typing import Sequence
 from poet_opt.errors import PoetError
 from poet_opt.model import ops as registry
 from poet_opt.model.graph import Node, TrainingGraph
-from poet_opt.model.tiling_records import StripRecord, StripTiling, TiledLayer, partition
+from poet_opt.model.tiling_records import (STRIP_MARK, StripRecord, StripTiling, TiledLayer, partition, receptive,
+                                           touching)
 
 # what the operator registry lets go strip by strip (activations, add, the concat of weight slices)
 # and what reads a window of rows (convolutions, pooling)
 ELEMENTWISE = tuple(n for n in registry.names(split=("elementwise", "channels"), tiling="strips") if n != "input")
 WINDOWED = registry.names(split="window", tiling="strips")
-STRIP_MARK = "@s"  # strip j of tensor L is named L@sj
-
-
-def receptive(rows: tuple[int, int], window: Sequence[int], h_in: int) -> tuple[int, int]:
-    """The input rows a window operator reads for output rows [a, b), within the input."""
-    k, s, p = window
-    a, b = rows
-    return max(0, a * s - p), min(h_in, (b - 1) * s - p + k)
-
-
-def touching(rows: tuple[int, int], window: Sequence[int], h_out: int) -> tuple[int, int]:
-    """The output rows [m0, m1) whose windows read some of input rows [a, b)."""
-    k, s, p = window
-    a, b = rows
-    return max(0, (a + p - k) // s + 1), min(h_out, (b + p - 1) // s + 1)
 
 
 def _overlapping(parts: list[tuple[int, int]], rows: tuple[int, int]) -> list[int]:

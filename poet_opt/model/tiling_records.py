@@ -17,6 +17,11 @@ Every tiling answers the same questions: ``layers`` (forward operator -> :class:
 ``nodes`` (node name -> :class:`NodeRecord`, whose ``tensor`` is the layer it computes or whose
 gradient it computes) and ``ranges(name)`` (axis -> [lo, hi) of that tensor a node covers).
 Ranges are (lo, hi) tuples, as the partition routines return them.
+
+The geometry of a strip graph is answered here too, once, for its builder and both replays: which
+strips hold rows [lo, hi) of a tensor (:meth:`StripTiling.pieces`), which input rows a window of
+output rows reads (:func:`window_rows`, padding included) and which output rows read some input
+rows (:func:`touching`), and what strip j of a tensor, or of its gradient, is called.
 """
 
 from __future__ import annotations
@@ -25,6 +30,28 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
 Range = tuple[int, int]
+STRIP_MARK = "@s"  # strip j of tensor L is the node L@sj (L when it has one strip)
+
+
+def window_rows(rows: Range, window: Sequence[int]) -> Range:
+    """The input rows [r0, r1) that output rows [a, b) of a (kernel, stride, padding) window read,
+    padding rows included: r0 < 0 and r1 past the input where the window runs over its edges."""
+    k, s, p = window
+    a, b = rows
+    return a * s - p, (b - 1) * s - p + k
+
+
+def receptive(rows: Range, window: Sequence[int], h_in: int) -> Range:
+    """The input rows a window operator reads for output rows [a, b), within the input."""
+    r0, r1 = window_rows(rows, window)
+    return max(0, r0), min(h_in, r1)
+
+
+def touching(rows: Range, window: Sequence[int], h_out: int) -> Range:
+    """The output rows [m0, m1) whose windows read some of input rows [a, b)."""
+    k, s, p = window
+    a, b = rows
+    return max(0, (a + p - k) // s + 1), min(h_out, (b + p - 1) // s + 1)
 
 
 def partition(n: int, k: int) -> list[Range]:
@@ -164,6 +191,32 @@ class StripTiling(Tiling):
     def ranges(self, name: str) -> dict[str, Range]:
         rows = self.nodes[name].rows
         return {} if rows is None else {"H": tuple(rows)}
+
+    def strips(self, layer: str) -> list[Range]:
+        """The row ranges of a (C, H, W) tensor's strips: one, the whole height, when not split."""
+        return [tuple(r) for r in self.tensors.get(layer) or [(0, self.layers[layer].shape[1])]]
+
+    def striped(self, layer: str) -> bool:
+        return layer in self.tensors
+
+    def strip_name(self, layer: str, j: int, prefix: str = "") -> str:
+        """The node of strip j of ``layer``, or of its gradient (prefix "grad:"), statistics ("stats:",
+        "gstats:") and so on."""
+        return f"{prefix}{layer}" if layer not in self.tensors else f"{prefix}{layer}{STRIP_MARK}{j}"
+
+    def strip_index(self, layer: str, rows: Range) -> int:
+        return self.strips(layer).index(tuple(rows))
+
+    def chain_end(self, prefix: str, layer: str) -> str:
+        """The last link of a chain over a layer's strips (batch norm's "stats:" and "gstats:"),
+        which holds the whole tensor's sums."""
+        return f"{prefix}{layer}{STRIP_MARK}{len(self.strips(layer)) - 1}"
+
+    def pieces(self, layer: str, lo: int, hi: int) -> list[tuple[int, Range, Range]]:
+        """The strips that hold rows [lo, hi) of ``layer`` (clipped to the tensor), in order: (j, the
+        strip's rows [a, b), the rows [r0, r1) of [lo, hi) it holds)."""
+        return [(j, (a, b), (max(lo, a), min(hi, b))) for j, (a, b) in enumerate(self.strips(layer))
+                if max(lo, a) < min(hi, b)]
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
