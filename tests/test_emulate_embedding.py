@@ -115,3 +115,35 @@ def test_an_eval_set_of_floats_for_a_model_of_token_ids_names_eval(tmp_path):
     ran = cli("emulate", "--torch", BAG, "--input-shape", "2,16", "--device", "nrf52840", "--ram", "64KiB",
               "--steps", "1", "--lr", LR, "--data", data, "--eval", bad)
     assert_one_line_error(ran, "--eval", "expected integers")
+
+
+@pytest.mark.parametrize("factory", [small_token_classifier, small_bert])
+def test_a_step_program_gathers_the_same_rows(factory, tmp_path):
+    """A large step runs as a program of kernel calls (firmware/program.py): the token ids' arena
+    pointers and the position table are arguments like any other, and the step equals torch's."""
+    from test_support_matrix import emulate_rows, worst_against_sgd
+
+    data = _ids(tmp_path, (1, 16), vocab=100, classes=2)
+    ran = emulate_rows(factory, data, tile_budget=48 * 1024, program=True)
+    largest, worst = worst_against_sgd(factory, data, ran.weights)
+    assert worst <= 1e-4 * largest, worst
+
+
+def test_the_commands_of_docs_firmware_md_on_token_ids_run(tmp_path):
+    """The sh block of docs/firmware.md's "Token ids", line by line as typed in a scratch
+    directory: two steps equal torch.optim.SGD's on the module, as the text says."""
+    import re
+    from pathlib import Path
+
+    from conftest import run_as_typed
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "firmware.md").read_text()
+    section = doc[doc.index("## Token ids"):]
+    commands = [line for line in re.search(r"```sh\n(.*?)```", section, re.S).group(1).splitlines() if line.strip()]
+    assert [c.split()[0] for c in commands] == ["python", "poet-opt"]
+    done = run_as_typed(commands, tmp_path)
+    summary = json.loads(done[-1].stdout)
+    assert summary["rows"]["blocks"] == 2
+    assert_trained_like_torch(tmp_path / "ids_after.npz", summary, small_token_classifier(), tmp_path / "ids_batch.npz",
+                              steps=2, lr=LR)
+    print("instructions per step", summary["instructions"] / 2)

@@ -401,7 +401,8 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
         if isinstance(m, nn.Embedding):  # the executor runs torch's own gather, the firmware its C kernels
             if m.max_norm is not None or m.sparse:
                 raise PoetError(f"node {name!r}: an nn.Embedding with max_norm (renormalised in place by its "
-                                "forward) or sparse gradients; the PyTorch executor trains plain tables only",
+                                "forward) or sparse gradients; the PyTorch executor and the firmware train plain "
+                                "tables only",
                                 field=FIELD)
             if chains is None and (m.padding_idx is not None or m.scale_grad_by_freq or x[0] != next(iter(shapes))):
                 raise _unsupported(name, "an nn.Embedding with padding_idx or scale_grad_by_freq, or indexed by "
