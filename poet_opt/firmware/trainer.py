@@ -318,7 +318,8 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
         if planned is not None and strips == "off" and _wants_rows(planned, profile, "auto"):
             raise PoetError(f"this transformer fits {profile.name} only with its tokens in row tiles, which "
                             "--strips off turns off; give --strips auto or N", field="--strips") from None
-        if planned is not None and strips == "auto" and _wants_rows(planned, profile, 1):
+        if planned is not None and strips == "auto" and _wants_rows(planned, profile, 1) and \
+                not _wants_rows(planned, profile, "auto"):  # it fits whole: row tiles only if asked for
             raise PoetError(f"{exc.message}; in row tiles it does: give --strips N for N row blocks of tokens",
                             field="--strips") from None
         if planned is None or not _wants_rows(planned, profile, strips):
