@@ -68,8 +68,8 @@ def check_library_prefix(prefix: str) -> None:
     for header in (here / "kernels" / "poet_kernels.h", here / "board" / "poet_paging.h",
                    here / "board" / "poet_storage.h"):
         names.update(re.findall(r"\b[A-Za-z_]\w*\b", Path(header).read_text()))
-    macros = [s for s, _, _ in STATUSES] + ["TRAIN_H", "BATCH", "INPUT_FLOATS", "INPUT_IDS", "VOCABULARY", "CLASSES",
-                                                                 "LOGITS_FLOATS"]
+    macros = [s for s, _, _ in STATUSES] + ["TRAIN_H", "BATCH", "INPUT_FLOATS", "INPUT_IDS", "VOCABULARY",
+                                            "CLASSES", "LOGITS_FLOATS"]
     ours = [prefix + n for n in API] + [prefix.upper() + m for m in macros]
     clash = [n for n in ours if n in names]
     if clash:
@@ -127,7 +127,7 @@ class Library:
         self.input_floats = int(np.prod(net.input_shape))
         # a model whose input goes into embeddings takes int32 token ids, each in [0, vocabulary)
         self.vocabulary = net.vocabulary
-        self.input_type, self.input_count = input_c_type(prefix, net.vocabulary)
+        self.input_type = input_c_type(prefix, net.vocabulary)[0]
         self.doc = writer.doc
 
     # -- saved weights ---------------------------------------------------------------------------
