@@ -202,3 +202,14 @@ def test_the_library_takes_int32_ids_and_refuses_one_outside_the_table(tmp_path)
     values = {name: int(gen.header.split(f"POET_{name} = ")[1].split(",")[0].split(" ")[0])
               for name in ("OK", "E_TOKEN")}
     assert status == [values["OK"], values["E_TOKEN"], values["E_TOKEN"], values["OK"]]
+
+
+def test_measure_device_profiles_a_model_of_token_ids(tmp_path):
+    """`measure --device` runs one profiled step of the firmware on random ids below the table (the
+    library would refuse floats with E_TOKEN) and writes a cost per node."""
+    out = tmp_path / "costs.csv"
+    ran = cli("measure", "--device", "nrf52840", "--torch", "poet_opt.examples.torch_models:small_token_classifier",
+              "--input-shape", "1,16", "--ram", "48KiB", "--strips", "2", "-o", out)
+    assert ran.exit_code == 0, ran.stderr
+    rows = out.read_text().splitlines()
+    assert rows[0] == "name,time_s,energy_j" and any(r.startswith("embed@r0@c0") for r in rows)
