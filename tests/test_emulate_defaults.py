@@ -133,14 +133,15 @@ def test_a_twin_the_firmware_and_run_cannot_train_is_refused_up_front_saying_wha
 
 
 def test_emulate_refuses_bert_base_up_front_saying_run_trains_it(tmp_path):
-    """The firmware has no embedding kernel: `emulate --model bert-base` is refused before the data
-    is read, in one line that says so and that `run --model bert-base` trains it; `run` itself
-    gets past the model to the missing batch file."""
+    """A step of bert-base is about 1e11 emulated instructions, close to an hour of emulation (the
+    firmware has its kernels: tests/test_emulate_embedding.py trains a reduced twin in row tiles):
+    `emulate --model bert-base` is refused before the data is read, in one line that says so and
+    that `run --model bert-base` trains it; `run` itself gets past the model to the missing batch file."""
     from test_cli import assert_one_line_error
 
     args = ["--model", "bert-base", "--device", "nrf52840", "--ram", "200KiB", "--steps", "1", "--lr", "0.1",
             "--data", tmp_path / "missing.npz"]
-    assert_one_line_error(cli("emulate", *args), "--model", "embeddings of token ids", "firmware has no kernel",
+    assert_one_line_error(cli("emulate", *args), "--model", "1e11 emulated instructions", "has its kernels",
                           "run --model bert-base")
     assert_one_line_error(cli("run", *args), "--data", "missing.npz")
 

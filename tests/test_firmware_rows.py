@@ -62,15 +62,16 @@ def test_features_in_pieces_and_heads_across_them_train_equal_to_torch_sgd(batch
 
 
 def test_an_operator_without_a_row_kernel_is_refused_before_solving_naming_strips(batch, tmp_path):
-    """tanh runs in `poet-opt run`'s row tiles (the executor), not in the firmware's: emulate says so
-    in one line, naming the node and --strips, before anything is solved."""
+    """sigmoid runs in `poet-opt run`'s row tiles (the executor), not in the firmware's (it has no C
+    kernels; tanh, which this test used before, has them now): emulate says so in one line, naming
+    the node and --strips, before anything is solved."""
     model = tmp_path / "block.py"
     model.write_text("from torch import nn\n\nfrom poet_opt.examples.torch_models import EncoderClassifier\n\n\n"
                      "def factory():\n    m = EncoderClassifier(d=32, h=2, ff=64, classes=4)\n"
-                     "    m.act = nn.Tanh()\n    return m\n")
+                     "    m.act = nn.Sigmoid()\n    return m\n")
     result = cli("emulate", "--torch", f"{model}:factory", "--input-shape", "1,16,32", "--device", "nrf52840",
                  "--ram", "12KiB", "--strips", "2", "--steps", "1", "--lr", LR, "--data", batch, "-q")
-    assert_one_line_error(result, "--strips", "'act' (tanh)", "no row-tile kernel")
+    assert_one_line_error(result, "--strips", "'act' (sigmoid)", "no row-tile kernel")
 
 
 def test_emulate_says_a_transformer_fits_only_in_row_tiles_when_they_are_turned_off(batch):

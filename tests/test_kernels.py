@@ -564,20 +564,22 @@ def activation_inputs(rng):
                                                       95.0]]).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ["relu", "relu6", "gelu", "silu", "hardswish"])
+@pytest.mark.parametrize("name", ["relu", "relu6", "gelu", "silu", "hardswish", "tanh"])
 def test_activation(k, name):
     rng = np.random.default_rng(15)
     x = activation_inputs(rng)
     tx = t64(x, True)
-    ty = {"relu": torch.relu, "relu6": Fn.relu6, "gelu": Fn.gelu, "silu": Fn.silu, "hardswish": Fn.hardswish}[name](tx)
+    ty = {"relu": torch.relu, "relu6": Fn.relu6, "gelu": Fn.gelu, "silu": Fn.silu, "hardswish": Fn.hardswish,
+          "tanh": torch.tanh}[name](tx)
     dy = rand(rng, x.size)
     ty.backward(t64(dy))
     forward, backward = getattr(k, f"{name}_forward"), getattr(k, f"{name}_backward")
     y = np.full(x.shape, np.nan, np.float32)
     forward(ptr(y), ptr(x), x.size)
     check(f"{name} forward", y, ty)
-    # relu and relu6 may read the input or the output: the masks agree; the others read the input
-    for source in ((x, y) if name in ("relu", "relu6") else (x,)):
+    # relu and relu6 may read the input or the output: the masks agree; tanh reads its output, the
+    # others their input
+    for source in ((x, y) if name in ("relu", "relu6") else (y,) if name == "tanh" else (x,)):
         dx0 = rand(rng, x.size)
         dx = dx0.copy()
         backward(ptr(dx), ptr(dy), ptr(source), x.size)
@@ -654,6 +656,39 @@ def test_cross_entropy_all_ignored_is_nan_with_zero_gradient(k):
     dz = np.zeros_like(z)
     k.cross_entropy_backward(ptr(dz), ptr(z), iptr(target), 2, 3)
     assert not dz.any()
+
+
+# ---- embeddings ----
+
+@pytest.mark.parametrize("first, rows", [(0, 10), (4, 3)])
+def test_embedding_gathers_and_sums_rows_as_torch(k, first, rows):
+    """A whole table (first 0), and a tile of rows 4..6: the forward gathers the rows of the ids it
+    holds and leaves the others' rows of y as they were; the table's gradient sums each row's dy
+    as torch's embedding backward does (repeated ids included), and the fused SGD step equals the
+    gradient then poet_sgd_step bit for bit, moving no row no id selects. Ids outside the table
+    (-1, 10) select nothing."""
+    rng = np.random.default_rng(21)
+    vocab, d = 10, 5
+    ids = np.array([3, 4, 4, 9, -1, 6, 10, 4, 5, 0, 6], np.int32)
+    table, dy = rand(rng, vocab, d), rand(rng, ids.size, d)
+    tile = table[first:first + rows].copy()
+    held = (ids >= first) & (ids < first + rows)
+    y = np.full((ids.size, d), 7.0, np.float32)
+    k.embedding_forward(ptr(y), iptr(ids), ptr(tile), ids.size, first, rows, d)
+    want = np.where(held[:, None], table[np.clip(ids, 0, vocab - 1)], 7.0)
+    assert np.array_equal(y, want)
+    tt = t64(table, True)
+    torch.nn.functional.embedding(torch.from_numpy(np.where(held, ids, 0)).long(), tt).backward(
+        t64(dy * held[:, None]))
+    gw = np.zeros_like(tile)
+    k.embedding_backward_params(ptr(gw), ptr(dy), iptr(ids), ids.size, first, rows, d)
+    check("embedding weight gradient", gw, tt.grad[first:first + rows])
+    want_w = tile.copy()
+    k.sgd_step(ptr(want_w), ptr(gw), want_w.size, 0.05)
+    k.embedding_backward_params_sgd(ptr(tile), ptr(dy), iptr(ids), ids.size, first, rows, d, 0.05)
+    assert np.array_equal(tile, want_w)
+    untouched = [r for r in range(rows) if first + r not in ids]
+    assert np.array_equal(tile[untouched], table[first:first + rows][untouched])
 
 
 # ---- optimisers ----

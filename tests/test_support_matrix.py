@@ -283,7 +283,7 @@ class Chain(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
-        self.acts = nn.Sequential(nn.ReLU(), nn.ReLU6(), nn.GELU(), nn.SiLU(), nn.Hardswish())
+        self.acts = nn.Sequential(nn.ReLU(), nn.ReLU6(), nn.GELU(), nn.SiLU(), nn.Hardswish(), nn.Tanh())
         self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
         self.pool1, self.pool2 = nn.MaxPool2d(2), nn.AvgPool2d(2)
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -315,16 +315,30 @@ def _row_chain():
 
     torch.manual_seed(13)
     module = EncoderClassifier(d=16, h=2, ff=32, classes=3)
-    module.act = nn.Sequential(nn.GELU(), nn.ReLU(), nn.ReLU6(), nn.SiLU(), nn.Hardswish())
+    module.act = nn.Sequential(nn.GELU(), nn.ReLU(), nn.ReLU6(), nn.SiLU(), nn.Hardswish(), nn.Tanh())
     return module
 
 
-CHAIN_OPS = {"whole": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
-                       "global_avgpool", "batchnorm", "linear", "layernorm", "matmul", "softmax"},
-             "strips": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "conv2d", "maxpool", "avgpool",
+def _token_chain():
+    """The firmware's embedding, whole: a table of 10 words, flattened into a linear head."""
+    torch.manual_seed(14)
+    return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(20, 3))
+
+
+def _token_row_chain():
+    """The encoder block on token ids (a table of 20 words before it), in row tiles."""
+    from poet_opt.examples.torch_models import TokenClassifier
+
+    torch.manual_seed(15)
+    return TokenClassifier(vocab=20, d=16, h=2, ff=32, classes=3)
+
+
+CHAIN_OPS = {"whole": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "tanh", "conv2d", "maxpool", "avgpool",
+                       "global_avgpool", "batchnorm", "linear", "layernorm", "matmul", "softmax", "embedding"},
+             "strips": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "tanh", "conv2d", "maxpool", "avgpool",
                         "global_avgpool", "batchnorm", "concat"},
-             "rows": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "linear", "layernorm", "matmul", "softmax",
-                      "avgpool"},
+             "rows": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "tanh", "linear", "layernorm", "matmul",
+                      "softmax", "avgpool", "embedding"},
              "slices": {"conv2d", "linear", "concat"}}
 
 
@@ -364,14 +378,17 @@ def emulate_rows(factory, data, *, tile_budget: int, blocks: int = 2, program: b
     return run_schedule(network, plan, profile, steps=1, lr=LR, x=x, y=y, program=program)
 
 
-def _emulate(factory, shape, tmp_path, **kw):
+def _emulate(factory, shape, tmp_path, ids=None, **kw):
+    """One emulated step of ``factory()`` on a random batch (``ids``: of token ids below it) against
+    torch.optim.SGD's; the operators the firmware ran."""
     pytest.importorskip("unicorn")
     pytest.importorskip("ziglang")
     from poet_opt.firmware.trainer import emulate_training
 
     rng = np.random.default_rng(2)
     data = tmp_path / "batch.npz"
-    np.savez(data, x=rng.standard_normal(shape).astype(np.float32), y=rng.integers(0, 3, shape[0]))
+    x = rng.standard_normal(shape).astype(np.float32) if ids is None else rng.integers(0, ids, shape)
+    np.savez(data, x=x, y=rng.integers(0, 3, shape[0]))
     if "tile_budget" in kw:
         result = emulate_rows(factory, data, tile_budget=kw.pop("tile_budget"), blocks=kw.pop("strips"))
     else:
@@ -407,11 +424,15 @@ def test_firmware_chain_equals_torch(tiling, tmp_path):
           "slices": {"weights": "streamed", "tile_bytes": 256, "strips": "off"}}[tiling]
     if tiling == "rows":
         ran = _emulate(_row_chain, (2, 6, 16), tmp_path, **kw)
+        (tmp_path / "ids").mkdir()  # a table of token ids before the block, cut into tiles of vocabulary rows
+        ran |= _emulate(_token_row_chain, (2, 6), tmp_path / "ids", ids=20, **kw)
     else:
         ran = _emulate(_chain, (2, 3, 8, 8), tmp_path, **kw)
     if tiling == "whole":
         (tmp_path / "seq").mkdir()
         ran |= _emulate(_seq_chain, (2, 6, 6), tmp_path / "seq", **kw)
+        (tmp_path / "ids").mkdir()
+        ran |= _emulate(_token_chain, (2, 5), tmp_path / "ids", ids=10, **kw)
     claimed = {s.name for s in ops.specs() if support.runs(s, tiling, "firmware")} - STRUCTURAL
     assert CHAIN_OPS[tiling] == claimed, "every operator the firmware is said to run is in a chain"
     assert CHAIN_OPS[tiling] <= ran, CHAIN_OPS[tiling] - ran

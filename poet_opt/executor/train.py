@@ -173,11 +173,9 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
 
 def _vocabulary(module, input_shape) -> int | None:
     """The rows of the table the traced input indexes (model/torch_rows.py), or None."""
-    from poet_opt.model.torch_import import lower_module
-    from poet_opt.model.torch_rows import token_vocabulary
+    from poet_opt.model.torch_rows import input_vocabulary
 
-    ops, _ = lower_module(module, parse_full_shape(input_shape))
-    return token_vocabulary(module, ops)
+    return input_vocabulary(module, parse_full_shape(input_shape))
 
 
 def _row_network(module, shape, resident: Network | None, *, name, trainable, weights, strips, tile, budget,

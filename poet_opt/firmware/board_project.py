@@ -78,6 +78,8 @@ def example_main(prefix: str, *, steps: int, lr: float, x: np.ndarray, y: np.nda
         "",
         f"#define EXAMPLE_STEPS {int(steps)}u",
         "",
+        # token ids (an integer x: the model's input goes into embeddings) are int32, as train.h takes them
+        c_array("int32_t", "example_input", x.astype(np.int64), const=True) if x.dtype.kind in "iu" else
         c_array("float", "example_input", x.astype(np.float32), const=True),
         c_array("int32_t", "example_labels", y.astype(np.int64), const=True),
         "/* volatile: nothing in this program reads them; a debugger does */",

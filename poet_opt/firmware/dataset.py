@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from poet_opt.errors import PoetError
-from poet_opt.model.batch import load_batch
+from poet_opt.model.batch import check_x, load_batch
 
 COMMAND_STOP, COMMAND_TRAIN, COMMAND_PREDICT = 0, 1, 2
 # beyond this many steps --json gives each epoch's mean loss only: a list a person can still read
@@ -32,10 +32,26 @@ MAX_LISTED_LOSSES = 1000
 def load_set(path, field_name: str) -> tuple[np.ndarray, np.ndarray]:
     """x (float32, samples first) and y (int64) of a data set; its problems name ``field_name``."""
     try:
-        x, y = load_batch(path)
+        x, y = load_batch(path, token_ids=True)  # ids or features: check_inputs asks which the model reads
     except PoetError as exc:
         raise PoetError(str(exc), source=exc.source, field=field_name) from None
     return x, y.astype(np.int64)
+
+
+def check_inputs(module, shape, sets: list) -> list:
+    """Each data set's x as the model reads it (``sets``: (x or None, option) pairs): float32
+    features, or int32 token ids below its smallest table, as `run` checks them (model/batch.py's
+    check_x), before anything is solved; a problem names the set's option."""
+    from poet_opt.model.torch_rows import input_vocabulary
+
+    vocabulary = input_vocabulary(module, shape)
+    out = []
+    for x, field_name in sets:
+        try:
+            out.append(None if x is None else check_x(x, vocabulary))
+        except PoetError as exc:
+            raise PoetError(exc.message, field=field_name) from None
+    return out
 
 
 def check_set(x: np.ndarray, y: np.ndarray, sample_shape: tuple, classes: Optional[int], batch: int,
@@ -66,15 +82,19 @@ def batch_order(n: int, batch: int, steps: int, seed: int) -> list[np.ndarray]:
     return out
 
 
-def harness(prefix: str, lr_literal: str) -> str:
-    """The emulator's main() for a data set: init, then whatever the host commands, batch by batch."""
+def harness(prefix: str, lr_literal: str, vocabulary: Optional[int] = None) -> str:
+    """The emulator's main() for a data set: init, then whatever the host commands, batch by batch
+    (``vocabulary``: the batch is int32 token ids, library.input_c_type)."""
+    from poet_opt.firmware.library import input_c_type
+
     p, P = prefix, prefix.upper()
+    ctype, count = input_c_type(prefix, vocabulary)
     return "\n".join([
         "#include <stdint.h>",
         f'#include "{p}train.h"',
         "",
         "/* the host's port: it fills these while the core is in harness_next(), as a DMA would */",
-        f"__attribute__((used)) float harness_x[{P}INPUT_FLOATS];",
+        f"__attribute__((used)) {ctype} harness_x[{count}];",
         f"__attribute__((used)) int32_t harness_y[{P}BATCH];",
         f"__attribute__((used)) float harness_logits[{P}LOGITS_FLOATS];",
         "__attribute__((used)) float harness_loss;",
@@ -185,7 +205,7 @@ class Feeder:
             return
         (kind, ix), _ = self.commands[self._next]
         source_x, source_y = (self.x, self.y) if kind == "train" else (self.eval_x, self.eval_y)
-        self._write("harness_x", source_x[ix].astype(np.float32))
+        self._write("harness_x", source_x[ix].astype(np.int32 if source_x.dtype.kind in "iu" else np.float32))
         self._write("harness_y", source_y[ix].astype(np.int32))
         self._write("harness_command", np.array([COMMAND_TRAIN if kind == "train" else COMMAND_PREDICT], np.uint32))
         self._next += 1

@@ -49,6 +49,7 @@ STATUSES = [
     ("E_LABEL", -18, "a label outside 0 .. CLASSES-1"),
     ("E_NO_SAVED_WEIGHTS", -19, "the storage holds no weights this model saved"),
     ("E_UNSUPPORTED", -20, "predict: the forward part is too long to generate as straight-line C"),
+    ("E_TOKEN", -21, "a token id outside 0 .. VOCABULARY-1 (a model whose input is token ids)"),
 ]
 API = ("init", "train_step", "predict", "save_weights", "load_weights", "status")
 
@@ -67,12 +68,20 @@ def check_library_prefix(prefix: str) -> None:
     for header in (here / "kernels" / "poet_kernels.h", here / "board" / "poet_paging.h",
                    here / "board" / "poet_storage.h"):
         names.update(re.findall(r"\b[A-Za-z_]\w*\b", Path(header).read_text()))
-    macros = [s for s, _, _ in STATUSES] + ["TRAIN_H", "BATCH", "INPUT_FLOATS", "CLASSES", "LOGITS_FLOATS"]
+    macros = [s for s, _, _ in STATUSES] + ["TRAIN_H", "BATCH", "INPUT_FLOATS", "INPUT_IDS", "VOCABULARY",
+                                            "CLASSES", "LOGITS_FLOATS"]
     ours = [prefix + n for n in API] + [prefix.upper() + m for m in macros]
     clash = [n for n in ours if n in names]
     if clash:
         raise PoetError(f"{prefix!r} makes {clash[0]}, a name of the firmware's own library; choose another prefix",
                         field="--prefix")
+
+
+def input_c_type(prefix: str, vocabulary: int | None) -> tuple[str, str]:
+    """(the C type of a batch's inputs, the macro of their count) in ``<prefix>train.h``: float
+    features, or int32 token ids when the model's input goes into embeddings."""
+    return ("float", f"{prefix.upper()}INPUT_FLOATS") if vocabulary is None else \
+        ("int32_t", f"{prefix.upper()}INPUT_IDS")
 
 
 def running_statistics(emulator, network) -> dict[str, np.ndarray]:
@@ -116,6 +125,9 @@ class Library:
         self.batch = logits.shape[0]
         self.classes = logits.elements // self.batch
         self.input_floats = int(np.prod(net.input_shape))
+        # a model whose input goes into embeddings takes int32 token ids, each in [0, vocabulary)
+        self.vocabulary = net.vocabulary
+        self.input_type = input_c_type(prefix, net.vocabulary)[0]
         self.doc = writer.doc
 
     # -- saved weights ---------------------------------------------------------------------------
@@ -153,6 +165,22 @@ class Library:
 
     # -- sources ---------------------------------------------------------------------------------
 
+    @property
+    def input_cast(self) -> str:
+        """Token ids go into the input's arena slot word for word (the kernels that copy and page it
+        move 4-byte words; the embedding kernels read them as int32: writer.ids)."""
+        return "" if self.vocabulary is None else "(const float *)"
+
+    def check_ids(self) -> list[str]:
+        """A batch of token ids is checked before the step, as its labels are: the embedding kernels
+        would read no row for an id outside the table."""
+        if self.vocabulary is None:
+            return []
+        P = self.P
+        return [f"    for (i = 0u; i < {P}INPUT_IDS; ++i) {{",
+                f"        if (inputs[i] < 0 || inputs[i] >= (int32_t){P}VOCABULARY) {{",
+                f"            return {P}E_TOKEN;", "        }", "    }"]
+
     def header(self) -> str:
         P, p = self.P, self.p
         guard = f"{P}TRAIN_H"
@@ -165,9 +193,13 @@ class Library:
             "",
             "#include <stdint.h>",
             "",
-            f"/* one batch: {P}INPUT_FLOATS floats of inputs, {shape} in C order; {P}BATCH labels */",
+            *([f"/* one batch: {P}INPUT_FLOATS floats of inputs, {shape} in C order; {P}BATCH labels */"]
+              if self.vocabulary is None else
+              [f"/* one batch: {P}INPUT_IDS token ids (int32, each 0 .. {P}VOCABULARY-1), {shape} in C order; "
+               f"{P}BATCH labels */"]),
             f"#define {P}BATCH {self.batch}u",
-            f"#define {P}INPUT_FLOATS {self.input_floats}u",
+            *([f"#define {P}INPUT_FLOATS {self.input_floats}u"] if self.vocabulary is None else
+              [f"#define {P}INPUT_IDS {self.input_floats}u", f"#define {P}VOCABULARY {self.vocabulary}u"]),
             f"#define {P}CLASSES {self.classes}u",
             f"#define {P}LOGITS_FLOATS {self.batch * self.classes}u",
             "",
@@ -182,12 +214,12 @@ class Library:
             "/* One SGD step at learning rate lr on the batch inputs with labels (each 0 .. CLASSES-1);",
             " * loss receives the batch's mean cross-entropy before the step. The pointers are read",
             " * during the call only. */",
-            f"{status} {p}train_step(const float *inputs, const int32_t *labels, float lr, float *loss);",
+            f"{status} {p}train_step(const {self.input_type} *inputs, const int32_t *labels, float lr, float *loss);",
             "",
             f"/* The forward pass with the current weights: logits receives {P}LOGITS_FLOATS floats",
             " * (batch x classes), as PyTorch's model.eval(): batch norm normalises with its running",
             " * statistics and moves none, so each sample's logits depend on that sample alone. */",
-            f"{status} {p}predict(const float *inputs, float *logits);",
+            f"{status} {p}predict(const {self.input_type} *inputs, float *logits);",
             "",
             "/* Write what training changed to the storage device, after the plan's regions; load it",
             f" * back after a reset ({P}E_NO_SAVED_WEIGHTS if none was saved by this model). */",
@@ -226,7 +258,8 @@ class Library:
             predict_body = [
                 f"    if (!poet_ready) {{", f"        return {P}E_NOT_INITIALIZED;", "    }",
                 "    if (inputs == NULL || logits == NULL) {", f"        return {P}E_ARGUMENT;", "    }",
-                "    poet_input = inputs;", "    rc = poet_forward(logits);", "    poet_input = NULL;",
+                *self.check_ids(), f"    poet_input = {self.input_cast}inputs;", "    rc = poet_forward(logits);",
+                "    poet_input = NULL;",
                 f"    return ({status})rc;"]
         return "\n".join([
             provenance(self.doc, f"{p}train.c, the training step of {w.net.name}").rstrip("\n"),
@@ -281,7 +314,7 @@ class Library:
             f"    return {P}OK;",
             "}",
             "",
-            f"{status} {p}train_step(const float *inputs, const int32_t *labels, float lr, float *loss)",
+            f"{status} {p}train_step(const {self.input_type} *inputs, const int32_t *labels, float lr, float *loss)",
             "{",
             "    uint32_t i;",
             "    int rc;",
@@ -292,7 +325,8 @@ class Library:
             f"    for (i = 0u; i < {self.batch}u; ++i) {{",
             f"        if (labels[i] < 0 || labels[i] >= {self.classes}) {{", f"            return {P}E_LABEL;",
             "        }", "    }",
-            "    poet_input = inputs;",
+            *self.check_ids(),
+            f"    poet_input = {self.input_cast}inputs;",
             "    poet_labels = labels;",
             "    poet_lr = lr;",
             "    rc = poet_step(loss);",
@@ -301,9 +335,9 @@ class Library:
             f"    return ({status})rc;",
             "}",
             "",
-            f"{status} {p}predict(const float *inputs, float *logits)",
+            f"{status} {p}predict(const {self.input_type} *inputs, float *logits)",
             "{",
-            *(["    int rc;"] if forward is not None else []),
+            *(["    int rc;", *(["    uint32_t i;"] if self.vocabulary is not None else [])] if forward is not None else []),
             *predict_body,
             "}",
             "",
@@ -381,7 +415,8 @@ class Library:
             "",
             f"#define HARNESS_STEPS {steps}u",
             "",
-            c_array("float", "harness_input", x.astype(np.float32), const=True),
+            c_array(self.input_type, "harness_input", x.astype(np.float32 if self.vocabulary is None else np.int64),
+                    const=True),
             c_array("int32_t", "harness_labels", y.astype(np.int64), const=True),
             f"__attribute__((used)) float {HARNESS_LOSSES}[HARNESS_STEPS];",
             "",

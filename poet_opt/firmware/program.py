@@ -38,6 +38,7 @@ STORE_LOSS = "*loss"  # ``*loss = p[0];``: the step's one statement that is not 
 # constants, so their slots in the bases and floats tables are filled as the program starts
 RUNTIME_BASES = ("poet_input", "poet_labels")
 RUNTIME_FLOATS = ("poet_lr",)
+IDS_CAST = "(const int32_t *)"
 
 _CALL = re.compile(r"^(rc = )?(poet_\w+)\((.*)\);$")
 _LOSS = re.compile(r"^\*loss = (.+)\[0\];$")
@@ -118,6 +119,8 @@ def _arg(text: str) -> Arg:
         return Arg("null")
     if text in RUNTIME_FLOATS:
         return Arg("float", base=text)
+    if text.startswith(IDS_CAST):  # token ids in the arena (writer.ids): the interpreter passes a void *
+        text = text[len(IDS_CAST):]
     if _FLOAT.match(text):
         return Arg("float", value=_float_value(text))
     base, offset = "", 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from poet_opt.errors import PoetError
-from poet_opt.firmware.writer import LR, StepWriter, c_float, elementwise_backward
+from poet_opt.firmware.writer import LR, StepWriter, c_float, elementwise_backward, ids
 from poet_opt.model import ops as registry
 from poet_opt.model.network import Layer, Parameter
 from poet_opt.model.ops import support
@@ -73,6 +73,7 @@ class RowWriter(StepWriter):
         self.seq = self.blocks[-1][1]
         self.batch = self.net.input_shape[0]
         self.scratch_floats = 0
+        self.positions = False  # a table indexed by position reads poet_positions
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -88,19 +89,24 @@ class RowWriter(StepWriter):
             name, _, tile = str(node["name"])[len("param:"):].rpartition("#")
             layer = self.net.layers.get(name)
             kind = tiling.tiles[name].kind if name in tiling.tiles else None
-            if layer is None or kind not in ("linear", "norm"):
-                raise PoetError(f"node {node['name']!r}: the firmware streams row tiles of linear layers and layer "
-                                "norms only", field=FIELD)
+            if layer is None or kind not in ("linear", "norm", "embedding"):
+                raise PoetError(f"node {node['name']!r}: the firmware streams row tiles of linear layers, layer "
+                                "norms and embeddings only", field=FIELD)
             index = tuple(int(t) for t in tile.split("."))
-            (o0, o1) = tiling.cols[name][index[0]]
-            w, b = layer.params["weight"], layer.params["bias"]
-            if kind == "linear":
+            w, b = layer.params["weight"], layer.params.get("bias")
+            if kind == "embedding":  # (vocabulary rows v0..v1) x (features c0..c1) of the table
+                (v0, v1), (c0, c1) = tiling.tiles[name].vocab[index[0]], tiling.cols[name][index[1]]
+                params = {"weight": Parameter(w.torch_name, w.value[v0:v1, c0:c1].copy(), (v0, v1), w.value.shape,
+                                              (c0, c1))}
+            elif kind == "linear":
+                (o0, o1) = tiling.cols[name][index[0]]
                 (i0, i1) = tiling.cols[tiling.layers[name].inputs[0]][index[1]]
                 params = {"weight": Parameter(w.torch_name, w.value[o0:o1, i0:i1].copy(), (o0, o1), w.value.shape,
                                               (i0, i1))}
                 if index[1] == 0:
                     params["bias"] = Parameter(b.torch_name, b.value[o0:o1].copy(), (o0, o1), b.value.shape)
             else:
+                (o0, o1) = tiling.cols[name][index[0]]
                 params = {role: Parameter(p.torch_name, p.value[o0:o1].copy(), (o0, o1), p.value.shape)
                           for role, p in (("weight", w), ("bias", b))}
             region = Layer(str(node["name"]), layer.op, layer.shape, [], [], dict(layer.attrs), params,
@@ -116,8 +122,11 @@ class RowWriter(StepWriter):
         nodes of the graph there too."""
 
     def finish(self, lines: list[str]) -> None:
-        if self.scratch_floats:  # a single block's norm gradient, before its update (wgrad)
+        if self.scratch_floats:  # a single block's norm gradient, before its update (wgrad); a table tile's
             self.decls.append(f"static float poet_scratch[{self.scratch_floats}];\n")
+        if self.positions:  # the ids of a position table: 0 .. seq-1
+            self.decls.append(f"static const int32_t poet_positions[{self.seq}] = {{"
+                              f"{', '.join(str(t) for t in range(self.seq))}}};\n")
 
     def logits_step(self) -> int:
         want = self.by_name[self.name(list(self.layers_meta)[-1], 0, 0)]
@@ -160,6 +169,8 @@ class RowWriter(StepWriter):
         """(the weight, the bias or NULL) of a tile in the arena: the bias after the weights."""
         name = f"param:{layer}#{'.'.join(map(str, tile))}"
         base = self.at(ops, name, f"{layer}'s weights")
+        if self.tiles[layer].kind == "embedding":
+            return base, "NULL"
         if self.tiles[layer].kind == "norm":
             return base, f"{base} + {self.width(layer, tile[0])}u"
         o = self.width(layer, tile[0])
@@ -198,7 +209,8 @@ class RowWriter(StepWriter):
             return super().compute(node, info, out, ops, first)
         handler = {"forward": self.forward_tile, "scores": self.scores, "context": self.context, "mean": self.mean,
                    "linear": self.linear, "ln_stats": self.ln_stats, "ln_gstats": self.ln_gstats,
-                   "loss": self.loss, "grad": self.gradient, "wgrad": self.wgrad}.get(role)
+                   "loss": self.loss, "grad": self.gradient, "wgrad": self.wgrad, "embed": self.embed,
+                   "embed_update": self.embed_update}.get(role)
         if handler is None:
             raise PoetError(f"node {info['name']!r}: the firmware has no row-tile kernel for it ({role})", field=FIELD)
         lines = handler(rec, out, ops)
@@ -214,8 +226,8 @@ class RowWriter(StepWriter):
         lay = self.layers_meta[layer]
         op, inputs = lay.op, lay.inputs
         n, rows, w = self.batch, self.rows(layer, b), self.width(layer, j)
-        if op == "input":  # the block's rows of the piece's features, sample by sample
-            d = lay.shape[-1]
+        if op == "input":  # the block's rows of the piece's features (or its token ids), sample by sample
+            d = lay.shape[-1] if len(lay.shape) > 1 else 1
             r0, _ = self.blocks[b]
             c0, _ = self.cols[layer][j]
             return [f"poet_copy_strided({out} + {s * rows * w}u, poet_input + {(s * self.seq + r0) * d + c0}u, "
@@ -303,6 +315,42 @@ class RowWriter(StepWriter):
             lines.append(f"poet_accumulate({out}, {self.at(ops, rec.prev, rec.prev)}, "
                          f"{self.count(layer, b, j)}u);")
         return lines
+
+    def token_ids(self, ops, layer: str, b: int) -> list[tuple[str, int, int]]:
+        """(int32 ids, count, the sample's first row of the block's tile) of block b as an embedding
+        reads them: the block's token ids, all samples at once; or, for a table indexed by position,
+        the block's positions, sample by sample (``poet_positions``, 0 .. seq-1, in flash)."""
+        r0, r1 = self.blocks[b]
+        if self.layers_meta[layer].positional:
+            self.positions = True
+            return [(f"poet_positions + {r0}u", r1 - r0, s * (r1 - r0)) for s in range(self.batch)]
+        return [(ids(self.tile(ops, self.layers_meta[layer].inputs[0], b, 0)), self.batch * (r1 - r0), 0)]
+
+    def embed(self, rec, out, ops) -> list[str]:
+        """Tile (b, j) of an embedding's output, one table tile (vocabulary rows v0..v1) at a time:
+        the rows of the ids the tile holds, over the tiles before (each token's row is in one)."""
+        layer, b, j, v = rec.layer, rec.b, rec.j, rec.v
+        (v0, v1), w = self.tiles[layer].vocab[v], self.width(layer, j)
+        table, _ = self.weights(ops, layer, (v, j))
+        lines = [f"poet_copy({out}, {self.at(ops, rec.prev, rec.prev)}, {self.count(layer, b, j)}u);" if rec.prev
+                 else f"poet_zero({out}, {self.count(layer, b, j)}u);"]
+        return lines + [f"poet_embedding_forward({out} + {row * w}u, {at}, {table}, {count}u, {v0}u, {v1 - v0}u, {w}u);"
+                        for at, count, row in self.token_ids(ops, layer, b)]
+
+    def embed_update(self, rec, out, ops) -> list[str]:
+        """A table tile's SGD step: its rows' gradient summed over the blocks that read it, in
+        scratch RAM, then ``w -= lr * g`` (rows no token picked stay as they are)."""
+        layer, v, j = rec.layer, rec.v, rec.j
+        (v0, v1), w = self.tiles[layer].vocab[v], self.width(layer, j)
+        table, _ = self.weights(ops, layer, (v, j))
+        total = (v1 - v0) * w
+        self.scratch_floats = max(self.scratch_floats, total)
+        lines = [f"poet_zero(poet_scratch, {total}u);"]
+        for b in rec.blocks:
+            g = self.tile(ops, layer, b, j, "grad:")
+            lines += [f"poet_embedding_backward_params(poet_scratch, {g} + {row * w}u, {at}, {count}u, {v0}u, "
+                      f"{v1 - v0}u, {w}u);" for at, count, row in self.token_ids(ops, layer, b)]
+        return lines + [f"poet_sgd_step({table}, poet_scratch, {total}u, {LR});"]
 
     def ln_stats(self, rec, out, ops) -> list[str]:
         layer, b, k = rec.layer, rec.b, rec.k

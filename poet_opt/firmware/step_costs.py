@@ -126,7 +126,8 @@ def measure_firmware(module, shape, device, *, ram, name=None, trainable="all", 
                                tile_bytes=tile_bytes, strips=strips, costs=costs)
     # the kernels take as long whatever the values (no data-dependent loop counts): any batch will do
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(network.input_shape).astype(np.float32)
+    x = rng.standard_normal(network.input_shape).astype(np.float32) if network.vocabulary is None else \
+        rng.integers(0, network.vocabulary, network.input_shape).astype(np.int32)  # token ids: the table's rows
     y = np.zeros(network.input_shape[0], dtype=np.int64)
     result = run_schedule(network, plan, profile, steps=1, lr=0.01, x=x, y=y, progress=progress, marks=True)
     doc = plan.schedule.to_dict()

@@ -201,7 +201,8 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
     ``epochs`` epochs (one of the two), shuffled by ``seed``; ``eval_data``: a data set whose accuracy
     the firmware's predict gives before and after training; ``bar``: a progress bar on stderr
     (firmware/dataset.py)."""
-    from poet_opt.firmware.dataset import Feeder, check_set, load_set
+    from poet_opt.firmware.dataset import Feeder, check_inputs, check_set, load_set
+    from poet_opt.model.torch_import import resolve_module
     from poet_opt.model.zoo_twins import check_trains, zoo_module
 
     if (model is None) == (torch_model is None):
@@ -238,7 +239,7 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
     else:
         if input_shape is None:
             raise PoetError("--torch needs --input-shape", field="--input-shape")
-        module, shape = torch_model, parse_full_shape(input_shape)
+        (module, model), shape = resolve_module(torch_model), parse_full_shape(input_shape)  # one module
         shape = (batch_size or shape[0], *shape[1:])
     batch = shape[0]
     if tuple(x.shape[1:]) != tuple(shape[1:]) or x.shape[0] < batch:
@@ -249,9 +250,8 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
                         field="--batch-size" if batch_size else "--data")
     per_epoch = x.shape[0] // batch
     steps = steps if steps is not None else epochs * per_epoch
-    eval_x = eval_y = None
-    if eval_data is not None:
-        eval_x, eval_y = load_set(eval_data, "--eval")
+    eval_x, eval_y = load_set(eval_data, "--eval") if eval_data is not None else (None, None)
+    x, eval_x = check_inputs(module, shape, [(x, "--data"), (eval_x, "--eval")])  # features or token ids
     on_data_set = per_epoch > 1 or eval_x is not None  # else the single-batch harness, as before
     most = (target.ram_bytes - STACK_BYTES) // LOSS_BYTES
     if steps > most and not on_data_set:  # before any C is generated
@@ -318,7 +318,8 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
         if planned is not None and strips == "off" and _wants_rows(planned, profile, "auto"):
             raise PoetError(f"this transformer fits {profile.name} only with its tokens in row tiles, which "
                             "--strips off turns off; give --strips auto or N", field="--strips") from None
-        if planned is not None and strips == "auto" and _wants_rows(planned, profile, 1):
+        if planned is not None and strips == "auto" and _wants_rows(planned, profile, 1) and \
+                not _wants_rows(planned, profile, "auto"):  # it fits whole: row tiles only if asked for
             raise PoetError(f"{exc.message}; in row tiles it does: give --strips N for N row blocks of tokens",
                             field="--strips") from None
         if planned is None or not _wants_rows(planned, profile, strips):
@@ -509,7 +510,8 @@ def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: n
 
         heading = provenance(plan.schedule.to_dict(), f"{HARNESS_FILE}, the example main() the emulator runs on a "
                                                       "data set")
-        generated = replace(generated, harness=heading + harness(prefix, float_literal(float(lr), field="--lr")))
+        generated = replace(generated, harness=heading + harness(prefix, float_literal(float(lr), field="--lr"),
+                                                                 network.vocabulary))
     say = progress or (lambda text: None)
     # built in a scratch directory and copied to out_dir only once training ran: a failure leaves
     # nothing half-written there

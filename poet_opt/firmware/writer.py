@@ -88,7 +88,7 @@ def param_layers(network: Network, doc: dict) -> dict[int, Layer]:
         layer = network.layers.get(name[len("param:"):]) if name.startswith("param:") else None
         if layer is None:
             raise PoetError(f"internal: the schedule's weights node {name!r} names no layer of the network")
-        if layer.op not in ("linear", "conv2d", "batchnorm", "layernorm"):
+        if layer.op not in ("linear", "conv2d", "batchnorm", "layernorm", "embedding"):
             raise PoetError(f"node {layer.name!r}: no kernel streams the weights of a {layer.op}", field="--torch")
         packed = 4 * sum(p.value.size for p in layer.params.values())
         if packed != int(node["bytes"]):
@@ -129,6 +129,12 @@ MARK_FUNCTION = [
     "}",
     "",
 ]
+
+
+def ids(at: str) -> str:
+    """An arena pointer to token ids as the embedding kernels take them: the input's slot holds the
+    int32 bits the caller's batch gave (library.py), copied word for word."""
+    return f"(const int32_t *){at}"
 
 
 def c_float(v: float) -> str:
@@ -283,6 +289,10 @@ class StepWriter:
         if op == "softmax":
             d = layer.shape[-1]
             return [f"poet_softmax_forward({out}, {x[0]}, {n // d}u, {d}u);"]
+        if op == "embedding":  # the rows of the ids; an id outside the table (refused by the library) reads zeros
+            d = layer.shape[-1]
+            return [f"poet_zero({out}, {n}u);", f"poet_embedding_forward({out}, {ids(x[0])}, "
+                    f"{self.param(layer, 'weight', ops)}, {n // d}u, 0u, {layer.attrs['rows']}u, {d}u);"]
         if op == "matmul":
             return [f"poet_matmul_forward({out}, {x[0]}, {x[1]}, {self.matmul_dims(layer)});"]
         if op == "concat":
@@ -367,6 +377,10 @@ class StepWriter:
         if layer.op == "linear":
             fi, fo = layer.attrs["features_in"], layer.attrs["features_out"]
             return [f"poet_linear_backward_params({gw}, {gb}, {g}, {x}, {layer.elements // fo}u, {fi}u, {fo}u);"]
+        if layer.op == "embedding":
+            d = layer.shape[-1]
+            return [f"poet_embedding_backward_params({gw}, {g}, {ids(x)}, {layer.elements // d}u, 0u, "
+                    f"{layer.attrs['rows']}u, {d}u);"]
         if layer.op == "batchnorm":
             return [f"poet_batchnorm_backward(NULL, {gw}, {gb}, {g}, {x}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, "
                     f"{self.param(layer, 'weight', ops)}, {S});"]
@@ -392,6 +406,10 @@ class StepWriter:
             call = f"poet_linear_backward_params_sgd({w}, {b}, {g}, {x}, {layer.elements // fo}u, {fi}u, {fo}u, {lr});"
         elif layer.op == "conv2d":
             call = f"poet_conv2d_backward_params_sgd({w}, {b}, {g}, {x}, {S}, {lr});"
+        elif layer.op == "embedding":
+            d = layer.shape[-1]
+            call = (f"poet_embedding_backward_params_sgd({w}, {g}, {ids(x)}, {layer.elements // d}u, 0u, "
+                    f"{layer.attrs['rows']}u, {d}u, {lr});")
         elif layer.op == "batchnorm":
             call = (f"poet_batchnorm_backward_params_sgd({w}, {b}, {g}, {x}, {c_ident(k, 'mean')}, "
                     f"{c_ident(k, 'invstd')}, {S}, {lr});")

@@ -106,12 +106,16 @@ class Network:
             if first.rows is None:
                 out[name] = parts[0][1].reshape(first.value.shape).copy()
                 continue
-            whole = np.zeros(first.full_shape, np.float32)
+            # a row network's layers keep each parameter whole, as it started: a tile no node holds
+            # (a position table's rows past the sequence) is never read nor changed
+            start = next((q.value for layer in self.layers.values() for q in layer.params.values()
+                          if q.torch_name == name and q.rows is None), None)
+            whole = np.zeros(first.full_shape, np.float32) if start is None else start.astype(np.float32).copy()
             covered = 0
             for p, v in parts:
                 whole[p.index()] = v.reshape(p.value.shape)
                 covered += p.value.size
-            if covered != whole.size:
+            if covered != whole.size and start is None:
                 raise PoetError(f"internal: the tiles of {name!r} cover {covered} of its {whole.size} elements")
             out[name] = whole
         return out
@@ -272,7 +276,9 @@ def _tiled(layer: Layer, slices: WeightSlices, trainable_nodes: set[str]) -> dic
     """The tiles of ``layer`` as model/tiling.py slices it, then the concat that takes ``layer``'s
     name and place (with activation strips too, where a tile's nodes are its strips)."""
     if layer.op not in ("conv2d", "linear") or layer.op == "conv2d" and layer.attrs["groups"] != 1:
-        raise PoetError(f"node {layer.name!r}: the firmware tiles only ungrouped convolutions and linear layers",
+        table = f" (an embedding's table, {4 * layer.params['weight'].value.size:,} B, stays whole only under a " \
+            "--weight-tile that large)" if layer.op == "embedding" else ""
+        raise PoetError(f"node {layer.name!r}: the firmware tiles only ungrouped convolutions and linear layers{table}",
                         field="--weight-tile")
     axis = 1 if layer.op == "conv2d" else len(layer.shape) - 1
     if (len(layer.shape) == 4) != (layer.op == "conv2d"):  # model/tiling.py slices (C, H, W) outputs by channel
@@ -392,14 +398,16 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             return make("layernorm", x, eps=float(m.eps))
         if isinstance(m, nn.Linear):
             return make("linear", x, features_in=m.in_features, features_out=m.out_features)
-        if isinstance(m, nn.Embedding):  # the executor runs torch's own gather (views: its lowering only)
-            if chains is None:
-                raise _unsupported(name, "module Embedding")
+        if isinstance(m, nn.Embedding):  # the executor runs torch's own gather, the firmware its C kernels
             if m.max_norm is not None or m.sparse:
                 raise PoetError(f"node {name!r}: an nn.Embedding with max_norm (renormalised in place by its "
-                                "forward) or sparse gradients; the PyTorch executor trains plain tables only",
+                                "forward) or sparse gradients; the PyTorch executor and the firmware train plain "
+                                "tables only",
                                 field=FIELD)
-            return make("embedding", x)
+            if chains is None and (m.padding_idx is not None or m.scale_grad_by_freq or x[0] != next(iter(shapes))):
+                raise _unsupported(name, "an nn.Embedding with padding_idx or scale_grad_by_freq, or indexed by "
+                                         "other than the network's input (the token ids) as it is")
+            return make("embedding", x, rows=m.num_embeddings)
         spec = next(filter(None, (registry.by_torch_module(c.__name__) for c in type(m).__mro__)), None)
         if spec is not None and spec.split == "elementwise" and spec.arity == 1:  # the registry's activations
             if isinstance(m, nn.GELU) and m.approximate != "none":

@@ -156,6 +156,15 @@ def token_vocabulary(module, ops) -> int | None:
     return min(rows) if rows else None
 
 
+def input_vocabulary(module, input_shape) -> int | None:
+    """:func:`token_vocabulary` of a module not lowered yet (one trace): what `run` and `emulate`
+    check a batch's x against before anything is solved (model/batch.py's check_x)."""
+    from poet_opt.model.torch_import import lower_module
+
+    ops, _ = lower_module(module, tuple(input_shape))
+    return token_vocabulary(module, ops)
+
+
 def _ids_as_they_are(n) -> bool:
     """The index of fx call ``n`` is the input, through reshapes and integer casts only."""
     a = n.args[0] if n.args else None

@@ -2,9 +2,9 @@
 shapes and names; a test lowers each to the zoo's graph node for node), with PyTorch's default
 initialisation under ``torch.manual_seed(SEED)``: `poet-opt emulate --model NAME` and `run --model
 NAME` train these, all but the lone transformer block (``UNTRAINED`` says why, and the commands refuse
-it before reading anything); the firmware has no embedding kernel, so `emulate` refuses bert-base too
-(``NOT_IN_FIRMWARE``), which `run` trains. The zoo keeps its own builders because `solve --model` works without
-PyTorch."""
+it before reading anything); `emulate` refuses bert-base too (``NOT_IN_FIRMWARE``: not for want of a
+kernel, its embeddings and pooler have them, but for the emulated instructions a step of it takes),
+which `run` trains. The zoo keeps its own builders because `solve --model` works without PyTorch."""
 
 from __future__ import annotations
 
@@ -307,9 +307,17 @@ UNTRAINED = {
     "transformer-block": "ends in the block's hidden states (tokens x 768), with no classifier head: the firmware and "
                          "`run` train with cross-entropy on logits, which hidden states are not",
 }
-# Twins that `run` trains and the firmware (`emulate`) cannot, and why
+# Twins that `run` trains and `emulate` does not, and why. bert-base: its training graph's 6.7e10
+# FLOPs at the 1.56 emulated instructions a FLOP the firmware took for the examples' encoder block
+# in row tiles (docs/firmware.md: 453 M for 2.9e8), at benchmarks/FIRMWARE.md's 35 M a second. Built
+# once (lower, solve, generate, cross-compile; not emulated): rows refit to the arena the statics
+# leave, 109,632 nodes, 2,119 s to solve on a shared 2-core machine, a 5.7 MB step program on the SD
+# card, 226,968 B of the nRF52840's 262,144 B of RAM
 NOT_IN_FIRMWARE = {
-    "bert-base": "starts with embeddings of token ids, which the firmware has no kernel for (whole or in row tiles)",
+    "bert-base": "would take about 1e11 emulated instructions a step (its 6.7e10 FLOPs in the firmware's row tiles), "
+                 "close to an hour of emulation at about 35 M instructions a second, after a half-hour solve of its "
+                 "109,632 row-tile nodes; the firmware has its kernels and builds it, and trains a reduced twin of it "
+                 "in row tiles (docs/firmware.md, \"Token ids\")",
 }
 TRAINED = tuple(sorted(n for n in FACTORIES if n not in UNTRAINED))  # by `run`
 FIRMWARE_TRAINED = tuple(n for n in TRAINED if n not in NOT_IN_FIRMWARE)  # by `emulate`

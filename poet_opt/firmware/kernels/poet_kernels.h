@@ -116,6 +116,26 @@ void poet_matmul_backward_b(float *db, const float *a, const float *dc, uint32_t
 void poet_softmax_forward(float *y, const float *x, uint32_t rows, uint32_t d);
 void poet_softmax_backward(float *dx, const float *dy, const float *y, uint32_t rows, uint32_t d);
 
+/* ---- embeddings (poet_kernels_basic.c): nn.Embedding's table [rows][d], indexed by int32 token ids.
+ * The table may be a tile that holds rows first .. first + rows - 1 of the whole (row tiles, where a
+ * tile also holds a piece of d features); an id outside those rows selects nothing, so a tile reads
+ * and moves its own rows only, and a whole table (first 0) is never read outside itself whatever
+ * the ids (the library refuses ids outside the table before a step). The ids of a batch are the
+ * network's input: the arena holds their int32 bits in the input's slot. ---- */
+
+/* y[t][0..d) = table[ids[t] - first][0..d) for each of the `count` ids the table holds; the other
+ * rows of y are left as they are (zero them first, or let another tile write them) */
+void poet_embedding_forward(float *y, const int32_t *ids, const float *table, uint32_t count, uint32_t first,
+                            uint32_t rows, uint32_t d);
+/* gw[ids[t] - first] += dy[t], token by token in order, as torch's embedding backward sums them */
+void poet_embedding_backward_params(float *gw, const float *dy, const int32_t *ids, uint32_t count, uint32_t first,
+                                   uint32_t rows, uint32_t d);
+/* The same gradient folded into an SGD step, table[r] -= lr * (sum of dy[t] over ids[t] == first + r):
+ * each row's sum formed as poet_embedding_backward_params forms it, with the rounding of
+ * poet_sgd_step; a row no id selects is not touched. Streamed tables need no gradient buffer. */
+void poet_embedding_backward_params_sgd(float *table, const float *dy, const int32_t *ids, uint32_t count,
+                                        uint32_t first, uint32_t rows, uint32_t d, float lr);
+
 /* ---- loss and optimiser (poet_kernels_basic.c) ---- */
 
 /* Mean softmax cross-entropy of logits[batch][classes] against class indices, as
@@ -286,7 +306,7 @@ void poet_global_avgpool_strip_forward(float *y, const float *x, uint32_t planes
 /* dx[p][..] += dy[p] / whole over the strip */
 void poet_global_avgpool_strip_backward(float *dx, const float *dy, uint32_t planes, uint32_t spatial, uint32_t whole);
 
-/* ---- SiLU and hardswish (poet_kernels_basic.c) ---- */
+/* ---- SiLU, hardswish and tanh (poet_kernels_basic.c) ---- */
 
 /* SiLU x * sigmoid(x) and hardswish x * relu6(x + 3) / 6, as torch.nn.SiLU() and nn.Hardswish();
  * the forwards may write in place, the backwards read the forward's INPUT x */
@@ -294,6 +314,11 @@ void poet_silu_forward(float *y, const float *x, uint32_t n);
 void poet_silu_backward(float *dx, const float *dy, const float *x, uint32_t n);
 void poet_hardswish_forward(float *y, const float *x, uint32_t n);
 void poet_hardswish_backward(float *dx, const float *dy, const float *x, uint32_t n);
+
+/* tanh, as torch.tanh (BERT's pooler): the forward may write in place; the backward reads the
+ * forward's OUTPUT y, dx += dy * (1 - y * y), as torch's tanh_backward */
+void poet_tanh_forward(float *y, const float *x, uint32_t n);
+void poet_tanh_backward(float *dx, const float *dy, const float *y, uint32_t n);
 
 /* ---- row tiles of a transformer (poet_kernels_rows.c): a tile holds a block of tokens by a piece
  * of features, [n][block][piece]; `rows` counts the block's rows of every sample ---- */

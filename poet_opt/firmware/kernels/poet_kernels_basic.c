@@ -622,3 +622,94 @@ void poet_hardswish_backward(float *dx, const float *dy, const float *x, uint32_
         dx[i] += v < 3.0f ? dy[i] * (v / 3.0f + 0.5f) : dy[i];
     }
 }
+
+/* tanh |x| = expm1(2|x|) / (expm1(2|x|) + 2), with expm1's accuracy near 0; from |x| = 9 on it
+ * rounds to 1 in float (1 - tanh 9 is 3e-8, under half an ulp of 1), and expm1 would overflow far
+ * out; the sign as x's (tanh -0 is -0, NaN stays NaN) */
+void poet_tanh_forward(float *y, const float *x, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i) {
+        const float v = x[i];
+        const float a = v < 0.0f ? -v : v;
+        float t;
+        if (a >= 9.0f) {
+            t = 1.0f;
+        } else {
+            const float e = poet_expm1f(2.0f * a);
+            t = e / (e + 2.0f);
+        }
+        y[i] = v < 0.0f ? -t : (v > 0.0f ? t : v);
+    }
+}
+
+void poet_tanh_backward(float *dx, const float *dy, const float *y, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i)
+        dx[i] += dy[i] * (1.0f - y[i] * y[i]);
+}
+
+/* ---- embeddings ---- */
+
+/* whether the table (rows first .. first + rows - 1) holds the row of id */
+static int embedding_holds(int32_t id, uint32_t first, uint32_t rows)
+{
+    return id >= 0 && (uint32_t)id >= first && (uint32_t)id - first < rows;
+}
+
+void poet_embedding_forward(float *y, const int32_t *ids, const float *table, uint32_t count, uint32_t first,
+                            uint32_t rows, uint32_t d)
+{
+    uint32_t t, j;
+    for (t = 0; t < count; ++t) {
+        const float *row;
+        if (!embedding_holds(ids[t], first, rows))
+            continue;
+        row = table + ((uint32_t)ids[t] - first) * d;
+        for (j = 0; j < d; ++j)
+            y[t * d + j] = row[j];
+    }
+}
+
+void poet_embedding_backward_params(float *gw, const float *dy, const int32_t *ids, uint32_t count, uint32_t first,
+                                   uint32_t rows, uint32_t d)
+{
+    uint32_t t, j;
+    for (t = 0; t < count; ++t) {
+        float *g;
+        if (!embedding_holds(ids[t], first, rows))
+            continue;
+        g = gw + ((uint32_t)ids[t] - first) * d;
+        for (j = 0; j < d; ++j)
+            g[j] += dy[t * d + j];
+    }
+}
+
+void poet_embedding_backward_params_sgd(float *table, const float *dy, const int32_t *ids, uint32_t count,
+                                        uint32_t first, uint32_t rows, uint32_t d, float lr)
+{
+    uint32_t t, u, j;
+    for (t = 0; t < count; ++t) {
+        const int32_t id = ids[t];
+        float *w;
+        int seen = 0, again = 0;
+        if (!embedding_holds(id, first, rows))
+            continue;
+        for (u = 0; u < t && !seen; ++u) /* an earlier token of the same id updated the row already */
+            seen = ids[u] == id;
+        if (seen)
+            continue;
+        for (u = t + 1; u < count && !again; ++u)
+            again = ids[u] == id;
+        w = table + ((uint32_t)id - first) * d;
+        for (j = 0; j < d; ++j) {
+            float g = dy[t * d + j];
+            if (again) /* the later tokens of this id, in order, as the gradient buffer would sum them */
+                for (u = t + 1; u < count; ++u)
+                    if (ids[u] == id)
+                        g += dy[u * d + j];
+            w[j] -= lr * g;
+        }
+    }
+}

@@ -3,7 +3,8 @@
 FLOPs per element and what the backward reads are as PyTorch's autograd saves them (relu keeps its
 output, gelu its input, ...). Plain math (exp, log, ...) is how custom layers and older ONNX opsets
 (GELU through Erf) spell activations. SiLU and hardswish (MobileNetV3, EfficientNet) were added
-through this registry alone, with their C kernels: docs/architecture.md, "Adding an operator".
+through this registry alone, with their C kernels: docs/architecture.md, "Adding an operator"; so
+were tanh's (BERT's pooler, in the firmware's row tiles).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ register(
     _act("gelu", 5, "in", ("GELU",), ("gelu",), ("Gelu",), lambda t, x: t.nn.functional.gelu(x), c=True,
          doc="exact (erf); the firmware refuses approximate='tanh'"),
     _act("tanh", 5, "out", ("Tanh",), ("tanh", "tanh_"), ("Tanh",), lambda t, x: t.tanh(x),
-         lambda t, g, y: _aten(t).tanh_backward(g, y)),
+         lambda t, g, y: _aten(t).tanh_backward(g, y), c=True, doc="BERT's pooler"),
     _act("sigmoid", 4, "out", ("Sigmoid",), ("sigmoid", "sigmoid_"), ("Sigmoid",), lambda t, x: t.sigmoid(x),
          lambda t, g, y: _aten(t).sigmoid_backward(g, y)),
     _act("silu", 5, "in", ("SiLU",), ("silu",), ("Swish",), lambda t, x: t.nn.functional.silu(x), c=True,

@@ -12,5 +12,6 @@ register(
            c_forward="poet_linear_forward", c_backward="poet_linear_backward_input", tilings=("rows", "slices"),
            doc="ONNX MatMul by a weight (plus its bias Add) is one linear too"),
     OpSpec("embedding", "linear", "tokenwise", "", 1, torch_modules=("Embedding",), torch_functions=("embedding",),
+           c_forward="poet_embedding_forward", c_backward="poet_embedding_backward_params",
            tilings=("rows", "slices"), doc="ONNX Gather of a weight"),
 )

@@ -47,9 +47,10 @@ def _elementwise(spec: OpSpec, tiling: str, backend: str) -> bool:
 # torch module and writer.py / strip_codegen.py / row_codegen.py have C kernels for.
 FIRMWARE = {
     "whole": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "layernorm", "linear", "matmul",
-              "softmax"},
+              "softmax", "embedding"},  # an embedding of the token ids the batch holds (model/batch.py)
     "strips": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "concat"},
-    "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool"},  # a torch transformer's (model/torch_rows.py)
+    "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool", "embedding"},  # a torch transformer's
+    # (model/torch_rows.py), tables indexed by token id or by position
     "slices": {"conv2d", "linear", "concat"},
 }
 # The PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
