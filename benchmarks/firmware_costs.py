@@ -13,6 +13,12 @@ the measured costs predict it, each as the emulated estimate over the prediction
 
     python benchmarks/firmware_costs.py                 # the tables (about a minute on 2 cores)
     python benchmarks/firmware_costs.py --case strip-cnn  # streamed weights, strips, paging
+    python benchmarks/firmware_costs.py --case resnet18 --jobs 2  # about an hour: see CASES
+
+The measured-costs plan is solved at the arena budget the datasheet plan was finally solved at:
+`emulate` solves again, smaller, when the firmware's other statics and stack leave too little of the
+device beside an arena of --ram (ResNet-18 at 200 KiB), and a plan solved at --ram would not fit.
+``--jobs N`` runs the emulated steps in N processes (each run is one core's work).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from poet_opt.device.costs import node_costs  # noqa: E402
 from poet_opt.device.profiles import load_profile  # noqa: E402
 from poet_opt.errors import PoetError  # noqa: E402
-from poet_opt.examples.torch_models import strip_cnn, tiny_cnn  # noqa: E402
+from poet_opt.examples.torch_models import resnet18, strip_cnn, tiny_cnn  # noqa: E402
 from poet_opt.firmware.fit import solve_for_export  # noqa: E402
 from poet_opt.firmware.step_costs import measure_firmware  # noqa: E402
 from poet_opt.model.zoo_twins import zoo_module  # noqa: E402
@@ -48,6 +54,11 @@ CASES = {  # name: model, input shape, device, budget
     "tiny-cnn": ("tiny-cnn", (2, 3, 32, 32), "nrf52840", "76KiB"),
     # streamed weights, activation strips and paging: what the emulator leaves out (run on its own)
     "strip-cnn": ("strip-cnn", (1, 1, 96, 96), "nrf52840", "160KiB"),
+    # issue 30's ResNet-18 plan, as benchmarks/resnet18_firmware.py runs it (`emulate --torch
+    # poet_opt.examples.torch_models:resnet18 --input-shape 1,3,32,32 --device nrf52840 --ram 200KiB`):
+    # strips, weight slices, a step program on the card; each emulated step is 18 G instructions,
+    # 5-12 minutes of one core, and every plan runs three (the measure, then 1 and 2 steps)
+    "resnet18": ("resnet18", (1, 3, 32, 32), "nrf52840", "200KiB"),
 }
 DEFAULT = ("mcu-vww", "mcu-vww-f7", "tiny-cnn")
 
@@ -59,21 +70,57 @@ def baseline(graph, profile, costs, budgets, decisions, name):
                     solver={"status": "baseline"})
 
 
-def step_seconds(network, plan, profile, x, y) -> tuple[float, float]:
-    """One step's (core seconds from the cycle estimate, storage seconds of the commands it issued at
-    the profile's rates): two runs' difference, so start-up is in neither."""
-    runs = [run_schedule(network, plan, profile, steps=n, lr=0.01, x=x, y=y) for n in (1, 2)]
-    return ((runs[1].cycles - runs[0].cycles) / profile.compute.clock_hz,
-            runs[1].storage_bus_s - runs[0].storage_bus_s)
+_RUNS: dict = {}  # label -> (network, plan, profile, x, y): what a forked worker runs
 
 
-def run_case(name: str, tmp: Path) -> None:
+def _run(label: str, steps: int):
+    """(cycles, storage bus seconds) of an emulated run of ``steps`` steps, or the PoetError's message."""
+    network, plan, profile, x, y = _RUNS[label]
+    try:
+        run = run_schedule(network, plan, profile, steps=steps, lr=0.01, x=x, y=y)
+    except PoetError as exc:
+        return exc.message
+    return run.cycles, run.storage_bus_s
+
+
+def step_runs(plans: dict, profile, x, y, jobs: int) -> dict:
+    """label -> a callable giving one step's (core seconds from the cycle estimate, storage seconds of
+    the commands it issued at the profile's rates), or raising PoetError: two runs' difference (2
+    steps less 1), so start-up is in neither. With ``jobs`` > 1 every run starts now, in forked
+    processes, in the plans' order."""
+    _RUNS.clear()
+    _RUNS.update({label: (net, plan, profile, x, y) for label, (net, plan) in plans.items()})
+    if jobs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+        futures = {(label, n): pool.submit(_run, label, n) for label in plans for n in (2, 1)}
+        pool.shutdown(wait=False)
+        result = {key: future.result for key, future in futures.items()}
+    else:
+        result = {(label, n): (lambda label=label, n=n: _run(label, n)) for label in plans for n in (1, 2)}
+
+    def one(label):
+        def step():
+            runs = [result[label, n]() for n in (1, 2)]
+            for run in runs:
+                if isinstance(run, str):
+                    raise PoetError(run)
+            return (runs[1][0] - runs[0][0]) / profile.compute.clock_hz, runs[1][1] - runs[0][1]
+        return step
+
+    return {label: one(label) for label in plans}
+
+
+def run_case(name: str, tmp: Path, jobs: int = 1) -> None:
     model, shape, device, budget = CASES[name]
-    module = {"tiny-cnn": tiny_cnn, "strip-cnn": strip_cnn}.get(model, lambda: zoo_module(model))()
+    module = {"tiny-cnn": tiny_cnn, "strip-cnn": strip_cnn, "resnet18": resnet18}.get(model, lambda: zoo_module(model))()
     profile = load_profile(device)
     ram = parse_size(budget)
     started = time.perf_counter()
-    limit = 60 if model != "strip-cnn" else 5  # as docs/firmware.md solves it: its MILP is large
+    # strip-cnn as docs/firmware.md solves it (its MILP is large); the rest at emulate's default
+    limit = 60 if model != "strip-cnn" else 5
     found = measure_firmware(module, shape, device, ram=budget, name=model, time_limit=limit, weights="auto")
     costs_file = tmp / f"{name}.csv"
     costs_file.write_text(found.csv())
@@ -84,7 +131,10 @@ def run_case(name: str, tmp: Path) -> None:
     datasheet_costs, measured_costs = node_costs(datasheet_graph, profile), node_costs(measured_graph, profile)
     plans = {"MILP, datasheet costs": (network, found.plan)}  # the plan measured, as `emulate` runs it
     remeasured = replace(network, graph=measured_graph)
-    plans["MILP, measured costs"] = (remeasured, solve_for_export(measured_graph, profile, ram=ram, time_limit=limit))
+    # at the arena budget the datasheet plan ended at: --ram, or less where the firmware's statics need it
+    arena_ram = found.plan.schedule.budgets.ram_bytes
+    plans["MILP, measured costs"] = (remeasured, solve_for_export(measured_graph, profile, ram=arena_ram,
+                                                                  time_limit=limit))
     limits = resolve_budgets(datasheet_graph, profile, datasheet_costs, ram)
     for label, decisions in (("checkpoint-all", plain_decisions(datasheet_graph)),
                              ("sqrt(n)", without_idle_keeps(datasheet_graph, sqrt_n_decisions(datasheet_graph)))):
@@ -94,7 +144,9 @@ def run_case(name: str, tmp: Path) -> None:
     y = np.arange(shape[0]) % 2
     print(f"\n{model} on {device} at {budget} ({found.clock_hz / 1e6:g} MHz, {found.power_w * 1e3:.2f} mW active); "
           f"measured in one profiled step: {found.step_cycles:,} cycles, {found.outside_cycles:,} of them outside "
-          "the schedule's steps (start-up, gradients zeroed, SGD), not written")
+          "the schedule's steps (start-up, gradients zeroed, SGD), not written"
+          + (f"; both MILP plans solved for an arena of {arena_ram:,} B" if arena_ram != ram else ""), flush=True)
+    runs = step_runs(plans, profile, x, y, jobs)
     header = (f"{'plan':22} {'recomp':>6} {'pgout':>5} {'pred ms (ds)':>12} {'pred ms (meas)':>14} {'storage':>7} "
               f"{'bus ms':>7} {'est ms':>8} {'est/ds':>7} {'est/meas':>8} {'est/cpu':>7} {'pred mJ (ds)':>12} {'pred mJ (meas)':>14}")
     print(header)
@@ -111,7 +163,7 @@ def run_case(name: str, tmp: Path) -> None:
         storage = ms["runtime_s"] - cpu
         storage = 0.0 if abs(storage) < 1e-9 else storage  # sums in another order: no "-0.0"
         try:
-            core_s, bus_s = step_seconds(net, plan, profile, x, y)
+            core_s, bus_s = runs[label]()
             est = core_s + bus_s
         except PoetError as exc:
             print(f"{label:22} {ds['recomputes']:6d} {ds['page_outs']:5d} {ds['runtime_s'] * 1e3:12.1f} "
@@ -133,13 +185,14 @@ def run_case(name: str, tmp: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", choices=sorted(CASES),
-                        help=f"default: {', '.join(DEFAULT)} (strip-cnn takes about 5 minutes)")
+                        help=f"default: {', '.join(DEFAULT)} (strip-cnn takes about 5 minutes, resnet18 an hour)")
+    parser.add_argument("--jobs", type=int, default=1, help="emulated runs at once, in forked processes")
     args = parser.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.case or DEFAULT:
-            run_case(name, Path(tmp))
+            run_case(name, Path(tmp), args.jobs)
     print("\n'ds': the profile's datasheet costs (FLOPs at its rate); 'meas': the costs `poet-opt measure --device` "
           "writes for the MILP's datasheet plan; 'est': the emulator's cycle estimate of one step "
           "(poet_opt/firmware/cycles.py) at the profile's clock, a 2-step run less a 1-step run, plus 'bus': the "

@@ -249,10 +249,12 @@ def test_the_fused_update_kernels_equal_the_gradient_then_sgd_bit_for_bit(tmp_pa
             k.sgd_step(ptr(p), ptr(g), p.size, LR)
         return params, updated
 
-    x, dy = rand(5, 7), rand(5, 3)
-    params, want = reference([21, 3], lambda gw, gb: k.linear_backward_params(gw, gb, ptr(dy), ptr(x), 5, 7, 3))
-    k.linear_backward_params_sgd(ptr(params[0]), ptr(params[1]), ptr(dy), ptr(x), 5, 7, 3, LR)
-    assert all(np.array_equal(a, b) for a, b in zip(params, want))
+    for rows, d_in, d_out in ((5, 7, 3), (1, 9, 2)):  # tiles, and one row (its own out-of-line kernel)
+        x, dy = rand(rows, d_in), rand(rows, d_out)
+        params, want = reference([d_in * d_out, d_out], lambda gw, gb: k.linear_backward_params(
+            gw, gb, ptr(dy), ptr(x), rows, d_in, d_out))
+        k.linear_backward_params_sgd(ptr(params[0]), ptr(params[1]), ptr(dy), ptr(x), rows, d_in, d_out, LR)
+        assert all(np.array_equal(a, b) for a, b in zip(params, want))
 
     s = conv_shape(2, 4, 6, 6, 4, (3, 3), (2, 2), (1, 1), 2)
     x, dy = rand(2, 4, 6, 6), rand(2, 4, s.h_out, s.w_out)

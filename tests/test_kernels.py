@@ -489,7 +489,8 @@ def test_layernorm(k, shape, affine):
 # a remainder of every one (rows 4 + 4 + 1, outputs 4 + 4 + 3, inputs 12 + 1), (8, 16) -> 8 none.
 @pytest.mark.parametrize("x_shape,out,bias", [((5, 7), 3, True), ((2, 3, 8), 6, False), ((1, 33), 10, True),
                                               ((9, 13), 11, True), ((8, 16), 8, False), ((3, 2, 6), 5, True),
-                                              ((1, 7), 3, False)])
+                                              ((1, 7), 3, False), ((1, 9), 1, True), ((1, 6), 2, True),
+                                              ((1, 13), 4, False)])
 def test_linear(k, x_shape, out, bias):
     rng = np.random.default_rng(12)
     d_in = x_shape[-1]

@@ -67,7 +67,7 @@ CONV = [
     (1, 1, 9, 10, 5, 3, 2, (1, 1), 1),
     (2, 2, 6, 7, 6, 3, 1, (1, 1), 2),
 ]
-LINEAR = [(5, 13, 11), (1, 33, 6), (1, 7, 3)]
+LINEAR = [(5, 13, 11), (1, 33, 6), (1, 7, 3), (1, 9, 2), (1, 13, 4), (1, 6, 1)]  # one row: up to 4 outputs in one pass
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_conv_on_the_core_equals_torch(builds, core, case):
     close(out["gb"], b32.grad)
 
 
-@pytest.mark.parametrize("core", ["cortex-m4f", "cortex-m0plus"])
+@pytest.mark.parametrize("core", ["cortex-m4f", "cortex-m7f", "cortex-m0plus"])
 @pytest.mark.parametrize("rows,d_in,d_out", LINEAR)
 def test_linear_on_the_core_equals_torch(builds, core, rows, d_in, d_out):
     import torch

@@ -127,8 +127,10 @@ void poet_gelu_backward(float *dx, const float *dy, const float *x, uint32_t n)
  * the loads take immediate offsets and one pointer step serves four of them. */
 #if defined(__GNUC__)
 #define POET_INLINE static inline __attribute__((always_inline))
+#define POET_OUTLINE static __attribute__((noinline))
 #else
 #define POET_INLINE static inline
+#define POET_OUTLINE static
 #endif
 
 /* acc[r * C + c] = sum over k < n of a[r * ar + k * ak] * b[c * bc + k * bk], for r < R, c < C
@@ -213,6 +215,16 @@ POET_INLINE void tiled(float *y, uint32_t ldy, const float *bias, const float *a
     }
 }
 
+/* Column sums of dy, for the bias gradient, one register each */
+static float column_sum(const float *dy, uint32_t rows, uint32_t out, uint32_t o)
+{
+    uint32_t r;
+    float acc = 0.0f;
+    for (r = 0; r < rows; ++r)
+        acc += dy[r * out + o];
+    return acc;
+}
+
 /* As in poet_kernels_conv.c: ARMv6-M (no FPU, little flash) keeps only the tiles */
 #if !defined(POET_KERNELS_SMALL) && !defined(POET_KERNELS_FAST) && defined(__ARM_ARCH_6M__)
 #define POET_KERNELS_SMALL 1
@@ -227,17 +239,19 @@ POET_INLINE void tiled(float *y, uint32_t ldy, const float *bias, const float *a
 /* y[o] = x . w[o] (+ b[o]), two outputs on each loaded x */
 static void linear_row_forward(float *y, const float *x, const float *w, const float *b, uint32_t in, uint32_t out)
 {
-    uint32_t o = 0, k;
+    uint32_t o = 0, k, j;
     for (; o + 2 <= out; o += 2) {
         const float *w0 = w + o * in, *w1 = w0 + in, *xp = x;
         float s0 = 0.0f, s1 = 0.0f;
-        /* pointers stepped four floats at a time: the loads take immediate offsets */
-        for (k = in / 4; k > 0; --k, xp += 4, w0 += 4, w1 += 4) {
-            const float x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
-            s0 += x0 * w0[0], s1 += x0 * w1[0];
-            s0 += x1 * w0[1], s1 += x1 * w1[1];
-            s0 += x2 * w0[2], s1 += x2 * w1[2];
-            s0 += x3 * w0[3], s1 += x3 * w1[3];
+        /* pointers stepped eight floats at a time: the loads take immediate offsets, and the
+         * three pointer steps and the loop's count serve sixteen multiply-adds */
+        for (k = in / 8; k > 0; --k, xp += 8, w0 += 8, w1 += 8)
+            for (j = 0; j < 8; ++j)
+                s0 += xp[j] * w0[j], s1 += xp[j] * w1[j];
+        if (in & 4) {
+            for (j = 0; j < 4; ++j)
+                s0 += xp[j] * w0[j], s1 += xp[j] * w1[j];
+            xp += 4, w0 += 4, w1 += 4;
         }
         for (k = in % 4; k > 0; --k, ++xp, ++w0, ++w1)
             s0 += xp[0] * w0[0], s1 += xp[0] * w1[0];
@@ -253,10 +267,48 @@ static void linear_row_forward(float *y, const float *x, const float *w, const f
     }
 }
 
+/* The same for at most four outputs (a classifier head): every dy in a register and one pass over
+ * the rows of w side by side, so that no input pays a loop over the outputs of its own */
+POET_INLINE void linear_row_backward_input_few(float *dx, const float *dy, const float *w, uint32_t in,
+                                               const uint32_t OUT)
+{
+    const float d0 = dy[0], d1 = OUT > 1 ? dy[1] : 0.0f, d2 = OUT > 2 ? dy[2] : 0.0f, d3 = OUT > 3 ? dy[3] : 0.0f;
+    const float *w0 = w, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+    uint32_t k, j;
+    for (k = in / 4; k > 0; --k, dx += 4, w0 += 4, w1 += 4, w2 += 4, w3 += 4)
+        for (j = 0; j < 4; ++j) {
+            float s0 = d0 * w0[j];
+            if (OUT > 1)
+                s0 += d1 * w1[j];
+            if (OUT > 2)
+                s0 += d2 * w2[j];
+            if (OUT > 3)
+                s0 += d3 * w3[j];
+            dx[j] += s0;
+        }
+    for (k = in % 4; k > 0; --k, ++dx, ++w0, ++w1, ++w2, ++w3) {
+        float s0 = d0 * w0[0];
+        if (OUT > 1)
+            s0 += d1 * w1[0];
+        if (OUT > 2)
+            s0 += d2 * w2[0];
+        if (OUT > 3)
+            s0 += d3 * w3[0];
+        dx[0] += s0;
+    }
+}
+
 /* dx[i] += dy . w[.][i], four inputs at a time */
 static void linear_row_backward_input(float *dx, const float *dy, const float *w, uint32_t in, uint32_t out)
 {
     uint32_t i = 0, o;
+    switch (out) {
+    case 1: linear_row_backward_input_few(dx, dy, w, in, 1); return;
+    case 2: linear_row_backward_input_few(dx, dy, w, in, 2); return;
+    case 3: linear_row_backward_input_few(dx, dy, w, in, 3); return;
+    case 4: linear_row_backward_input_few(dx, dy, w, in, 4); return;
+    default: break;
+    }
     for (; i + 4 <= in; i += 4) {
         const float *wp = w + i, *dp = dy + 1;
         float d = dy[0], s0 = d * wp[0], s1 = d * wp[1], s2 = d * wp[2], s3 = d * wp[3];
@@ -311,7 +363,43 @@ POET_INLINE void linear_row_outer(float *gw, const float *dy, const float *x, ui
     }
 }
 
+/* One row's weight and bias gradients (sgd 0) or SGD step (sgd 1). Each entry point below only
+ * chooses between these one-row loops and the tiles, each out of line: inlined in one function,
+ * a two-class head's 128 multiply-adds paid the tiles' prologue and register spills (0.2-0.5
+ * instructions a multiply-add), and the tiles' code moved with the row loops beside it */
+POET_OUTLINE void linear_row_grad(float *gw, float *gb, const float *dy, const float *x, uint32_t in, uint32_t out)
+{
+    uint32_t o;
+    if (gw)
+        linear_row_outer(gw, dy, x, in, out, 0.0f, 0);
+    if (gb)
+        for (o = 0; o < out; ++o)
+            gb[o] += column_sum(dy, 1, out, o);
+}
+
+POET_OUTLINE void linear_row_sgd(float *w, float *b, const float *dy, const float *x, uint32_t in, uint32_t out,
+                                 float lr)
+{
+    uint32_t o;
+    linear_row_outer(w, dy, x, in, out, lr, 1);
+    if (b)
+        for (o = 0; o < out; ++o)
+            b[o] -= lr * column_sum(dy, 1, out, o);
+}
+
 #endif
+
+POET_OUTLINE void linear_forward_tiled(float *y, const float *x, const float *w, const float *b, uint32_t rows,
+                                       uint32_t in, uint32_t out)
+{
+    tiled(y, out, b, x, in, 1, w, in, 1, rows, out, in, 0.0f, TILE_STORE);
+}
+
+POET_OUTLINE void linear_backward_input_tiled(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
+                                              uint32_t out)
+{
+    tiled(dx, in, NULL, dy, out, 1, w, 1, in, rows, in, out, 0.0f, TILE_ADD);
+}
 
 /* y[r][o] = x[r][.] . w[o][.] + b[o] */
 void poet_linear_forward(float *y, const float *x, const float *w, const float *b, uint32_t rows,
@@ -322,7 +410,7 @@ void poet_linear_forward(float *y, const float *x, const float *w, const float *
         linear_row_forward(y, x, w, b, in, out);
     else
 #endif
-        tiled(y, out, b, x, in, 1, w, in, 1, rows, out, in, 0.0f, TILE_STORE);
+        linear_forward_tiled(y, x, w, b, rows, in, out);
 }
 
 /* dx[r][i] += dy[r][.] . w[.][i]: the weight column is strided, but on a cacheless
@@ -335,51 +423,52 @@ void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint
         linear_row_backward_input(dx, dy, w, in, out);
     else
 #endif
-        tiled(dx, in, NULL, dy, out, 1, w, 1, in, rows, in, out, 0.0f, TILE_ADD);
-}
-
-/* Column sums of dy, for the bias gradient, one register each */
-static float column_sum(const float *dy, uint32_t rows, uint32_t out, uint32_t o)
-{
-    uint32_t r;
-    float acc = 0.0f;
-    for (r = 0; r < rows; ++r)
-        acc += dy[r * out + o];
-    return acc;
+        linear_backward_input_tiled(dx, dy, w, rows, in, out);
 }
 
 /* gw[o][i] += dy[.][o] . x[.][i], a sum over the rows */
-void poet_linear_backward_params(float *gw, float *gb, const float *dy, const float *x, uint32_t rows,
-                                 uint32_t in, uint32_t out)
+POET_OUTLINE void linear_params_tiled(float *gw, float *gb, const float *dy, const float *x, uint32_t rows,
+                                      uint32_t in, uint32_t out)
 {
     uint32_t o;
-    if (gw) {
-#ifndef POET_KERNELS_SMALL
-        if (rows == 1)
-            linear_row_outer(gw, dy, x, in, out, 0.0f, 0);
-        else
-#endif
-            tiled(gw, in, NULL, dy, 1, out, x, 1, in, out, in, rows, 0.0f, TILE_ADD);
-    }
+    if (gw)
+        tiled(gw, in, NULL, dy, 1, out, x, 1, in, out, in, rows, 0.0f, TILE_ADD);
     if (gb)
         for (o = 0; o < out; ++o)
             gb[o] += column_sum(dy, rows, out, o);
 }
 
-/* The same tiles and sums as poet_linear_backward_params, applied as poet_sgd_step applies them */
-void poet_linear_backward_params_sgd(float *w, float *b, const float *dy, const float *x, uint32_t rows,
-                                     uint32_t in, uint32_t out, float lr)
+/* The same tiles and sums, applied as poet_sgd_step applies them */
+POET_OUTLINE void linear_sgd_tiled(float *w, float *b, const float *dy, const float *x, uint32_t rows,
+                                   uint32_t in, uint32_t out, float lr)
 {
     uint32_t o;
-#ifndef POET_KERNELS_SMALL
-    if (rows == 1)
-        linear_row_outer(w, dy, x, in, out, lr, 1);
-    else
-#endif
-        tiled(w, in, NULL, dy, 1, out, x, 1, in, out, in, rows, lr, TILE_SGD);
+    tiled(w, in, NULL, dy, 1, out, x, 1, in, out, in, rows, lr, TILE_SGD);
     if (b)
         for (o = 0; o < out; ++o)
             b[o] -= lr * column_sum(dy, rows, out, o);
+}
+
+void poet_linear_backward_params(float *gw, float *gb, const float *dy, const float *x, uint32_t rows,
+                                 uint32_t in, uint32_t out)
+{
+#ifndef POET_KERNELS_SMALL
+    if (rows == 1)
+        linear_row_grad(gw, gb, dy, x, in, out);
+    else
+#endif
+        linear_params_tiled(gw, gb, dy, x, rows, in, out);
+}
+
+void poet_linear_backward_params_sgd(float *w, float *b, const float *dy, const float *x, uint32_t rows,
+                                     uint32_t in, uint32_t out, float lr)
+{
+#ifndef POET_KERNELS_SMALL
+    if (rows == 1)
+        linear_row_sgd(w, b, dy, x, in, out, lr);
+    else
+#endif
+        linear_sgd_tiled(w, b, dy, x, rows, in, out, lr);
 }
 
 void poet_matmul_forward(float *c, const float *a, const float *b, uint32_t batch, uint32_t m, uint32_t k,
