@@ -2,6 +2,7 @@
 tiling: which tensor a node computes a part of, and which ranges of it, consistent with the bytes
 the graph gives the node."""
 
+import math
 import pickle
 
 from hypothesis import given, settings
@@ -91,3 +92,29 @@ def test_strip_pieces_cover_a_row_range_once_in_order():
     assert strips.chain_end("stats:", layer) == f"stats:{layer}@s7"
     whole = next(name for name, lay in strips.layers.items() if len(lay.shape) == 3 and not strips.striped(name))
     assert strips.strips(whole) == [(0, strips.layers[whole].shape[1])] and strips.strip_name(whole, 0) == whole
+
+
+def test_row_pieces_and_weight_tiles_cover_each_tensor_and_parameter_once():
+    """The row geometry both replays take their ranges from: a tensor's feature pieces cover any
+    column range once, and a layer's weight tiles cover each parameter once (a linear bias with
+    the first input piece only)."""
+    graph = build_model("transformer-block", weights="streamed", rows={"blocks": 2, "piece": 64})
+    rows = graph.meta["rows"]
+    names = {n.name for n in graph.nodes}
+    for layer, cols in rows.cols.items():
+        width = cols[-1][1]
+        for lo, hi in [(0, width), (1, width - 1), (63, 65), (width - 1, width)]:
+            if not 0 <= lo < hi <= width:
+                continue
+            got = [c for _, _, (r0, r1) in rows.pieces(layer, lo, hi) for c in range(r0, r1)]
+            assert got == list(range(lo, hi))
+        if not rows.heads(layer) and layer != "input":
+            assert rows.tile_name(layer, 1, len(cols) - 1) in names
+    covered: dict[str, int] = {}
+    for node in graph.nodes:  # every weight tile the graph streams, as both replays cut it
+        if node.name.startswith("param:"):
+            layer, _, tile = node.name[len("param:"):].rpartition("#")
+            for ranges in rows.tile_ranges(layer, tuple(int(t) for t in tile.split("."))).values():
+                covered[layer] = covered.get(layer, 0) + math.prod(hi - lo for lo, hi in ranges)
+    assert covered and covered.keys() == rows.tiles.keys()
+    assert all(covered[layer] == rows.layers[layer].params for layer in covered)

@@ -51,7 +51,7 @@ class _Replay:
         import torch
 
         self.t, self.graph, self.params, self.ids, self.y, self.lr = torch, graph, params, ids, y, lr
-        tiling = graph.meta["rows"]
+        self.tiling = tiling = graph.meta["rows"]
         self.blocks = [tuple(b) for b in tiling.blocks]
         self.layers, self.records, self.tiles = tiling.layers, tiling.nodes, tiling.tiles
         self.cols = {name: [tuple(c) for c in cs] for name, cs in tiling.cols.items()}
@@ -69,28 +69,24 @@ class _Replay:
     # -- layout ------------------------------------------------------------------------------------
 
     def vector(self, layer: str) -> bool:
-        return len(self.layers[layer].shape) == 1 and self.layers[layer].op != "input"
+        return self.tiling.vector(layer)
 
     def heads(self, layer: str) -> bool:
-        lay = self.layers[layer]
-        return lay.op == "softmax" or lay.op == "matmul" and len(lay.shape) == 3
+        return self.tiling.heads(layer)
 
     def name(self, layer: str, b: int, j: int, prefix: str = "") -> str:
-        return f"{prefix}{layer}@r{b}{'@h' if self.heads(layer) else '@c'}{j}"
+        return self.tiling.tile_name(layer, b, j, prefix)
 
     def gather(self, env, layer: str, b: int, lo: int, hi: int, prefix: str = ""):
         """Columns [lo, hi) of row block b of ``layer`` (or of its gradient), from its pieces."""
-        out = []
-        for j, (a, c) in enumerate(self.cols[layer]):
-            if a < hi and lo < c:
-                out.append(env[self.name(layer, b, j, prefix)][:, :, max(lo, a) - a:min(hi, c) - a])
-        return self.t.cat(out, dim=2)
+        return self.t.cat([env[self.name(layer, b, j, prefix)][:, :, r0 - a:r1 - a]
+                           for j, (a, _), (r0, r1) in self.tiling.pieces(layer, lo, hi)], dim=2)
 
     def all_rows(self, env, layer: str, lo: int, hi: int):
         return self.t.cat([self.gather(env, layer, b, lo, hi) for b in range(len(self.blocks))], dim=1)
 
     def dh(self, scores: str) -> int:
-        return self.layers[self.layers[scores].inputs[0]].shape[-1] // self.layers[scores].shape[0]
+        return self.tiling.head_dim(scores)
 
     def param(self, env, layer: str, tile) -> dict:
         """The weights of one tile, as the tile's own tensors: what its ``param:`` node holds in RAM."""
@@ -98,15 +94,8 @@ class _Replay:
 
     def tile_where(self, layer: str, tile) -> dict:
         """role -> the index of a tile's part of the layer's whole parameter."""
-        kind = self.tiles[layer].kind
-        if kind == "linear":
-            (o0, o1), (i0, i1) = self.cols[layer][tile[0]], self.cols[self.layers[layer].inputs[0]][tile[1]]
-            return {"weight": (slice(o0, o1), slice(i0, i1)), **({"bias": (slice(o0, o1),)} if tile[1] == 0 else {})}
-        if kind == "norm":
-            (c0, c1) = self.cols[layer][tile[0]]
-            return {"weight": (slice(c0, c1),), "bias": (slice(c0, c1),)}
-        (v0, v1), (c0, c1) = self._vocab(layer)[tile[0]], self.cols[layer][tile[1]]
-        return {"weight": (slice(v0, v1), slice(c0, c1))}
+        return {role: tuple(slice(lo, hi) for lo, hi in ranges)
+                for role, ranges in self.tiling.tile_ranges(layer, tile).items()}
 
     def tile_values(self, layer: str, tile) -> dict:
         """A tile's weights cut from the whole parameters: views, so that updating a tile in place
@@ -174,7 +163,7 @@ class _Replay:
         raise ValueError(f"unknown role {role!r} of node {node.name}")
 
     def stats(self, env, layer: str, b: int):
-        n, mean, m2 = env[f"lnstats:{layer}@r{b}@c{len(self.cols[layer]) - 1}"]
+        n, mean, m2 = env[self.tiling.chain_end("lnstats:", layer, b)]
         return mean, m2 / n
 
     def xhat(self, env, layer: str, b: int, xs):
@@ -183,7 +172,7 @@ class _Replay:
 
     def token_rows(self, b: int, positional: bool, env):
         r0, r1 = self.blocks[b]
-        env[f"input@r{b}@c0"]  # the token ids of the block are a dependency, positions too
+        env[self.name("input", b, 0)]  # the token ids of the block are a dependency, positions too
         if positional:
             return self.t.arange(r0, r1).expand(self.ids.shape[0], -1)
         return self.ids[:, r0:r1]
@@ -303,7 +292,7 @@ class _Replay:
             gamma = self.param(env, u, (j,))["weight"]
             _, var = self.stats(env, u, b)
             xhat = self.xhat(env, u, b, env[self.name(f, b, j)])
-            s1, s2 = env[f"lngstats:{u}@r{b}@c{len(self.cols[u]) - 1}"]
+            s1, s2 = env[self.tiling.chain_end("lngstats:", u, b)]
             g = env[self.name(u, b, j, "grad:")] * gamma
             return (g - s1[:, :, None] / d - xhat * s2[:, :, None] / d) / t.sqrt(var + EPS)[:, :, None]
         if kind == "softmax":

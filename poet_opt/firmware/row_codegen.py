@@ -66,7 +66,7 @@ class RowWriter(StepWriter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_rows(self.net)
-        tiling = self.net.graph.meta["rows"]
+        self.tiling = tiling = self.net.graph.meta["rows"]
         self.blocks = [tuple(b) for b in tiling.blocks]
         self.layers_meta, self.records, self.tiles = tiling.layers, tiling.nodes, tiling.tiles
         self.cols = {name: [tuple(c) for c in cs] for name, cs in tiling.cols.items()}
@@ -94,21 +94,14 @@ class RowWriter(StepWriter):
                                 "norms and embeddings only", field=FIELD)
             index = tuple(int(t) for t in tile.split("."))
             w, b = layer.params["weight"], layer.params.get("bias")
-            if kind == "embedding":  # (vocabulary rows v0..v1) x (features c0..c1) of the table
-                (v0, v1), (c0, c1) = tiling.tiles[name].vocab[index[0]], tiling.cols[name][index[1]]
-                params = {"weight": Parameter(w.torch_name, w.value[v0:v1, c0:c1].copy(), (v0, v1), w.value.shape,
-                                              (c0, c1))}
-            elif kind == "linear":
-                (o0, o1) = tiling.cols[name][index[0]]
-                (i0, i1) = tiling.cols[tiling.layers[name].inputs[0]][index[1]]
-                params = {"weight": Parameter(w.torch_name, w.value[o0:o1, i0:i1].copy(), (o0, o1), w.value.shape,
-                                              (i0, i1))}
-                if index[1] == 0:
-                    params["bias"] = Parameter(b.torch_name, b.value[o0:o1].copy(), (o0, o1), b.value.shape)
-            else:
-                (o0, o1) = tiling.cols[name][index[0]]
-                params = {role: Parameter(p.torch_name, p.value[o0:o1].copy(), (o0, o1), p.value.shape)
-                          for role, p in (("weight", w), ("bias", b))}
+            # (output piece x input piece) of a linear weight and its bias, a norm's piece, or
+            # (vocabulary rows x feature piece) of an embedding's table
+            params = {}
+            for role, ranges in tiling.tile_ranges(name, index).items():
+                whole = w if role == "weight" else b
+                rows, *cols = ranges
+                part = whole.value[tuple(slice(lo, hi) for lo, hi in ranges)].copy()
+                params[role] = Parameter(whole.torch_name, part, rows, whole.value.shape, *cols)
             region = Layer(str(node["name"]), layer.op, layer.shape, [], [], dict(layer.attrs), params,
                            trainable=layer.trainable)
             if 4 * sum(p.value.size for p in params.values()) != int(node["bytes"]):
@@ -138,15 +131,13 @@ class RowWriter(StepWriter):
     # -- layout ----------------------------------------------------------------------------------
 
     def vector(self, layer: str) -> bool:
-        lay = self.layers_meta[layer]
-        return len(lay.shape) == 1 and lay.op != "input"
+        return self.tiling.vector(layer)
 
     def heads(self, layer: str) -> bool:
-        lay = self.layers_meta[layer]
-        return lay.op == "softmax" or lay.op == "matmul" and len(lay.shape) == 3
+        return self.tiling.heads(layer)
 
     def name(self, layer: str, b: int, j: int, prefix: str = "") -> str:
-        return f"{prefix}{layer}@r{b}{'@h' if self.heads(layer) else '@c'}{j}"
+        return self.tiling.tile_name(layer, b, j, prefix)
 
     def rows(self, layer: str, b: int) -> int:
         """Rows per sample of block b of the layer's tiles (a vector's: one)."""
@@ -179,11 +170,10 @@ class RowWriter(StepWriter):
 
     def overlap(self, layer: str, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """(piece, first, last column) of the layer's pieces that hold columns [lo, hi)."""
-        return [(j, max(lo, a), min(hi, c)) for j, (a, c) in enumerate(self.cols[layer]) if a < hi and lo < c]
+        return [(j, r0, r1) for j, _, (r0, r1) in self.tiling.pieces(layer, lo, hi)]
 
     def dh(self, scores: str) -> int:
-        return self.layers_meta[self.layers_meta[scores].inputs[0]].shape[-1] // \
-            self.layers_meta[scores].shape[0]
+        return self.tiling.head_dim(scores)
 
     def divisor(self, scores: str) -> float:
         return self.layers_meta[scores].divisor or math.sqrt(self.dh(scores))
@@ -192,7 +182,7 @@ class RowWriter(StepWriter):
         return c_float(self.net.layers[layer].attrs.get("eps", 1e-5))
 
     def stats(self, ops, layer: str, b: int, kind: str = "lnstats") -> str:
-        return self.at(ops, f"{kind}:{layer}@r{b}@c{len(self.cols[layer]) - 1}", f"{layer}'s block {b}")
+        return self.at(ops, self.tiling.chain_end(f"{kind}:", layer, b), f"{layer}'s block {b}")
 
     @staticmethod
     def gemm(c: str, ldc: int, a: str, a_strides, b: str, b_strides, m: int, n: int, k: int,

@@ -18,10 +18,13 @@ Every tiling answers the same questions: ``layers`` (forward operator -> :class:
 gradient it computes) and ``ranges(name)`` (axis -> [lo, hi) of that tensor a node covers).
 Ranges are (lo, hi) tuples, as the partition routines return them.
 
-The geometry of a strip graph is answered here too, once, for its builder and both replays: which
+The geometry of a tiled graph is answered here too, once, for its builder and both replays: which
 strips hold rows [lo, hi) of a tensor (:meth:`StripTiling.pieces`), which input rows a window of
 output rows reads (:func:`window_rows`, padding included) and which output rows read some input
-rows (:func:`touching`), and what strip j of a tensor, or of its gradient, is called.
+rows (:func:`touching`); which feature pieces hold columns [lo, hi) of a row-tiled tensor
+(:meth:`RowTiling.pieces`) and which part of a layer's parameters a weight tile is
+(:meth:`RowTiling.tile_ranges`); and what each tile of a tensor, of its gradient or of a chain of
+statistics is called.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Iterator, Mapping, Sequence
 
 Range = tuple[int, int]
 STRIP_MARK = "@s"  # strip j of tensor L is the node L@sj (L when it has one strip)
+# row block b, feature piece (or head) j of tensor L is the node L@rb@cj (L@rb@hj)
+ROW_MARK, COL_MARK, HEAD_MARK = "@r", "@c", "@h"
 
 
 def window_rows(rows: Range, window: Sequence[int]) -> Range:
@@ -247,3 +252,45 @@ class RowTiling(Tiling):
             heads = lay.op == "softmax" or lay.op == "matmul" and len(lay.shape) == 3
             out["heads" if heads else "features"] = tuple(self.cols[lay.name][piece])
         return out
+
+    def vector(self, layer: str) -> bool:
+        """One row per sample (a pooled or [CLS] vector), not one per token."""
+        lay = self.layers[layer]
+        return len(lay.shape) == 1 and lay.op != "input"
+
+    def heads(self, layer: str) -> bool:
+        """Attention scores and probabilities: pieces are heads, each as wide as the sequence."""
+        lay = self.layers[layer]
+        return lay.op == "softmax" or lay.op == "matmul" and len(lay.shape) == 3
+
+    def tile_name(self, layer: str, b: int, j: int, prefix: str = "") -> str:
+        """The node of row block b, piece j of ``layer`` (or of its gradient, prefix "grad:")."""
+        return f"{prefix}{layer}{ROW_MARK}{b}{HEAD_MARK if self.heads(layer) else COL_MARK}{j}"
+
+    def chain_end(self, prefix: str, layer: str, b: int) -> str:
+        """The last link of a layer norm's chain over the pieces of row block b ("lnstats:",
+        "lngstats:"), which holds the whole rows' sums."""
+        return f"{prefix}{layer}{ROW_MARK}{b}{COL_MARK}{len(self.cols[layer]) - 1}"
+
+    def pieces(self, layer: str, lo: int, hi: int) -> list[tuple[int, Range, Range]]:
+        """The feature pieces that hold columns [lo, hi) of ``layer``, in order: (j, the piece's
+        columns [a, c), the columns [r0, r1) of [lo, hi) it holds)."""
+        return [(j, (a, c), (max(lo, a), min(hi, c))) for j, (a, c) in enumerate(self.cols[layer])
+                if max(lo, a) < min(hi, c)]
+
+    def head_dim(self, scores: str) -> int:
+        return self.layers[self.layers[scores].inputs[0]].shape[-1] // self.layers[scores].shape[0]
+
+    def tile_ranges(self, layer: str, tile: Sequence[int]) -> dict[str, tuple[Range, ...]]:
+        """role -> the ranges, per axis, of the layer's parameter that weight tile ``tile`` is: a
+        linear layer's (output piece, input piece) block of its weight, and of its bias in the first
+        input piece; a norm's piece of gamma and beta; an embedding's (vocabulary rows, feature
+        piece) block of its table."""
+        kind = self.tiles[layer].kind
+        if kind == "linear":
+            out, inp = self.cols[layer][tile[0]], self.cols[self.layers[layer].inputs[0]][tile[1]]
+            return {"weight": (tuple(out), tuple(inp)), **({"bias": (tuple(out),)} if tile[1] == 0 else {})}
+        if kind == "norm":
+            piece = tuple(self.cols[layer][tile[0]])
+            return {"weight": (piece,), "bias": (piece,)}
+        return {"weight": (tuple(self.tiles[layer].vocab[tile[0]]), tuple(self.cols[layer][tile[1]]))}
