@@ -36,6 +36,7 @@ import scipy.sparse as sp
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, Decisions, storage_limits
+from poet_opt.solver.stage_index import StageIndex
 
 MODES = ("joint", "remat", "paging", "none")
 
@@ -222,7 +223,6 @@ class Formulation:
         nbytes = np.array([node.bytes for node in g.nodes], dtype=float) / self.mem_unit
         users = g.users()
         deps = [np.array(node.deps, dtype=np.int64) for node in g.nodes]
-        tt, ii = np.tril_indices(T, -1)  # all (t, i) with i < t
         ncols = 0
 
         def alloc(mask_count):
@@ -231,38 +231,54 @@ class Formulation:
             ncols += mask_count
             return np.arange(start, ncols)
 
-        # R[t,i], i < t: recompute, only for nodes that may be computed after their own stage.
+        # The model's stages and tensors: all of them, or in a window a..b its stages (keeps into b+1
+        # too) and the tensors that exist there, made by stage b and readable in stage a or later.
+        # Column families are indexed over those alone (StageIndex), so a window costs what it holds.
         a, b = self.window if self.window is not None else (0, T - 1)
-        staged = (a <= tt) & (tt <= b)  # a stage the model decides
-        r_mask = (tt <= comp[ii]) & staged  # without remat, comp allows only streamed weights to be read again
-        self.R = np.full((T, T), -1, dtype=np.int64)
-        self.R[tt[r_mask], ii[r_mask]] = alloc(int(r_mask.sum()))
+        ids = np.arange(T)
+        tensors = ids if self.window is None else np.flatnonzero((ids <= b) & (need >= a))
+        rows_n = T + 1 if self.window is None else b + 2 - a
 
-        # Mout[i]: paging out is useful only for a tensor read in some later stage.
-        mo_mask = (need > np.arange(T)) & pageable if self.allow_paging else np.zeros(T, dtype=bool)
+        def index():
+            return StageIndex(a, rows_n, tensors, T)
+
+        self.R, self.Min, self.S = index(), index(), index()
+        tl, il = self.R.stages(), tensors[None, :]  # global stage and tensor of each cell
+        earlier = il < tl  # i < t
+        staged = tl <= b  # a stage the model decides (not the keeps into b+1)
+
+        # R[t,i], i < t: recompute, only for nodes that may be computed after their own stage.
+        r_mask = earlier & (tl <= comp[il]) & staged  # without remat, comp allows only streamed weights read again
+        self.R.assign(r_mask, alloc(int(r_mask.sum())))
+
+        # Mout[i]: paging out is useful only for a tensor read in some later stage. A window has the
+        # column only for its own tensors; the rest are the incumbent's, constants (_fix_outside).
+        self._mo_any = (need > ids) & pageable if self.allow_paging else np.zeros(T, dtype=bool)
+        mo_mask = self._mo_any & (self.R.loc >= 0)
         self.Mout = np.full(T, -1, dtype=np.int64)
         self.Mout[mo_mask] = alloc(int(mo_mask.sum()))
+        self._fixed_outs = np.zeros(0, dtype=np.int64)  # a window's constant page-outs (_fix_outside)
 
         # Min[t,i], i < t: page in, while something could still read it.
-        mi_mask = (tt <= need[ii]) & mo_mask[ii] & staged
-        self.Min = np.full((T, T), -1, dtype=np.int64)
-        self.Min[tt[mi_mask], ii[mi_mask]] = alloc(int(mi_mask.sum()))
+        mi_mask = earlier & (tl <= need[il]) & mo_mask[il] & staged
+        self.Min.assign(mi_mask, alloc(int(mi_mask.sum())))
 
         # S[t,i], i < t <= need[i]: in RAM at the start of stage t.
-        s_mask = (tt <= need[ii]) & (a <= tt) & (tt <= b + 1)
-        self.S = np.full((T + 1, T), -1, dtype=np.int64)
-        self.S[tt[s_mask], ii[s_mask]] = alloc(int(s_mask.sum()))
+        s_mask = earlier & (tl <= need[il])
+        self.S.assign(s_mask, alloc(int(s_mask.sum())))
 
         # computable[t,k]: node k may be computed in stage t (k == t, or a recompute variable exists)
-        computable = self.R >= 0
-        computable[np.arange(T), np.arange(T)] = True
-        materializable = computable | (self.Min >= 0)
+        own_r, own_l = ids[a:b + 1] - a, self.R.loc[ids[a:b + 1]]  # (row, local) of node t in stage t
+        computable = self.R.cols >= 0
+        computable[own_r, own_l] = True
+        materializable = computable | (self.Min.cols >= 0)
         # A stage whose every tensor that could be in RAM at all fits the budget together can never
         # break it: it needs no memory accounting (no U chain, no releases, no boundary row). At 0.7 of
         # the peak that is over half the stages of the 100-node random graph.
-        could_hold = (materializable | (self.S[:T] >= 0)).astype(float) @ nbytes
-        self.accounted = np.ones(T, dtype=bool) if self.minimize_peak else could_hold > 1.0 - 1e-9
-        self.accounted[:a] = self.accounted[b + 1:] = False
+        could_hold = (materializable | (self.S.cols >= 0)).astype(float) @ nbytes[tensors]
+        self.accounted = np.zeros(T, dtype=bool)
+        self.accounted[a:b + 1] = True if self.minimize_peak else could_hold[:b + 1 - a] > 1.0 - 1e-9
+        accounted_rows = np.append(self.accounted, False)[tl]  # per cell of the index arrays
 
         # FREE[t,i,k]: release i after position k of stage t. Candidates: k reads i, or k == i
         # (a tensor nobody reads later in the stage goes right after it is made).
@@ -271,34 +287,35 @@ class Formulation:
         n_deps = np.array([len(d) for d in deps], dtype=np.int64)
         dep_start = np.concatenate([[0], np.cumsum(n_deps)[:-1]]).astype(np.int64)
         dep_flat = np.concatenate(deps).astype(np.int64) if T else np.zeros(0, dtype=np.int64)
-        reads = np.zeros((T, T), dtype=bool)  # reads[t, i]: node t reads tensor i
-        reads[np.repeat(np.arange(T), n_deps), dep_flat] = True
-        ct, ck = np.nonzero(np.tril(computable))
-        ct, ck = ct[(a <= ct) & (ct <= b)], ck[(a <= ct) & (ct <= b)]
-        fct, fck = np.nonzero(np.tril(computable) & self.accounted[:, None])
+        edges = np.unique(np.repeat(ids, n_deps) * T + dep_flat)  # reads(t, i): node t reads tensor i
+
+        def reads(t, i):
+            return np.isin(t * T + i, edges)
+
+        ct, ck = self.R.to_global(*np.nonzero(computable))
+        fct, fck = self.R.to_global(*np.nonzero(computable & accounted_rows))
         per_pair = n_deps[fck] + 1
         f_t, f_k = np.repeat(fct, per_pair), np.repeat(fck, per_pair)
         within = np.arange(int(per_pair.sum())) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
         is_self = within == n_deps[f_k]
         f_i = np.where(is_self, f_k, dep_flat[np.minimum(dep_start[f_k] + within, max(len(dep_flat) - 1, 0))]
                        if len(dep_flat) else f_k)
-        ok = ~(reads[f_t, f_i] & (f_t > f_k))
+        ok = ~(reads(f_t, f_i) & (f_t > f_k))
         self.F_t, self.F_i, self.F_k = f_t[ok], f_i[ok], f_k[ok]
         self.F = alloc(int(ok.sum()))
 
         # U at every materializable position of every stage (continuous, in units of mem_unit).
-        u_t, u_k = np.nonzero(np.tril(materializable) & self.accounted[:, None])
+        u_t, u_k = self.R.to_global(*np.nonzero(materializable & accounted_rows))
         self.U_t, self.U_k = u_t, u_k
         self.U = alloc(len(u_t))
         self.B = alloc(1)[0] if self.minimize_peak else -1
         # Q[t,i] = sum over stages w >= t of R[w,i]: suffix sums that rows (10) and (11) use in place
         # of a long run of recompute terms (a chain of two-term rows instead of O(T) terms per row).
         # Only for tensors with more recompute variables than it pays to list.
-        self.Q = np.full((T + 1, T), -1, dtype=np.int64)
+        self.Q = index()
         if self.tighten and not self.minimize_peak:
-            r_count = (self.R >= 0).sum(axis=0)
-            q_t, q_i = np.nonzero((self.R >= 0) & (r_count > DIRECT_RECOMPUTE_TERMS)[None, :])
-            self.Q[q_t, q_i] = alloc(len(q_t))
+            long_runs = (self.R.cols >= 0) & ((self.R.cols >= 0).sum(axis=0) > DIRECT_RECOMPUTE_TERMS)[None, :]
+            self.Q.assign(long_runs, alloc(int(long_runs.sum())))
         n_vars = ncols
 
         # -- bounds, objective -----------------------------------------------------------------
@@ -308,7 +325,7 @@ class Formulation:
         ram_cap = np.inf if self.minimize_peak else 1.0
         ub[self.U] = ram_cap
         integrality[self.U] = 0
-        q_cols = self.Q[self.Q >= 0]
+        q_cols = self.Q.cols[self.Q.cols >= 0]
         ub[q_cols] = np.inf
         integrality[q_cols] = 0
         # Releases stay binary. Continuous would be exact too (each is bounded above by binaries only, so
@@ -324,9 +341,9 @@ class Formulation:
             integrality[self.B] = 0
 
         c = np.zeros(n_vars)
-        rr, ri = np.nonzero(self.R >= 0)
+        rr, ri = self.R.pairs()
         c[self.R[rr, ri]] = costs.compute_j[ri]
-        mr, mi = np.nonzero(self.Min >= 0)
+        mr, mi = self.Min.pairs()
         c[self.Min[mr, mi]] = costs.page_in_j[mi]
         mo = np.flatnonzero(self.Mout >= 0)
         c[self.Mout[mo]] = costs.page_out_j[mo]
@@ -356,8 +373,7 @@ class Formulation:
                  np.where(own, 1.0, 0.0), np.inf)
 
         # (2) kept into stage t+1 only if resident during stage t:  S[t+1,i] <= S[t,i] + R[t,i] + Min[t,i]
-        st, si = np.nonzero(self.S[1:] >= 0)
-        st = st + 1  # stage of the kept copy
+        st, si = self.S.pairs(self.S.stages() >= 1)  # stage of the kept copy
         prev = st - 1
         later = (prev > si) & (prev >= a)  # at prev == i the node was just computed: always possible
         rows.add([(self.S[st[later], si[later]], 1.0), (self.S[prev[later], si[later]], -1.0),
@@ -365,7 +381,7 @@ class Formulation:
                  -np.inf, 0.0)
 
         # (3) at most one of kept / recomputed / paged in per stage
-        tt2, ii2 = np.nonzero((self.S[:T] >= 0) & ((self.R >= 0) | (self.Min >= 0)))
+        tt2, ii2 = self.S.pairs((self.R.cols >= 0) | (self.Min.cols >= 0))
         rows.add([(self.S[tt2, ii2], 1.0), (self.R[tt2, ii2], 1.0), (self.Min[tt2, ii2], 1.0)], -np.inf, 1.0)
 
         # (4) page in only what was paged out
@@ -412,8 +428,8 @@ class Formulation:
         has_prev[1:] = U_t[1:] == U_t[:-1]
         rows.add_sparse(u_rows[has_prev], self.U[np.flatnonzero(has_prev) - 1], -1.0)
         # a release after position k of stage t lowers U at the next position of that stage
-        u_at = np.full((T, T), -1, dtype=np.int64)
-        u_at[U_t, U_k] = np.arange(n_u)
+        u_at = StageIndex(a, rows_n, tensors, T)
+        u_at.assign(materializable & accounted_rows, np.arange(n_u))  # U's order: the same cells
         f_pos = u_at[Ft, Fk]
         nxt = f_pos + 1
         counted = nxt < n_u
@@ -422,7 +438,7 @@ class Formulation:
         # the first position of a stage starts from the tensors kept into it
         first_row = np.full(T, -1, dtype=np.int64)
         first_row[U_t[~has_prev]] = u_rows[~has_prev]
-        kt, ki = np.nonzero((self.S[:T] >= 0) & self.accounted[:, None])
+        kt, ki = self.S.pairs(accounted_rows)
         rows.add_sparse(first_row[kt], self.S[kt, ki], -nbytes[ki])
         A, row_lb, row_ub = rows.matrix(n_vars)
         # constants: U[t,t] includes bytes(t) for the node computed in its own stage
@@ -449,8 +465,9 @@ class Formulation:
         # (8) storage: what the paged tensors occupy (whole sectors or erase blocks) within what is
         #     free, and the erase blocks their page-outs wear per step within a wear budget
         for per_tensor, limit in (storage_limits(costs, self.budgets) if len(mo) else ()):
-            if limit > 0:  # the row in units of its limit, as for memory
-                extra.add_row(self.Mout[mo], per_tensor[mo] / limit, -np.inf, 1.0)
+            if limit > 0:  # the row in units of its limit, as for memory (less a window's fixed page-outs)
+                extra.add_row(self.Mout[mo], per_tensor[mo] / limit, -np.inf,
+                              1.0 - float(per_tensor[self._fixed_outs].sum()) / limit)
             else:  # no storage at all (a wear budget the medium cannot meet): no page-out
                 ub[self.Mout[mo]] = 0.0
 
@@ -458,8 +475,9 @@ class Formulation:
             # (9) stage boundaries as pure-binary knapsacks: what is kept into stage t+1 was resident
             #     when node t ran, beside t's inputs and output. Implied by the U chain in the LP,
             #     but written over binaries alone HiGHS's cover separators can cut on it.
-            kt1, ki1 = np.nonzero((self.S[1:T + 1] >= 0) & self.accounted[:, None])
-            optional = ~reads[kt1, ki1] & (ki1 != kt1)
+            kt1, ki1 = self.S.pairs(np.append(self.accounted, False)[self.S.stages() - 1])
+            kt1 = kt1 - 1  # kept into kt1 + 1: resident while node kt1 ran
+            optional = ~reads(kt1, ki1) & (ki1 != kt1)
             kt1, ki1 = kt1[optional], ki1[optional]
             fixed = nbytes.copy()
             np.add.at(fixed, np.repeat(np.arange(T), n_deps), nbytes[dep_flat])
@@ -497,22 +515,24 @@ class Formulation:
         read_outside = np.isin(outs, [i for t, i in plan.page_in if not a <= t <= b])
         fixed = outs[~((a <= outs) & (outs <= b)) | read_outside]
         lb[self.Mout[fixed]] = ub[self.Mout[fixed]] = np.isin(fixed, list(plan.page_out)).astype(float)
-        if any(self.Mout[i] < 0 for i in plan.page_out):
+        if any(not self._mo_any[i] for i in plan.page_out):
             raise WindowMismatch("a page-out the model has no column for")
+        # the page-outs of tensors the window has no column for are constants (energy, runtime, storage)
+        self._fixed_outs = np.array(sorted(i for i in plan.page_out if self.Mout[i] < 0), dtype=np.int64)
         for t in (a, b + 1):
             if t >= len(self.graph):
                 continue
-            cols = np.flatnonzero(self.S[t] >= 0)
-            kept = np.array([(t, int(i)) in plan.keep for i in cols], dtype=bool)
-            lb[self.S[t, cols]] = ub[self.S[t, cols]] = kept.astype(float)
+            held, cols = self.S.row(t)
+            kept = np.array([(t, int(i)) in plan.keep for i in held], dtype=bool)
+            lb[cols] = ub[cols] = kept.astype(float)
             if sum(1 for i in plan.keep.runs if (t, i) in plan.keep) != int(kept.sum()):
                 raise WindowMismatch(f"a tensor kept into stage {t} that the model has no column for")
         outside = [(t, i) for t, i in plan.recompute if not a <= t <= b]
         paged = [(t, i) for t, i in plan.page_in if not a <= t <= b]
         energy = math.fsum([offset, *(float(costs.compute_j[i]) for _, i in outside),
-                            *(float(costs.page_in_j[i]) for _, i in paged)])
+                            *(float(costs.page_in_j[i]) for _, i in paged), *costs.page_out_j[self._fixed_outs]])
         runtime = math.fsum([*(float(costs.compute_s[i]) for _, i in outside),
-                             *(float(costs.page_in_s[i]) for _, i in paged)])
+                             *(float(costs.page_in_s[i]) for _, i in paged), *costs.page_out_s[self._fixed_outs]])
         return energy, runtime
 
     def _recomputes_between(self, i: int, u: int, r: int) -> tuple[list[int], list[float]]:
@@ -524,7 +544,7 @@ class Formulation:
             return [], []
         a = max(u, i + 1)
         if self.Q[a, i] < 0:
-            cols = self.R[a:min(r, last) + 1, i].tolist()
+            cols = self.R[np.arange(a, min(r, last) + 1), i].tolist()
             return cols, [1.0] * len(cols)
         cols, vals = [int(self.Q[a, i])], [1.0]
         if self.Q[r + 1, i] >= 0:
@@ -534,7 +554,7 @@ class Formulation:
 
     def _add_suffix_sum_rows(self, extra: "_Rows") -> None:
         """Q[t,i] - Q[t+1,i] - R[t,i] = 0 (Q past the last recompute stage is 0)."""
-        q_t, q_i = np.nonzero(self.Q[: len(self.graph)] >= 0)
+        q_t, q_i = self.Q.pairs()
         if len(q_t):
             extra.add([(self.Q[q_t, q_i], 1.0), (self.Q[q_t + 1, q_i], -1.0), (self.R[q_t, q_i], -1.0)], 0.0, 0.0)
 
@@ -591,7 +611,7 @@ class Formulation:
         on = np.asarray(x) > 0.5
 
         def pairs(index):
-            t, i = np.nonzero(index >= 0)
+            t, i = index.pairs()
             chosen = on[index[t, i]]
             return frozenset(zip(t[chosen].tolist(), i[chosen].tolist()))
 
@@ -599,8 +619,8 @@ class Formulation:
         return Decisions(
             recompute=pairs(self.R),
             page_in=pairs(self.Min),
-            page_out=frozenset(outs[on[self.Mout[outs]]].tolist()),
-            keep=pairs(self.S[: len(self.graph)]),
+            page_out=frozenset(outs[on[self.Mout[outs]]].tolist() + self._fixed_outs.tolist()),
+            keep=pairs(self.S),
         )
 
     def encode(self, decisions: Decisions) -> np.ndarray | None:
@@ -612,16 +632,16 @@ class Formulation:
                 x[_col(self.R, t, i)] = 1
             for t, i in decisions.page_in:
                 x[_col(self.Min, t, i)] = 1
-            for i in decisions.page_out:
+            for i in set(decisions.page_out).difference(self._fixed_outs.tolist()):  # the rest: constants
                 x[_col(self.Mout, i)] = 1
             for t, i in decisions.keep:
                 x[_col(self.S, t, i)] = 1
         except KeyError:
             return None
-        for i in np.flatnonzero((self.Q >= 0).any(axis=0)):
-            stages = np.flatnonzero(self.Q[:, i] >= 0)
-            recomputed = x[self.R[stages, i]]
-            x[self.Q[stages, i]] = np.cumsum(recomputed[::-1])[::-1]
+        for i in np.flatnonzero((self.Q.cols >= 0).any(axis=0)):  # local tensor columns
+            stages = np.flatnonzero(self.Q.cols[:, i] >= 0)
+            recomputed = x[self.R.cols[stages, i]]
+            x[self.Q.cols[stages, i]] = np.cumsum(recomputed[::-1])[::-1]
         runs = {(t, t) for t in range(len(self.graph))} | set(decisions.recompute)
         made = runs | set(decisions.page_in)
         users = self.graph.users()
