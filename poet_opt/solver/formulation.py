@@ -36,7 +36,7 @@ import scipy.sparse as sp
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, Decisions, storage_limits
-from poet_opt.solver.stage_index import StageIndex
+from poet_opt.solver.stage_index import Rows, StageIndex
 
 MODES = ("joint", "remat", "paging", "none")
 
@@ -66,62 +66,6 @@ class Milp:
     @property
     def num_rows(self) -> int:
         return self.A.shape[0]
-
-
-class _Rows:
-    """Accumulates constraint rows as COO triplets, built from numpy arrays in bulk."""
-
-    def __init__(self):
-        self.rows: list[np.ndarray] = []
-        self.cols: list[np.ndarray] = []
-        self.vals: list[np.ndarray] = []
-        self.lb: list[np.ndarray] = []
-        self.ub: list[np.ndarray] = []
-        self.count = 0
-
-    def add(self, terms, lb, ub):
-        """terms: list of (col_array, coef_array_or_scalar), all arrays of the same length m; one row
-        per element. Columns < 0 are absent variables and are dropped."""
-        m = len(np.asarray(terms[0][0]))
-        row_ids = np.arange(self.count, self.count + m)
-        for cols, coefs in terms:
-            cols = np.asarray(cols)
-            coefs = np.broadcast_to(np.asarray(coefs, dtype=float), cols.shape)
-            present = cols >= 0
-            self.rows.append(row_ids[present])
-            self.cols.append(cols[present])
-            self.vals.append(coefs[present])
-        self.lb.append(np.broadcast_to(np.asarray(lb, dtype=float), (m,)))
-        self.ub.append(np.broadcast_to(np.asarray(ub, dtype=float), (m,)))
-        self.count += m
-
-    def add_sparse(self, rows, cols, vals):
-        """Extra terms for rows already added (rows are absolute ids)."""
-        rows, cols = np.asarray(rows), np.asarray(cols)
-        present = cols >= 0
-        self.rows.append(rows[present])
-        self.cols.append(cols[present])
-        self.vals.append(np.broadcast_to(np.asarray(vals, dtype=float), rows.shape)[present])
-
-    def add_row(self, cols, vals, lb, ub):
-        """One row over many columns (a budget)."""
-        cols = np.asarray(cols, dtype=np.int64)
-        self.rows.append(np.full(len(cols), self.count))
-        self.cols.append(cols)
-        self.vals.append(np.asarray(vals, dtype=float))
-        self.lb.append(np.array([lb], dtype=float))
-        self.ub.append(np.array([ub], dtype=float))
-        self.count += 1
-
-    def matrix(self, num_vars: int):
-        if not self.rows:
-            return sp.csr_matrix((0, num_vars)), np.zeros(0), np.zeros(0)
-        A = sp.csr_matrix(
-            (np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
-            shape=(self.count, num_vars),
-        )
-        A.sum_duplicates()
-        return A, np.concatenate(self.lb), np.concatenate(self.ub)
 
 
 # Up to this many nodes the stage model also recomputes gradients (a gradient dropped while a big
@@ -185,7 +129,7 @@ class Formulation:
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
                  *, minimize_peak: bool = False, runtime_margin: float = 0.0, tighten: bool = True,
                  cost_cap: float | None = None, window: tuple[int, int] | None = None,
-                 incumbent: Decisions | None = None):
+                 incumbent: Decisions | None = None, window_tensors: np.ndarray | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
@@ -197,7 +141,9 @@ class Formulation:
         self.allow_paging = mode in ("joint", "paging")
         # Stages a..b only, with everything else fixed to ``incumbent`` (solver/lns.py): what it keeps
         # into stages a and b+1 and its page-outs are bounds, its actions in other stages constants.
-        self.window, self.incumbent = window, incumbent
+        # window_tensors: only these tensors get columns there, every other one is left where the
+        # incumbent has it, which must be nowhere in RAM in the window (else WindowMismatch).
+        self.window, self.incumbent, self.window_tensors = window, incumbent, window_tensors
         if window is not None and incumbent is None:
             raise ValueError("a window needs the incumbent plan that fixes the other stages")
         self.milp = self._build()
@@ -236,7 +182,10 @@ class Formulation:
         # Column families are indexed over those alone (StageIndex), so a window costs what it holds.
         a, b = self.window if self.window is not None else (0, T - 1)
         ids = np.arange(T)
-        tensors = ids if self.window is None else np.flatnonzero((ids <= b) & (need >= a))
+        exists = (ids <= b) & (need >= a)
+        if self.window_tensors is not None:
+            exists &= np.isin(ids, self.window_tensors) | (ids >= a)  # the window's own nodes always
+        tensors = ids if self.window is None else np.flatnonzero(exists)
         rows_n = T + 1 if self.window is None else b + 2 - a
 
         def index():
@@ -358,7 +307,7 @@ class Formulation:
             offset *= energy_scale
             c[self.B] = 1.0
 
-        rows = _Rows()
+        rows = Rows()
 
         # (1) a node computed in stage t has each input kept, recomputed or paged in, in stage t
         #     R[t,d] + Min[t,d] + S[t,d] - R[t,k] >= 0   (R[t,t] = 1 as a constant), one row per (t, k, d),
@@ -446,7 +395,7 @@ class Formulation:
         row_lb[row_start:row_start + n_u][own] = nbytes[self.U_k[own]]
         row_ub[row_start:row_start + n_u][own] = nbytes[self.U_k[own]]
 
-        extra = _Rows()
+        extra = Rows()
         if self.minimize_peak:
             extra.add([(self.U, 1.0), (np.full(n_u, self.B), -1.0)], -np.inf, 0.0)
 
@@ -552,13 +501,13 @@ class Formulation:
             vals.append(-1.0)
         return cols, vals
 
-    def _add_suffix_sum_rows(self, extra: "_Rows") -> None:
+    def _add_suffix_sum_rows(self, extra: "Rows") -> None:
         """Q[t,i] - Q[t+1,i] - R[t,i] = 0 (Q past the last recompute stage is 0)."""
         q_t, q_i = self.Q.pairs()
         if len(q_t):
             extra.add([(self.Q[q_t, q_i], 1.0), (self.Q[q_t + 1, q_i], -1.0), (self.R[q_t, q_i], -1.0)], 0.0, 0.0)
 
-    def _add_one_page_out_rows(self, extra: "_Rows", users) -> None:
+    def _add_one_page_out_rows(self, extra: "Rows", users) -> None:
         """(10) One page-out buys every page-in: S[u,i] + sum_{u<=w<=r} R[w,i] + Mout[i] >= 1.
 
         Tensor i is read in stage r (its last reader's own stage), so it is in RAM then; looking back
@@ -580,7 +529,7 @@ class Formulation:
                 rows.append(([int(self.S[u, i]), int(self.Mout[i]), *cols], [1.0, 1.0, *vals]))
         _add_rows_at_least_one(extra, rows)
 
-    def _add_input_kept_rows(self, extra: "_Rows", users, deps) -> None:
+    def _add_input_kept_rows(self, extra: "Rows", users, deps) -> None:
         """(11) To recompute a tensor, something of its input stays: for a recomputable tensor k, an
         input d of k, and a stage u in (d, r] with r the stage of k's last reader,
             S[u,k] + Mout[k] + S[u,d] + Mout[d] + sum_{u<=w<=r} R[w,d] >= 1.
@@ -683,7 +632,7 @@ def _col(index: np.ndarray, *key) -> int:
 DIRECT_RECOMPUTE_TERMS = 8
 
 
-def _add_rows_at_least_one(extra: _Rows, rows: list[tuple[list[int], list[float]]]) -> None:
+def _add_rows_at_least_one(extra: Rows, rows: list[tuple[list[int], list[float]]]) -> None:
     """One row sum(vals * x[cols]) >= 1 per (cols, vals)."""
     if not rows:
         return

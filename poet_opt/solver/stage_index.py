@@ -1,4 +1,4 @@
-"""Column ids of a (stage, tensor) family of MILP variables, stored over the model's own stages and tensors.
+"""The formulation's bookkeeping: column ids of a (stage, tensor) family, and rows accumulated in bulk.
 
 The full formulation has a column family per (stage t, tensor i): keep S[t,i], recompute R[t,i],
 page-in Min[t,i]. Over the whole graph these are dense T x T arrays, which is what the full model
@@ -15,6 +15,7 @@ dense arrays did (slices included), so the full model builds and orders its colu
 from __future__ import annotations
 
 import numpy as np
+import scipy.sparse as sp
 
 
 class StageIndex:
@@ -71,3 +72,59 @@ class StageIndex:
         out = np.full(r.shape, -1, dtype=np.int64)
         out[ok] = self.cols[r[ok], li[ok]]
         return out
+
+
+class Rows:
+    """Accumulates constraint rows as COO triplets, built from numpy arrays in bulk."""
+
+    def __init__(self):
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
+        self.lb: list[np.ndarray] = []
+        self.ub: list[np.ndarray] = []
+        self.count = 0
+
+    def add(self, terms, lb, ub):
+        """terms: list of (col_array, coef_array_or_scalar), all arrays of the same length m; one row
+        per element. Columns < 0 are absent variables and are dropped."""
+        m = len(np.asarray(terms[0][0]))
+        row_ids = np.arange(self.count, self.count + m)
+        for cols, coefs in terms:
+            cols = np.asarray(cols)
+            coefs = np.broadcast_to(np.asarray(coefs, dtype=float), cols.shape)
+            present = cols >= 0
+            self.rows.append(row_ids[present])
+            self.cols.append(cols[present])
+            self.vals.append(coefs[present])
+        self.lb.append(np.broadcast_to(np.asarray(lb, dtype=float), (m,)))
+        self.ub.append(np.broadcast_to(np.asarray(ub, dtype=float), (m,)))
+        self.count += m
+
+    def add_sparse(self, rows, cols, vals):
+        """Extra terms for rows already added (rows are absolute ids)."""
+        rows, cols = np.asarray(rows), np.asarray(cols)
+        present = cols >= 0
+        self.rows.append(rows[present])
+        self.cols.append(cols[present])
+        self.vals.append(np.broadcast_to(np.asarray(vals, dtype=float), rows.shape)[present])
+
+    def add_row(self, cols, vals, lb, ub):
+        """One row over many columns (a budget)."""
+        cols = np.asarray(cols, dtype=np.int64)
+        self.rows.append(np.full(len(cols), self.count))
+        self.cols.append(cols)
+        self.vals.append(np.asarray(vals, dtype=float))
+        self.lb.append(np.array([lb], dtype=float))
+        self.ub.append(np.array([ub], dtype=float))
+        self.count += 1
+
+    def matrix(self, num_vars: int):
+        if not self.rows:
+            return sp.csr_matrix((0, num_vars)), np.zeros(0), np.zeros(0)
+        A = sp.csr_matrix(
+            (np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
+            shape=(self.count, num_vars),
+        )
+        A.sum_duplicates()
+        return A, np.concatenate(self.lb), np.concatenate(self.ub)
