@@ -25,7 +25,7 @@ from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import EARLY_FREE_SHARE, gap_milp_plan, within_reach
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, refuse_on_storage
 from poet_opt.solver.gap_lns import searched_plan
-from poet_opt.solver.lns import BOUND_FIRST_MAX_NODES, EARLY_SHARE, search
+from poet_opt.solver.lns import BOUND_FIRST_MAX_NODES, EARLY_SHARE, search as window_search
 from poet_opt.solver.residency import residency_bound
 from poet_opt.solver.time_budget import check_time_limit_fits, finish_s
 from poet_opt.solver.wear_budget import solve_within_wear
@@ -416,9 +416,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         and graph.streams_weights and len(graph) > BOUND_FIRST_MAX_NODES and not proven_by_floor
     if early and not interrupted():  # the window search first: the bound needs what it leaves (solver/lns.py)
         phase("window search")
-        candidates, note = search(graph, costs, budgets, mode, candidates, deadline=began + time_limit - 2 * reserve,
-                                  share=EARLY_SHARE, settle=True, fits=fits, threads=threads, progress=phase,
-                                  stop_at=floor * (1 + gap))
+        candidates, note = window_search(graph, costs, budgets, mode, candidates, share=EARLY_SHARE,
+                                         deadline=began + time_limit - 2 * reserve, settle=True, fits=fits,
+                                         threads=threads, progress=phase, stop_at=floor * (1 + gap))
         full_note += note
     window = None
     if backend == "highs" and candidates and mode != "none" and not proven_by_floor \
@@ -457,9 +457,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     if skip_full and candidates and backend == "highs" and time_limit is not None and not early and \
             not full_note.startswith("not needed") and not interrupted():  # exact windows, the rest fixed (lns.py)
         phase("window search")
-        candidates, note = search(graph, costs, budgets, mode, candidates, deadline=began + time_limit - 2 * reserve,
-                                  fits=fits, threads=threads, progress=phase,
-                                  stop_at=(floor if window is None else window.bound) * (1 + gap))
+        candidates, note = window_search(graph, costs, budgets, mode, candidates, fits=fits, threads=threads,
+                                         deadline=began + time_limit - 2 * reserve, progress=phase,
+                                         stop_at=(floor if window is None else window.bound) * (1 + gap))
         full_note += note
     if not skip_full and time_limit is not None and backend == "highs" and \
             not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
