@@ -108,7 +108,7 @@ def test_windows_cover_every_dear_stage_the_dearest_first():
 def _fixed_outside(full: Formulation, x: np.ndarray, plan, a: int, b: int):
     """The full model's bounds with every column of stages outside a..b fixed at x (the plan's point):
     its actions there, its keeps into a and b+1 and before, and the page-outs the window may not change
-    (of tensors made outside it, or read back by a page-in outside it)."""
+    (of tensors read back by a page-in outside it)."""
     lb, ub = full.milp.lb.copy(), full.milp.ub.copy()
     for index, inside in ((full.R, lambda t: a <= t <= b), (full.Min, lambda t: a <= t <= b),
                           (full.S, lambda t: a < t <= b)):
@@ -117,7 +117,7 @@ def _fixed_outside(full: Formulation, x: np.ndarray, plan, a: int, b: int):
         lb[cols] = ub[cols] = x[cols]
     read_outside = {i for t, i in plan.page_in if not a <= t <= b}
     for i in np.flatnonzero(full.Mout >= 0):
-        if not a <= i <= b or i in read_outside:
+        if i in read_outside:
             lb[full.Mout[i]] = ub[full.Mout[i]] = x[full.Mout[i]]
     return lb, ub
 

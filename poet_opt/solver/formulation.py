@@ -459,10 +459,12 @@ class Formulation:
         a, b = self.window
         plan, costs = self.incumbent, self.costs
         outs = np.flatnonzero(self.Mout >= 0)
-        # A page-out happens in its tensor's own stage: free within the window, unless a page-in in
-        # another stage reads it back.
+        # A page-out is free unless a page-in in another stage reads it back. It happens in its tensor's
+        # own stage, maybe before the window, but it holds no RAM there: it only costs energy, runtime
+        # and storage, all counted here. So a window that brings a tensor back otherwise wherever the
+        # plan paged it in may leave its page-out out.
         read_outside = np.isin(outs, [i for t, i in plan.page_in if not a <= t <= b])
-        fixed = outs[~((a <= outs) & (outs <= b)) | read_outside]
+        fixed = outs[read_outside]
         lb[self.Mout[fixed]] = ub[self.Mout[fixed]] = np.isin(fixed, list(plan.page_out)).astype(float)
         if any(not self._mo_any[i] for i in plan.page_out):
             raise WindowMismatch("a page-out the model has no column for")

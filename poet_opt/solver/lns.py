@@ -4,7 +4,7 @@ Past a few hundred nodes the full MILP is too large to build within a time limit
 is a heuristic one (the restricted gap MILP's, or a greedy start). Its weak spots are often local: a
 stage that recomputes a long chain because the stage before dropped one tensor too many. The exact
 model of stages a..b (Formulation with ``window``) re-decides every keep, recomputation and page-in
-inside the window, and the page-outs of tensors made there that no other stage reads back; what the
+inside the window, and the page-outs of tensors that no page-in in another stage reads back; what the
 plan keeps into stages a and b+1, and its other page-outs, stay fixed. Any plan it returns, spliced
 into the incumbent, is a valid plan of the full problem, and the incumbent itself is a feasible point
 of it (the MIP start), so a window never makes the plan worse.
