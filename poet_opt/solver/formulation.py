@@ -129,7 +129,8 @@ class Formulation:
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
                  *, minimize_peak: bool = False, runtime_margin: float = 0.0, tighten: bool = True,
                  cost_cap: float | None = None, window: tuple[int, int] | None = None,
-                 incumbent: Decisions | None = None, window_tensors: np.ndarray | None = None):
+                 incumbent: Decisions | None = None, window_tensors: np.ndarray | None = None,
+                 facts: tuple | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
@@ -144,6 +145,9 @@ class Formulation:
         # window_tensors: only these tensors get columns there, every other one is left where the
         # incumbent has it, which must be nowhere in RAM in the window (else WindowMismatch).
         self.window, self.incumbent, self.window_tensors = window, incumbent, window_tensors
+        # facts: (need, compute, users) of horizons() and graph.users(), from a caller that builds many
+        # models of one graph (a window search); only without cost_cap, which changes the horizons
+        self.facts = facts if cost_cap is None else None
         if window is not None and incumbent is None:
             raise ValueError("a window needs the incumbent plan that fixes the other stages")
         self.milp = self._build()
@@ -160,14 +164,18 @@ class Formulation:
         pageable = costs.page_out_j + costs.page_in_j <= cap
         # streamed weights are on storage already: re-reading them is their "recompute"
         pageable &= np.array([node.op != "param" for node in g.nodes], dtype=bool)
-        need, comp = horizons(g, self.allow_remat, recomputable, gradients=recomputes_gradients(g, self.allow_remat))
+        if self.facts is None:
+            gradients = recomputes_gradients(g, self.allow_remat)
+            need, comp = horizons(g, self.allow_remat, recomputable, gradients=gradients)
+        else:
+            need, comp = self.facts[:2]
         self._last_compute = comp
         # Memory rows count in units of the RAM budget, not bytes: next to 0/1 variables, byte-sized
         # coefficients (up to 1e8) left HiGHS numerically fragile, up to wrongly claimed optima.
         self.mem_unit = (float(self.budgets.ram_bytes) if np.isfinite(self.budgets.ram_bytes)
                          else float(max(g.plain_peak_bytes(), 1)))
         nbytes = np.array([node.bytes for node in g.nodes], dtype=float) / self.mem_unit
-        users = g.users()
+        users = g.users() if self.facts is None else self.facts[2]
         deps = [np.array(node.deps, dtype=np.int64) for node in g.nodes]
         ncols = 0
 
@@ -476,7 +484,7 @@ class Formulation:
             held, cols = self.S.row(t)
             kept = np.array([(t, int(i)) in plan.keep for i in held], dtype=bool)
             lb[cols] = ub[cols] = kept.astype(float)
-            if sum(1 for i in plan.keep.runs if (t, i) in plan.keep) != int(kept.sum()):
+            if sum(1 for runs in plan.keep.runs.values() if any(x <= t <= y for x, y in runs)) != int(kept.sum()):
                 raise WindowMismatch(f"a tensor kept into stage {t} that the model has no column for")
         outside = [(t, i) for t, i in plan.recompute if not a <= t <= b]
         paged = [(t, i) for t, i in plan.page_in if not a <= t <= b]
@@ -595,7 +603,7 @@ class Formulation:
             x[self.Q.cols[stages, i]] = np.cumsum(recomputed[::-1])[::-1]
         runs = {(t, t) for t in range(len(self.graph))} | set(decisions.recompute)
         made = runs | set(decisions.page_in)
-        users = self.graph.users()
+        users = self.graph.users() if self.facts is None else self.facts[2]
         for f, t, i, k in zip(self.F, self.F_t, self.F_i, self.F_k):
             t, i, k = int(t), int(i), int(k)
             ok = ((t, k) in made) if k == i else ((t, k) in runs)

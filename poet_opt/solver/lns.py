@@ -153,7 +153,8 @@ def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
         return settle and now - last_gain >= max(SETTLE_S, 0.5 * (now - began))
 
     allow_remat = mode in ("joint", "remat")
-    _, last_compute = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
+    need, last_compute = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
+    facts = (need, last_compute, graph.users())  # the same for every window's model
     width = FIRST_WIDTH
     T = len(graph)
     while time.perf_counter() < deadline and energy > stop_at and not interrupted() and not settled():
@@ -172,7 +173,8 @@ def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
                 too_large += 1
                 continue
             try:
-                form = Formulation(graph, costs, budgets, mode, window=(a, b), incumbent=plan, window_tensors=free)
+                form = Formulation(graph, costs, budgets, mode, window=(a, b), incumbent=plan, window_tensors=free,
+                                   facts=facts)
             except WindowMismatch:
                 stats["skipped"] += 1
                 continue
