@@ -413,7 +413,7 @@ def test_a_paging_start_within_the_gap_of_the_floor_ends_the_search_at_once(monk
     assert len(heuristics.starting_points(graph, costs, budgets, "joint")) > 1
     monkeypatch.setattr(heuristics, "gap_plan", lambda *a, **k: ran.append("gap_plan"))
     monkeypatch.setattr(driver, "gap_milp_plan", lambda *a, **k: ran.append("gap MILP"))
-    monkeypatch.setattr(driver, "improve", lambda *a, **k: ran.append("window search"))
+    monkeypatch.setattr(driver, "window_search", lambda *a, **k: ran.append("window search"))
     monkeypatch.setattr(driver, "FULL_MILP_MAX_DECISIONS", 0)
     schedule = driver.solve(graph, profile, ram=budgets.ram_bytes, gap=0.01, order="given", time_limit=30)
     assert ran == []

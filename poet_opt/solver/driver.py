@@ -25,7 +25,7 @@ from poet_opt.solver.formulation import MODES, Formulation, decision_count
 from poet_opt.solver.gap_milp import EARLY_FREE_SHARE, gap_milp_plan, within_reach
 from poet_opt.solver.heuristics import fits_storage, plan_energy_j, plan_runtime_s, starting_points, refuse_on_storage
 from poet_opt.solver.gap_lns import searched_plan
-from poet_opt.solver.lns import MAX_NODES as LNS_MAX_NODES, improve
+from poet_opt.solver.lns import BOUND_FIRST_MAX_NODES, EARLY_SHARE, search as window_search
 from poet_opt.solver.residency import residency_bound
 from poet_opt.solver.time_budget import check_time_limit_fits, finish_s
 from poet_opt.solver.wear_budget import solve_within_wear
@@ -411,6 +411,15 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         cost_cap = (head - floor) + 1e-9 * head
     if proven_by_floor:
         skip_full, full_note = True, "not needed: the best start is within the gap of the plain-training floor"
+    fits = lambda d: _fitting_plan(graph, costs, budgets, mode, profile, d) is not None  # noqa: E731
+    early = skip_full and bool(candidates) and backend == "highs" and time_limit is not None and mode != "none" \
+        and graph.streams_weights and len(graph) > BOUND_FIRST_MAX_NODES and not proven_by_floor
+    if early and not interrupted():  # the window search first: the bound needs what it leaves (solver/lns.py)
+        phase("window search")
+        candidates, note = window_search(graph, costs, budgets, mode, candidates, share=EARLY_SHARE,
+                                         deadline=began + time_limit - 2 * reserve, settle=True, fits=fits,
+                                         threads=threads, progress=phase, stop_at=floor * (1 + gap))
+        full_note += note
     window = None
     if backend == "highs" and candidates and mode != "none" and not proven_by_floor \
             and (skip_full or full_decisions > WINDOW_BOUND_MIN_DECISIONS) \
@@ -422,16 +431,13 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         limit = WINDOW_BOUND_TIME_S
         if time_limit is not None:
             left = time_limit - (time.perf_counter() - began) - reserve
-            # with the full MILP skipped, the bounds and the window search share what remains (past
-            # the search's MAX_NODES it does not run), the chained bound most of it
-            share = (0.8 if not graph.streams_weights else 0.45) if len(graph) <= LNS_MAX_NODES else 0.9
+            # with the full MILP skipped the bounds and the window search share what is left (lns.py)
+            share = (0.8 if not graph.streams_weights else 0.45) if len(graph) <= BOUND_FIRST_MAX_NODES else 0.9
             limit = share * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
         residency, started = None, time.perf_counter()
         if limit > 0.1 and graph.streams_weights:
-            # streamed weights: what every stage pays for reads and returns (solver/residency.py), first
-            phase("residency bound")
-            # past the window search's size the window bound does not build either: nearly all of it
-            share = RESIDENCY_SHARE if len(graph) <= LNS_MAX_NODES else RESIDENCY_SHARE_LARGE
+            phase("residency bound")  # streamed weights: every stage's reads and returns (residency.py)
+            share = RESIDENCY_SHARE if len(graph) <= BOUND_FIRST_MAX_NODES else RESIDENCY_SHARE_LARGE
             residency = residency_bound(graph, costs, budgets, mode, time_limit=share * limit,
                                         threads=threads, stop_at=best_start * (1 - gap), upper=best_start)
             limit -= time.perf_counter() - started
@@ -448,20 +454,13 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
         if window is not None and not skip_full and \
                 relative_gap(best_start, min(window.bound, best_start)) <= gap:
             skip_full, full_note = True, "not needed: the best start is within the gap of the window bound"
-    if skip_full and candidates and backend == "highs" and time_limit is not None and \
-            not full_note.startswith("not needed") and not interrupted():
-        # The full MILP is out of reach: its exact model over windows of stages, the rest of the best
-        # start fixed, improves that start (solver/lns.py); one more replay checks the result.
-        left = time_limit - (time.perf_counter() - began) - 2 * reserve
-        if left > 1.0:
-            phase("window search")
-            better, searched = improve(graph, costs, budgets, mode, candidates[0], threads=threads,
-                                       deadline=time.perf_counter() + left,
-                                       stop_at=(floor if window is None else window.bound) * (1 + gap))
-            if searched["improved"] and _fitting_plan(graph, costs, budgets, mode, profile, better) is not None:
-                candidates = [better, *candidates]
-                full_note += (f"; a window search improved the best start {searched['improved']} times, by "
-                              f"{searched['saved_j']:.4g} J")
+    if skip_full and candidates and backend == "highs" and time_limit is not None and not early and \
+            not full_note.startswith("not needed") and not interrupted():  # exact windows, the rest fixed (lns.py)
+        phase("window search")
+        candidates, note = window_search(graph, costs, budgets, mode, candidates, fits=fits, threads=threads,
+                                         deadline=began + time_limit - 2 * reserve, progress=phase,
+                                         stop_at=(floor if window is None else window.bound) * (1 + gap))
+        full_note += note
     if not skip_full and time_limit is not None and backend == "highs" and \
             not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
         # The build is one numpy/scipy call chain that cannot be stopped: not started unless it fits.

@@ -36,6 +36,7 @@ import scipy.sparse as sp
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, Decisions, storage_limits
+from poet_opt.solver.stage_index import Rows, StageIndex
 
 MODES = ("joint", "remat", "paging", "none")
 
@@ -65,62 +66,6 @@ class Milp:
     @property
     def num_rows(self) -> int:
         return self.A.shape[0]
-
-
-class _Rows:
-    """Accumulates constraint rows as COO triplets, built from numpy arrays in bulk."""
-
-    def __init__(self):
-        self.rows: list[np.ndarray] = []
-        self.cols: list[np.ndarray] = []
-        self.vals: list[np.ndarray] = []
-        self.lb: list[np.ndarray] = []
-        self.ub: list[np.ndarray] = []
-        self.count = 0
-
-    def add(self, terms, lb, ub):
-        """terms: list of (col_array, coef_array_or_scalar), all arrays of the same length m; one row
-        per element. Columns < 0 are absent variables and are dropped."""
-        m = len(np.asarray(terms[0][0]))
-        row_ids = np.arange(self.count, self.count + m)
-        for cols, coefs in terms:
-            cols = np.asarray(cols)
-            coefs = np.broadcast_to(np.asarray(coefs, dtype=float), cols.shape)
-            present = cols >= 0
-            self.rows.append(row_ids[present])
-            self.cols.append(cols[present])
-            self.vals.append(coefs[present])
-        self.lb.append(np.broadcast_to(np.asarray(lb, dtype=float), (m,)))
-        self.ub.append(np.broadcast_to(np.asarray(ub, dtype=float), (m,)))
-        self.count += m
-
-    def add_sparse(self, rows, cols, vals):
-        """Extra terms for rows already added (rows are absolute ids)."""
-        rows, cols = np.asarray(rows), np.asarray(cols)
-        present = cols >= 0
-        self.rows.append(rows[present])
-        self.cols.append(cols[present])
-        self.vals.append(np.broadcast_to(np.asarray(vals, dtype=float), rows.shape)[present])
-
-    def add_row(self, cols, vals, lb, ub):
-        """One row over many columns (a budget)."""
-        cols = np.asarray(cols, dtype=np.int64)
-        self.rows.append(np.full(len(cols), self.count))
-        self.cols.append(cols)
-        self.vals.append(np.asarray(vals, dtype=float))
-        self.lb.append(np.array([lb], dtype=float))
-        self.ub.append(np.array([ub], dtype=float))
-        self.count += 1
-
-    def matrix(self, num_vars: int):
-        if not self.rows:
-            return sp.csr_matrix((0, num_vars)), np.zeros(0), np.zeros(0)
-        A = sp.csr_matrix(
-            (np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
-            shape=(self.count, num_vars),
-        )
-        A.sum_duplicates()
-        return A, np.concatenate(self.lb), np.concatenate(self.ub)
 
 
 # Up to this many nodes the stage model also recomputes gradients (a gradient dropped while a big
@@ -184,7 +129,8 @@ class Formulation:
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str = "joint",
                  *, minimize_peak: bool = False, runtime_margin: float = 0.0, tighten: bool = True,
                  cost_cap: float | None = None, window: tuple[int, int] | None = None,
-                 incumbent: Decisions | None = None):
+                 incumbent: Decisions | None = None, window_tensors: np.ndarray | None = None,
+                 facts: tuple | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.graph, self.costs, self.budgets, self.mode = graph, costs, budgets, mode
@@ -196,7 +142,12 @@ class Formulation:
         self.allow_paging = mode in ("joint", "paging")
         # Stages a..b only, with everything else fixed to ``incumbent`` (solver/lns.py): what it keeps
         # into stages a and b+1 and its page-outs are bounds, its actions in other stages constants.
-        self.window, self.incumbent = window, incumbent
+        # window_tensors: only these tensors get columns there, every other one is left where the
+        # incumbent has it, which must be nowhere in RAM in the window (else WindowMismatch).
+        self.window, self.incumbent, self.window_tensors = window, incumbent, window_tensors
+        # facts: (need, compute, users) of horizons() and graph.users(), from a caller that builds many
+        # models of one graph (a window search); only without cost_cap, which changes the horizons
+        self.facts = facts if cost_cap is None else None
         if window is not None and incumbent is None:
             raise ValueError("a window needs the incumbent plan that fixes the other stages")
         self.milp = self._build()
@@ -213,16 +164,19 @@ class Formulation:
         pageable = costs.page_out_j + costs.page_in_j <= cap
         # streamed weights are on storage already: re-reading them is their "recompute"
         pageable &= np.array([node.op != "param" for node in g.nodes], dtype=bool)
-        need, comp = horizons(g, self.allow_remat, recomputable, gradients=recomputes_gradients(g, self.allow_remat))
+        if self.facts is None:
+            gradients = recomputes_gradients(g, self.allow_remat)
+            need, comp = horizons(g, self.allow_remat, recomputable, gradients=gradients)
+        else:
+            need, comp = self.facts[:2]
         self._last_compute = comp
         # Memory rows count in units of the RAM budget, not bytes: next to 0/1 variables, byte-sized
         # coefficients (up to 1e8) left HiGHS numerically fragile, up to wrongly claimed optima.
         self.mem_unit = (float(self.budgets.ram_bytes) if np.isfinite(self.budgets.ram_bytes)
                          else float(max(g.plain_peak_bytes(), 1)))
         nbytes = np.array([node.bytes for node in g.nodes], dtype=float) / self.mem_unit
-        users = g.users()
+        users = g.users() if self.facts is None else self.facts[2]
         deps = [np.array(node.deps, dtype=np.int64) for node in g.nodes]
-        tt, ii = np.tril_indices(T, -1)  # all (t, i) with i < t
         ncols = 0
 
         def alloc(mask_count):
@@ -231,38 +185,57 @@ class Formulation:
             ncols += mask_count
             return np.arange(start, ncols)
 
-        # R[t,i], i < t: recompute, only for nodes that may be computed after their own stage.
+        # The model's stages and tensors: all of them, or in a window a..b its stages (keeps into b+1
+        # too) and the tensors that exist there, made by stage b and readable in stage a or later.
+        # Column families are indexed over those alone (StageIndex), so a window costs what it holds.
         a, b = self.window if self.window is not None else (0, T - 1)
-        staged = (a <= tt) & (tt <= b)  # a stage the model decides
-        r_mask = (tt <= comp[ii]) & staged  # without remat, comp allows only streamed weights to be read again
-        self.R = np.full((T, T), -1, dtype=np.int64)
-        self.R[tt[r_mask], ii[r_mask]] = alloc(int(r_mask.sum()))
+        ids = np.arange(T)
+        exists = (ids <= b) & (need >= a)
+        if self.window_tensors is not None:
+            exists &= np.isin(ids, self.window_tensors) | (ids >= a)  # the window's own nodes always
+        tensors = ids if self.window is None else np.flatnonzero(exists)
+        rows_n = T + 1 if self.window is None else b + 2 - a
 
-        # Mout[i]: paging out is useful only for a tensor read in some later stage.
-        mo_mask = (need > np.arange(T)) & pageable if self.allow_paging else np.zeros(T, dtype=bool)
+        def index():
+            return StageIndex(a, rows_n, tensors, T)
+
+        self.R, self.Min, self.S = index(), index(), index()
+        tl, il = self.R.stages(), tensors[None, :]  # global stage and tensor of each cell
+        earlier = il < tl  # i < t
+        staged = tl <= b  # a stage the model decides (not the keeps into b+1)
+
+        # R[t,i], i < t: recompute, only for nodes that may be computed after their own stage.
+        r_mask = earlier & (tl <= comp[il]) & staged  # without remat, comp allows only streamed weights read again
+        self.R.assign(r_mask, alloc(int(r_mask.sum())))
+
+        # Mout[i]: paging out is useful only for a tensor read in some later stage. A window has the
+        # column only for its own tensors; the rest are the incumbent's, constants (_fix_outside).
+        self._mo_any = (need > ids) & pageable if self.allow_paging else np.zeros(T, dtype=bool)
+        mo_mask = self._mo_any & (self.R.loc >= 0)
         self.Mout = np.full(T, -1, dtype=np.int64)
         self.Mout[mo_mask] = alloc(int(mo_mask.sum()))
+        self._fixed_outs = np.zeros(0, dtype=np.int64)  # a window's constant page-outs (_fix_outside)
 
         # Min[t,i], i < t: page in, while something could still read it.
-        mi_mask = (tt <= need[ii]) & mo_mask[ii] & staged
-        self.Min = np.full((T, T), -1, dtype=np.int64)
-        self.Min[tt[mi_mask], ii[mi_mask]] = alloc(int(mi_mask.sum()))
+        mi_mask = earlier & (tl <= need[il]) & mo_mask[il] & staged
+        self.Min.assign(mi_mask, alloc(int(mi_mask.sum())))
 
         # S[t,i], i < t <= need[i]: in RAM at the start of stage t.
-        s_mask = (tt <= need[ii]) & (a <= tt) & (tt <= b + 1)
-        self.S = np.full((T + 1, T), -1, dtype=np.int64)
-        self.S[tt[s_mask], ii[s_mask]] = alloc(int(s_mask.sum()))
+        s_mask = earlier & (tl <= need[il])
+        self.S.assign(s_mask, alloc(int(s_mask.sum())))
 
         # computable[t,k]: node k may be computed in stage t (k == t, or a recompute variable exists)
-        computable = self.R >= 0
-        computable[np.arange(T), np.arange(T)] = True
-        materializable = computable | (self.Min >= 0)
+        own_r, own_l = ids[a:b + 1] - a, self.R.loc[ids[a:b + 1]]  # (row, local) of node t in stage t
+        computable = self.R.cols >= 0
+        computable[own_r, own_l] = True
+        materializable = computable | (self.Min.cols >= 0)
         # A stage whose every tensor that could be in RAM at all fits the budget together can never
         # break it: it needs no memory accounting (no U chain, no releases, no boundary row). At 0.7 of
         # the peak that is over half the stages of the 100-node random graph.
-        could_hold = (materializable | (self.S[:T] >= 0)).astype(float) @ nbytes
-        self.accounted = np.ones(T, dtype=bool) if self.minimize_peak else could_hold > 1.0 - 1e-9
-        self.accounted[:a] = self.accounted[b + 1:] = False
+        could_hold = (materializable | (self.S.cols >= 0)).astype(float) @ nbytes[tensors]
+        self.accounted = np.zeros(T, dtype=bool)
+        self.accounted[a:b + 1] = True if self.minimize_peak else could_hold[:b + 1 - a] > 1.0 - 1e-9
+        accounted_rows = np.append(self.accounted, False)[tl]  # per cell of the index arrays
 
         # FREE[t,i,k]: release i after position k of stage t. Candidates: k reads i, or k == i
         # (a tensor nobody reads later in the stage goes right after it is made).
@@ -271,34 +244,35 @@ class Formulation:
         n_deps = np.array([len(d) for d in deps], dtype=np.int64)
         dep_start = np.concatenate([[0], np.cumsum(n_deps)[:-1]]).astype(np.int64)
         dep_flat = np.concatenate(deps).astype(np.int64) if T else np.zeros(0, dtype=np.int64)
-        reads = np.zeros((T, T), dtype=bool)  # reads[t, i]: node t reads tensor i
-        reads[np.repeat(np.arange(T), n_deps), dep_flat] = True
-        ct, ck = np.nonzero(np.tril(computable))
-        ct, ck = ct[(a <= ct) & (ct <= b)], ck[(a <= ct) & (ct <= b)]
-        fct, fck = np.nonzero(np.tril(computable) & self.accounted[:, None])
+        edges = np.unique(np.repeat(ids, n_deps) * T + dep_flat)  # reads(t, i): node t reads tensor i
+
+        def reads(t, i):
+            return np.isin(t * T + i, edges)
+
+        ct, ck = self.R.to_global(*np.nonzero(computable))
+        fct, fck = self.R.to_global(*np.nonzero(computable & accounted_rows))
         per_pair = n_deps[fck] + 1
         f_t, f_k = np.repeat(fct, per_pair), np.repeat(fck, per_pair)
         within = np.arange(int(per_pair.sum())) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
         is_self = within == n_deps[f_k]
         f_i = np.where(is_self, f_k, dep_flat[np.minimum(dep_start[f_k] + within, max(len(dep_flat) - 1, 0))]
                        if len(dep_flat) else f_k)
-        ok = ~(reads[f_t, f_i] & (f_t > f_k))
+        ok = ~(reads(f_t, f_i) & (f_t > f_k))
         self.F_t, self.F_i, self.F_k = f_t[ok], f_i[ok], f_k[ok]
         self.F = alloc(int(ok.sum()))
 
         # U at every materializable position of every stage (continuous, in units of mem_unit).
-        u_t, u_k = np.nonzero(np.tril(materializable) & self.accounted[:, None])
+        u_t, u_k = self.R.to_global(*np.nonzero(materializable & accounted_rows))
         self.U_t, self.U_k = u_t, u_k
         self.U = alloc(len(u_t))
         self.B = alloc(1)[0] if self.minimize_peak else -1
         # Q[t,i] = sum over stages w >= t of R[w,i]: suffix sums that rows (10) and (11) use in place
         # of a long run of recompute terms (a chain of two-term rows instead of O(T) terms per row).
         # Only for tensors with more recompute variables than it pays to list.
-        self.Q = np.full((T + 1, T), -1, dtype=np.int64)
+        self.Q = index()
         if self.tighten and not self.minimize_peak:
-            r_count = (self.R >= 0).sum(axis=0)
-            q_t, q_i = np.nonzero((self.R >= 0) & (r_count > DIRECT_RECOMPUTE_TERMS)[None, :])
-            self.Q[q_t, q_i] = alloc(len(q_t))
+            long_runs = (self.R.cols >= 0) & ((self.R.cols >= 0).sum(axis=0) > DIRECT_RECOMPUTE_TERMS)[None, :]
+            self.Q.assign(long_runs, alloc(int(long_runs.sum())))
         n_vars = ncols
 
         # -- bounds, objective -----------------------------------------------------------------
@@ -308,7 +282,7 @@ class Formulation:
         ram_cap = np.inf if self.minimize_peak else 1.0
         ub[self.U] = ram_cap
         integrality[self.U] = 0
-        q_cols = self.Q[self.Q >= 0]
+        q_cols = self.Q.cols[self.Q.cols >= 0]
         ub[q_cols] = np.inf
         integrality[q_cols] = 0
         # Releases stay binary. Continuous would be exact too (each is bounded above by binaries only, so
@@ -324,9 +298,9 @@ class Formulation:
             integrality[self.B] = 0
 
         c = np.zeros(n_vars)
-        rr, ri = np.nonzero(self.R >= 0)
+        rr, ri = self.R.pairs()
         c[self.R[rr, ri]] = costs.compute_j[ri]
-        mr, mi = np.nonzero(self.Min >= 0)
+        mr, mi = self.Min.pairs()
         c[self.Min[mr, mi]] = costs.page_in_j[mi]
         mo = np.flatnonzero(self.Mout >= 0)
         c[self.Mout[mo]] = costs.page_out_j[mo]
@@ -341,7 +315,7 @@ class Formulation:
             offset *= energy_scale
             c[self.B] = 1.0
 
-        rows = _Rows()
+        rows = Rows()
 
         # (1) a node computed in stage t has each input kept, recomputed or paged in, in stage t
         #     R[t,d] + Min[t,d] + S[t,d] - R[t,k] >= 0   (R[t,t] = 1 as a constant), one row per (t, k, d),
@@ -356,8 +330,7 @@ class Formulation:
                  np.where(own, 1.0, 0.0), np.inf)
 
         # (2) kept into stage t+1 only if resident during stage t:  S[t+1,i] <= S[t,i] + R[t,i] + Min[t,i]
-        st, si = np.nonzero(self.S[1:] >= 0)
-        st = st + 1  # stage of the kept copy
+        st, si = self.S.pairs(self.S.stages() >= 1)  # stage of the kept copy
         prev = st - 1
         later = (prev > si) & (prev >= a)  # at prev == i the node was just computed: always possible
         rows.add([(self.S[st[later], si[later]], 1.0), (self.S[prev[later], si[later]], -1.0),
@@ -365,7 +338,7 @@ class Formulation:
                  -np.inf, 0.0)
 
         # (3) at most one of kept / recomputed / paged in per stage
-        tt2, ii2 = np.nonzero((self.S[:T] >= 0) & ((self.R >= 0) | (self.Min >= 0)))
+        tt2, ii2 = self.S.pairs((self.R.cols >= 0) | (self.Min.cols >= 0))
         rows.add([(self.S[tt2, ii2], 1.0), (self.R[tt2, ii2], 1.0), (self.Min[tt2, ii2], 1.0)], -np.inf, 1.0)
 
         # (4) page in only what was paged out
@@ -412,8 +385,8 @@ class Formulation:
         has_prev[1:] = U_t[1:] == U_t[:-1]
         rows.add_sparse(u_rows[has_prev], self.U[np.flatnonzero(has_prev) - 1], -1.0)
         # a release after position k of stage t lowers U at the next position of that stage
-        u_at = np.full((T, T), -1, dtype=np.int64)
-        u_at[U_t, U_k] = np.arange(n_u)
+        u_at = StageIndex(a, rows_n, tensors, T)
+        u_at.assign(materializable & accounted_rows, np.arange(n_u))  # U's order: the same cells
         f_pos = u_at[Ft, Fk]
         nxt = f_pos + 1
         counted = nxt < n_u
@@ -422,7 +395,7 @@ class Formulation:
         # the first position of a stage starts from the tensors kept into it
         first_row = np.full(T, -1, dtype=np.int64)
         first_row[U_t[~has_prev]] = u_rows[~has_prev]
-        kt, ki = np.nonzero((self.S[:T] >= 0) & self.accounted[:, None])
+        kt, ki = self.S.pairs(accounted_rows)
         rows.add_sparse(first_row[kt], self.S[kt, ki], -nbytes[ki])
         A, row_lb, row_ub = rows.matrix(n_vars)
         # constants: U[t,t] includes bytes(t) for the node computed in its own stage
@@ -430,7 +403,7 @@ class Formulation:
         row_lb[row_start:row_start + n_u][own] = nbytes[self.U_k[own]]
         row_ub[row_start:row_start + n_u][own] = nbytes[self.U_k[own]]
 
-        extra = _Rows()
+        extra = Rows()
         if self.minimize_peak:
             extra.add([(self.U, 1.0), (np.full(n_u, self.B), -1.0)], -np.inf, 0.0)
 
@@ -449,8 +422,9 @@ class Formulation:
         # (8) storage: what the paged tensors occupy (whole sectors or erase blocks) within what is
         #     free, and the erase blocks their page-outs wear per step within a wear budget
         for per_tensor, limit in (storage_limits(costs, self.budgets) if len(mo) else ()):
-            if limit > 0:  # the row in units of its limit, as for memory
-                extra.add_row(self.Mout[mo], per_tensor[mo] / limit, -np.inf, 1.0)
+            if limit > 0:  # the row in units of its limit, as for memory (less a window's fixed page-outs)
+                extra.add_row(self.Mout[mo], per_tensor[mo] / limit, -np.inf,
+                              1.0 - float(per_tensor[self._fixed_outs].sum()) / limit)
             else:  # no storage at all (a wear budget the medium cannot meet): no page-out
                 ub[self.Mout[mo]] = 0.0
 
@@ -458,8 +432,9 @@ class Formulation:
             # (9) stage boundaries as pure-binary knapsacks: what is kept into stage t+1 was resident
             #     when node t ran, beside t's inputs and output. Implied by the U chain in the LP,
             #     but written over binaries alone HiGHS's cover separators can cut on it.
-            kt1, ki1 = np.nonzero((self.S[1:T + 1] >= 0) & self.accounted[:, None])
-            optional = ~reads[kt1, ki1] & (ki1 != kt1)
+            kt1, ki1 = self.S.pairs(np.append(self.accounted, False)[self.S.stages() - 1])
+            kt1 = kt1 - 1  # kept into kt1 + 1: resident while node kt1 ran
+            optional = ~reads(kt1, ki1) & (ki1 != kt1)
             kt1, ki1 = kt1[optional], ki1[optional]
             fixed = nbytes.copy()
             np.add.at(fixed, np.repeat(np.arange(T), n_deps), nbytes[dep_flat])
@@ -492,27 +467,31 @@ class Formulation:
         a, b = self.window
         plan, costs = self.incumbent, self.costs
         outs = np.flatnonzero(self.Mout >= 0)
-        # A page-out happens in its tensor's own stage: free within the window, unless a page-in in
-        # another stage reads it back.
+        # A page-out is free unless a page-in in another stage reads it back. It happens in its tensor's
+        # own stage, maybe before the window, but it holds no RAM there: it only costs energy, runtime
+        # and storage, all counted here. So a window that brings a tensor back otherwise wherever the
+        # plan paged it in may leave its page-out out.
         read_outside = np.isin(outs, [i for t, i in plan.page_in if not a <= t <= b])
-        fixed = outs[~((a <= outs) & (outs <= b)) | read_outside]
+        fixed = outs[read_outside]
         lb[self.Mout[fixed]] = ub[self.Mout[fixed]] = np.isin(fixed, list(plan.page_out)).astype(float)
-        if any(self.Mout[i] < 0 for i in plan.page_out):
+        if any(not self._mo_any[i] for i in plan.page_out):
             raise WindowMismatch("a page-out the model has no column for")
+        # the page-outs of tensors the window has no column for are constants (energy, runtime, storage)
+        self._fixed_outs = np.array(sorted(i for i in plan.page_out if self.Mout[i] < 0), dtype=np.int64)
         for t in (a, b + 1):
             if t >= len(self.graph):
                 continue
-            cols = np.flatnonzero(self.S[t] >= 0)
-            kept = np.array([(t, int(i)) in plan.keep for i in cols], dtype=bool)
-            lb[self.S[t, cols]] = ub[self.S[t, cols]] = kept.astype(float)
-            if sum(1 for i in plan.keep.runs if (t, i) in plan.keep) != int(kept.sum()):
+            held, cols = self.S.row(t)
+            kept = np.array([(t, int(i)) in plan.keep for i in held], dtype=bool)
+            lb[cols] = ub[cols] = kept.astype(float)
+            if sum(1 for runs in plan.keep.runs.values() if any(x <= t <= y for x, y in runs)) != int(kept.sum()):
                 raise WindowMismatch(f"a tensor kept into stage {t} that the model has no column for")
         outside = [(t, i) for t, i in plan.recompute if not a <= t <= b]
         paged = [(t, i) for t, i in plan.page_in if not a <= t <= b]
         energy = math.fsum([offset, *(float(costs.compute_j[i]) for _, i in outside),
-                            *(float(costs.page_in_j[i]) for _, i in paged)])
+                            *(float(costs.page_in_j[i]) for _, i in paged), *costs.page_out_j[self._fixed_outs]])
         runtime = math.fsum([*(float(costs.compute_s[i]) for _, i in outside),
-                             *(float(costs.page_in_s[i]) for _, i in paged)])
+                             *(float(costs.page_in_s[i]) for _, i in paged), *costs.page_out_s[self._fixed_outs]])
         return energy, runtime
 
     def _recomputes_between(self, i: int, u: int, r: int) -> tuple[list[int], list[float]]:
@@ -524,7 +503,7 @@ class Formulation:
             return [], []
         a = max(u, i + 1)
         if self.Q[a, i] < 0:
-            cols = self.R[a:min(r, last) + 1, i].tolist()
+            cols = self.R[np.arange(a, min(r, last) + 1), i].tolist()
             return cols, [1.0] * len(cols)
         cols, vals = [int(self.Q[a, i])], [1.0]
         if self.Q[r + 1, i] >= 0:
@@ -532,13 +511,13 @@ class Formulation:
             vals.append(-1.0)
         return cols, vals
 
-    def _add_suffix_sum_rows(self, extra: "_Rows") -> None:
+    def _add_suffix_sum_rows(self, extra: "Rows") -> None:
         """Q[t,i] - Q[t+1,i] - R[t,i] = 0 (Q past the last recompute stage is 0)."""
-        q_t, q_i = np.nonzero(self.Q[: len(self.graph)] >= 0)
+        q_t, q_i = self.Q.pairs()
         if len(q_t):
             extra.add([(self.Q[q_t, q_i], 1.0), (self.Q[q_t + 1, q_i], -1.0), (self.R[q_t, q_i], -1.0)], 0.0, 0.0)
 
-    def _add_one_page_out_rows(self, extra: "_Rows", users) -> None:
+    def _add_one_page_out_rows(self, extra: "Rows", users) -> None:
         """(10) One page-out buys every page-in: S[u,i] + sum_{u<=w<=r} R[w,i] + Mout[i] >= 1.
 
         Tensor i is read in stage r (its last reader's own stage), so it is in RAM then; looking back
@@ -560,7 +539,7 @@ class Formulation:
                 rows.append(([int(self.S[u, i]), int(self.Mout[i]), *cols], [1.0, 1.0, *vals]))
         _add_rows_at_least_one(extra, rows)
 
-    def _add_input_kept_rows(self, extra: "_Rows", users, deps) -> None:
+    def _add_input_kept_rows(self, extra: "Rows", users, deps) -> None:
         """(11) To recompute a tensor, something of its input stays: for a recomputable tensor k, an
         input d of k, and a stage u in (d, r] with r the stage of k's last reader,
             S[u,k] + Mout[k] + S[u,d] + Mout[d] + sum_{u<=w<=r} R[w,d] >= 1.
@@ -591,7 +570,7 @@ class Formulation:
         on = np.asarray(x) > 0.5
 
         def pairs(index):
-            t, i = np.nonzero(index >= 0)
+            t, i = index.pairs()
             chosen = on[index[t, i]]
             return frozenset(zip(t[chosen].tolist(), i[chosen].tolist()))
 
@@ -599,8 +578,8 @@ class Formulation:
         return Decisions(
             recompute=pairs(self.R),
             page_in=pairs(self.Min),
-            page_out=frozenset(outs[on[self.Mout[outs]]].tolist()),
-            keep=pairs(self.S[: len(self.graph)]),
+            page_out=frozenset(outs[on[self.Mout[outs]]].tolist() + self._fixed_outs.tolist()),
+            keep=pairs(self.S),
         )
 
     def encode(self, decisions: Decisions) -> np.ndarray | None:
@@ -612,19 +591,19 @@ class Formulation:
                 x[_col(self.R, t, i)] = 1
             for t, i in decisions.page_in:
                 x[_col(self.Min, t, i)] = 1
-            for i in decisions.page_out:
+            for i in set(decisions.page_out).difference(self._fixed_outs.tolist()):  # the rest: constants
                 x[_col(self.Mout, i)] = 1
             for t, i in decisions.keep:
                 x[_col(self.S, t, i)] = 1
         except KeyError:
             return None
-        for i in np.flatnonzero((self.Q >= 0).any(axis=0)):
-            stages = np.flatnonzero(self.Q[:, i] >= 0)
-            recomputed = x[self.R[stages, i]]
-            x[self.Q[stages, i]] = np.cumsum(recomputed[::-1])[::-1]
+        for i in np.flatnonzero((self.Q.cols >= 0).any(axis=0)):  # local tensor columns
+            stages = np.flatnonzero(self.Q.cols[:, i] >= 0)
+            recomputed = x[self.R.cols[stages, i]]
+            x[self.Q.cols[stages, i]] = np.cumsum(recomputed[::-1])[::-1]
         runs = {(t, t) for t in range(len(self.graph))} | set(decisions.recompute)
         made = runs | set(decisions.page_in)
-        users = self.graph.users()
+        users = self.graph.users() if self.facts is None else self.facts[2]
         for f, t, i, k in zip(self.F, self.F_t, self.F_i, self.F_k):
             t, i, k = int(t), int(i), int(k)
             ok = ((t, k) in made) if k == i else ((t, k) in runs)
@@ -663,7 +642,7 @@ def _col(index: np.ndarray, *key) -> int:
 DIRECT_RECOMPUTE_TERMS = 8
 
 
-def _add_rows_at_least_one(extra: _Rows, rows: list[tuple[list[int], list[float]]]) -> None:
+def _add_rows_at_least_one(extra: Rows, rows: list[tuple[list[int], list[float]]]) -> None:
     """One row sum(vals * x[cols]) >= 1 per (cols, vals)."""
     if not rows:
         return
