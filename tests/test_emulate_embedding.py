@@ -104,9 +104,10 @@ def test_a_batch_of_other_than_the_table_s_token_ids_is_refused_as_run_refuses_i
 def test_token_ids_for_a_model_of_features_are_refused_in_one_line(tmp_path):
     data = tmp_path / "ids.npz"
     np.savez(data, x=np.zeros((1, 784), np.int64), y=np.array([0]))
-    ran = cli("emulate", "--model", "mlp", "--device", "nrf52840", "--ram", "200KiB", "--steps", "1", "--lr", LR,
-              "--data", data)
-    assert_one_line_error(ran, "--data", "int64", "expected float32", "not token ids")
+    for command in ("emulate", "run"):  # the same line from both (run's own data tests: test_run_embedding.py)
+        ran = cli(command, "--model", "mlp", "--device", "nrf52840", "--ram", "200KiB", "--steps", "1", "--lr", LR,
+                  "--data", data)
+        assert_one_line_error(ran, "--data", "int64", "expected float32", "not token ids")
 
 
 def test_an_eval_set_of_floats_for_a_model_of_token_ids_names_eval(tmp_path):

@@ -74,31 +74,6 @@ def test_run_trains_an_embedding_of_token_ids_as_torch_sgd(tmp_path):
     assert moved > 1e-4  # the gradient reached the table: the rows of the ids seen moved
 
 
-@pytest.mark.parametrize("fault, needle", [
-    ("float", "expected integers"),
-    ("outside", "must lie in [0, 100)"),
-    ("negative", "must lie in [0, 100)"),
-])
-def test_a_batch_of_other_than_the_table_s_token_ids_is_refused_in_one_line(fault, needle, tmp_path):
-    rng = np.random.default_rng(1)
-    x = {"float": rng.standard_normal((2, 16)).astype(np.float32),
-         "outside": np.full((2, 16), 100, np.int64),
-         "negative": np.full((2, 16), -1, np.int32)}[fault]
-    data = tmp_path / "bad.npz"
-    np.savez(data, x=x, y=np.array([0, 1]))
-    ran = cli("run", "--torch", BAG, "--input-shape", "2,16", "--device", "rpi4", "--ram", "1MiB",
-              "--steps", "1", "--lr", LR, "--data", data)
-    assert_one_line_error(ran, "--data", needle)
-
-
-def test_token_ids_for_a_model_of_features_are_refused_in_one_line(tmp_path):
-    data = tmp_path / "ids.npz"
-    np.savez(data, x=np.zeros((1, 784), np.int64), y=np.array([0]))
-    ran = cli("run", "--model", "mlp", "--device", "rpi4", "--ram", "1MiB", "--weights", "resident", "--steps", "1",
-              "--lr", LR, "--data", data)
-    assert_one_line_error(ran, "--data", "int64", "expected float32", "not token ids")
-
-
 def small_bert():
     """bert-base's twin (model/zoo_twins.py: word and position tables, post-LN blocks, a pooler on
     the [CLS] token, a 2-class head) at toy sizes: what tests can run of it in seconds. Its position
