@@ -18,7 +18,8 @@ import threading
 import traceback
 from pathlib import Path
 
-from poet_opt.signals import end_unless_ended, install_early, leave_at_once, redeliver_lost_signals, signal_behind
+from poet_opt.signals import (command_ending, end_unless_ended, install_early, leave_at_once, redeliver_lost_signals,
+                              signal_behind)
 
 install_early(__name__)
 
@@ -52,6 +53,7 @@ def _raise_terminated(signum, frame):
 
 
 def _fail(message: str, code: int) -> None:
+    command_ending()  # a signal lost earlier and sent again now would replace this exit (signals.py)
     click.echo(f"poet-opt: {' '.join(str(message).split())}", err=True)
     sys.exit(code)
 
@@ -292,6 +294,7 @@ def solve(model, graph_file, device, ram, runtime, mode, backend, time_limit, or
         write_text_atomic(header, export_file, field="--export")
     click.echo(text)
     if schedule.solver["status"] == "interrupted":  # the best plan found is out; the run still ended early
+        command_ending()
         sys.exit(EXIT_INTERRUPTED)
 
 

@@ -53,6 +53,20 @@ def end_unless_ended(code: int, after_s: float = TERMINATE_GRACE_S) -> None:
 REDELIVER_AFTER_S = 0.02
 
 
+# Set once the command has decided how it ends (its exit code and message): a lost signal's re-sending
+# stops there. Seen in CI: a Ctrl-C during `run`'s solve both stopped the solve and, lost in a
+# finalizer on the way, was sent again 20 ms later, while `run` was leaving with 130 after printing
+# "interrupted": that second KeyboardInterrupt replaced the exit, and Python left through SIGINT (-2).
+_ENDING = threading.Event()
+_SENDING = threading.Lock()
+
+
+def command_ending() -> None:
+    """The command has decided how it ends: no lost signal is sent again after this returns."""
+    with _SENDING:
+        _ENDING.set()
+
+
 def redeliver_lost_signals():
     """While a command runs: a Ctrl-C or SIGTERM whose exception is raised inside a finalizer (a
     __del__, a weakref callback such as importlib's module locks', run by a garbage collection or a
@@ -63,13 +77,17 @@ def redeliver_lost_signals():
     import _thread
 
     previous = sys.unraisablehook
+    _ENDING.clear()
 
     def again(signum: int) -> None:
         time.sleep(REDELIVER_AFTER_S)
-        if hasattr(signal, "pthread_kill"):  # a real signal: it also ends a blocking call (a sleep, a read)
-            signal.pthread_kill(threading.main_thread().ident, signum)
-        else:
-            _thread.interrupt_main(signum)
+        with _SENDING:
+            if _ENDING.is_set():  # the command ends already: a second signal would only change how
+                return
+            if hasattr(signal, "pthread_kill"):  # a real signal: it also ends a blocking call (a sleep, a read)
+                signal.pthread_kill(threading.main_thread().ident, signum)
+            else:
+                _thread.interrupt_main(signum)
 
     def hook(unraisable) -> None:
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
@@ -83,6 +101,7 @@ def redeliver_lost_signals():
     sys.unraisablehook = hook
 
     def undo() -> None:
+        command_ending()
         sys.unraisablehook = previous
 
     return undo
