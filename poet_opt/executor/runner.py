@@ -28,6 +28,7 @@ from poet_opt.errors import PoetError
 from poet_opt.executor.kernels import Kernels
 from poet_opt.model.batch import check_labels, check_x
 from poet_opt.model.network import Network
+from poet_opt.schedule.walk import walk_document
 
 STORAGE_FIELD = "--storage"
 SCHEDULE_FIELD = "--schedule"
@@ -286,7 +287,6 @@ class ScheduleExecutor:
         k.x, k.y = self._check_batch(x, y)
         table: dict = {}
         grads: dict = {}
-        computed: set[int] = set()
         live = peak = 0
         written0 = self.storage.bytes_written if self.storage else 0
         read0 = self.storage.bytes_read if self.storage else 0
@@ -298,7 +298,7 @@ class ScheduleExecutor:
         sync()
         start = time.perf_counter()
         try:
-            for op, node in self.steps:
+            for _, op, node, first in walk_document(self.doc):
                 info = self.nodes[node]
                 name = info["name"]
                 if op == "free":
@@ -316,8 +316,6 @@ class ScheduleExecutor:
                     if dtypes.get(node, t.dtype) != t.dtype:
                         t = t.view(dtypes[node])
                 else:
-                    first = node not in computed
-                    computed.add(node)
                     if info["kind"] == "forward":
                         t = k.forward(name, table, first=first)
                     elif info["kind"] == "loss":

@@ -29,6 +29,7 @@ from typing import Any
 from poet_opt.model import ops as registry
 from poet_opt.model.strips import ELEMENTWISE
 from poet_opt.model.tiling_records import touching, window_rows
+from poet_opt.schedule.walk import walk
 
 EPS = 1e-5  # batch norm's where the caller names none: torch.nn.BatchNorm2d's default
 
@@ -381,48 +382,44 @@ def size_of_window(g, shape, window, m0: int, m1: int) -> tuple[int, ...]:
 def run_plan(graph, steps, params: dict, x, y, lr: float, running: dict | None = None,
              eps: dict | None = None) -> dict:
     """Execute a strip plan: ``steps`` are (op, node name) pairs (compute, page_out, page_in, free)
-    of a schedule of ``graph``. A compute reads only tensors resident at that moment (else
-    KeyError: the plan would be wrong), a page-out copies to a dict that stands for the storage,
+    of a schedule of ``graph``, walked as every backend walks them (schedule/walk.py: a step that
+    breaks a replay rule, such as a compute whose input is not resident or that reads weights after
+    their update, raises ScheduleInvalid). A page-out copies to a dict that stands for the storage,
     a page-in copies back, a free drops; a recompute runs the node again. An update applies SGD to
-    ``params`` in place once, and ``running`` (layer -> Running) moves once, as one step does; a node
-    that reads weights after their update raises. ``eps`` as for :func:`replay`. Returns the loss,
+    ``params`` in place once, and ``running`` (layer -> Running) moves once, as one step does.
+    ``eps`` as for :func:`replay`. Returns the loss,
     the weight gradients and the peak of the resident bytes as the graph sizes them."""
     return execute(_Replay(graph, params, x, y, lr, running, eps), graph, steps)
 
 
 def execute(r, graph, steps) -> dict:
     """Run ``steps`` with ``r`` (a replay of strip or row nodes: ``compute``, ``records``,
-    ``weight_grads``), as ``run_plan`` says."""
-    by_name = {n.name: n for n in graph.nodes}
+    ``weight_grads``), as ``run_plan`` says, on the walk every backend follows (schedule/walk.py)."""
+    by_name = {n.name: n.id for n in graph.nodes}
+    nodes = graph.nodes
     resident: dict = {}
     storage: dict = {}
-    updated: set[int] = set()
     live = peak = 0
     loss = None
-    for op, name in steps:
-        node = by_name[name]
+    walked = walk([(op, by_name[name]) for op, name in steps], [n.deps for n in nodes], [n.updates for n in nodes],
+                  [n.name for n in nodes])
+    for _, op, k, _ in walked:
+        node = nodes[k]
         if op == "compute":
-            stale = [graph.nodes[d].name for d in node.deps if d in updated and d not in node.updates]
-            if stale or node.id in updated or (set(node.updates) & updated):
-                raise ValueError(f"{name} runs on weights already updated in place ({stale or name})")
-            env = {graph.nodes[d].name: resident[d] for d in node.deps}
-            value = r.compute(node, r.records[name], env)
-            updated |= set(node.updates)
-            if name == "loss" and loss is None:
+            env = {nodes[d].name: resident[d] for d in node.deps}
+            value = r.compute(node, r.records[node.name], env)
+            if node.name == "loss" and loss is None:
                 loss = value
         elif op == "page_out":
             storage[node.id] = _copied(resident[node.id])
             continue
         elif op == "page_in":
             value = _copied(storage[node.id])
-        elif op == "free":
+        else:  # free
             del resident[node.id]
             live -= node.bytes
             continue
-        else:
-            raise ValueError(f"unknown step {op!r}")
-        if node.id not in resident:
-            live += node.bytes
+        live += node.bytes
         resident[node.id] = value
         peak = max(peak, live)
     return {"loss": loss, "weight_grads": r.weight_grads, "peak_bytes": peak}

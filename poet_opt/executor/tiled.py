@@ -31,11 +31,12 @@ import time
 import numpy as np
 
 from poet_opt.errors import PoetError
-from poet_opt.executor.runner import SCHEDULE_FIELD, StepStats, Storage, check_schedule
+from poet_opt.executor.runner import StepStats, Storage, check_schedule
 from poet_opt.model.batch import check_x
 from poet_opt.model import ops as registry
 from poet_opt.model.network import Network
 from poet_opt.model.ops import support
+from poet_opt.schedule.walk import walk_document
 
 # The layers executor/strips.py replays (forward, data and weight gradient) besides the elementwise
 # operators it runs from their registry entry. Anything else is refused before training, naming
@@ -81,8 +82,9 @@ class TiledExecutor:
         check_runnable(network)
         self.network, self.lr, self.device = network, lr, torch.device("cpu")
         self.by_name = {n.name: n for n in graph.nodes}
-        names = [n["name"] for n in self.doc["graph"]["nodes"]]
-        self.steps = [(s["op"], self.by_name[names[int(s["node"])]]) for s in self.doc["steps"]]
+        # the document's node ids -> the graph's nodes (the document numbers them itself)
+        self.graph_nodes = [self.by_name[n["name"]] for n in self.doc["graph"]["nodes"]]
+        self.steps = [(s["op"], self.graph_nodes[int(s["node"])]) for s in self.doc["steps"]]
         self.store = Storage(storage)  # the weights
         self.pages = Storage(storage)  # paged tensors, in a folder of their own: node ids would collide
         self.roles: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # param node -> its tensors
@@ -177,7 +179,6 @@ class TiledExecutor:
             # one per step: the running statistics move once in it
             r = replayer(graph, params, x, y, self.lr, self.running, self.eps)
         table: dict = {}
-        updated: set[int] = set()
         layouts: dict = {}
         live = peak = 0
         w0, r0 = self.store.bytes_written + self.pages.bytes_written, self.store.bytes_read + self.pages.bytes_read
@@ -187,7 +188,8 @@ class TiledExecutor:
         start = time.perf_counter()
         # no torch.no_grad(): the replay differentiates a max pooling window with autograd
         try:
-            for op, node in self.steps:
+            for _, op, k, _ in walk_document(self.doc):
+                node = self.graph_nodes[k]
                 name = node.name
                 done.append((op, node.id))
                 if op == "free":
@@ -207,16 +209,12 @@ class TiledExecutor:
                     if not self.rows:
                         params[name[len("param:"):]] = value
                 else:
-                    if node.id in updated or set(node.updates) & updated:
-                        raise PoetError(f"the plan runs {name} again after it updated weights in place",
-                                        field=SCHEDULE_FIELD)
                     env = {graph.nodes[d].name: table[graph.nodes[d].name] for d in node.deps}
                     value = r.compute(node, r.records[name], env)
                     r.weight_grads.clear()  # the replay's record of each update: not kept in a run
                     for p in node.updates:  # updated in place: written back as the firmware does
                         flat, _ = _flatten(table[graph.nodes[p].name])
                         self.store.write(p, flat)
-                    updated |= set(node.updates) | ({node.id} if node.updates else set())
                     if name == "loss":
                         loss = float(value)
                 counts[op] += 1

@@ -43,6 +43,7 @@ from poet_opt.firmware.c_text import block_comment, comment, float_literal, iden
 from poet_opt.firmware.targets import TRACE_BASE
 from poet_opt.model import ops as registry
 from poet_opt.model.network import Layer, Network
+from poet_opt.schedule.walk import walk_document
 
 KERNEL_FILES = ("poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c", "poet_kernels_strips.c",
                 "poet_kernels_rows.c", "poet_math.c")
@@ -430,17 +431,14 @@ class StepWriter:
         self.evaluating = predict
         skip = self.eval_unneeded() if predict else set()
         lines: list[str] = []
-        computed: set[int] = set()
         # a forward pass pages out only what it pages back in: the rest is kept for the backward
         # pass, and writing it would wear the storage for nothing
         read_back = {step["node"] for step in self.doc["steps"][:upto] if step["op"] == "page_in"}
-        for s, step in enumerate(self.doc["steps"][:upto]):
-            node = step["node"]
+        for s, kind, node, first in walk_document(self.doc, upto=upto):
             info = self.nodes[node]
             name, nbytes = info["name"], int(info["bytes"])
             off = self.plan.step_offsets[s]
             out = f"(poet_arena + {off // 4}u)"
-            kind = step["op"]
             if kind == "free" or node in skip:
                 continue
             if kind == "page_out" and predict and node not in read_back:
@@ -457,14 +455,9 @@ class StepWriter:
                           f"rc = poet_page_in({self.flash.offsets[node]}u, {out}, {nbytes}u);",
                           "if (rc) return rc;"]
                 continue
-            first = node not in computed and not predict
-            computed.add(node)
+            first = first and not predict
             ops = dict(zip(info["deps"], self.plan.operand_offsets[s]))
             lines.append(block_comment(f"{s}: {'compute' if first else 'recompute'}", name))
-            if info.get("updates") and not first:
-                # its data gradients would read the weights it has already changed
-                raise PoetError(f"the schedule computes {name!r} again after it updated its weights in place; "
-                                "the firmware cannot reproduce the first result")
             lines += self.compute(node, info, out, ops, first)
         if self.marks and not predict:  # closes the last step
             lines.append(f"poet_mark({len(self.doc['steps'])}u);")

@@ -1,7 +1,9 @@
 """Independent validator for `poet-opt/schedule@1` files (contract: docs/schedule-format.md).
 
 It replays the steps from scratch and shares no code with the graph, cost model or solver (only
-the error type), so a bug there cannot vouch for itself by being repeated here. Two kinds of failure:
+the error type), so a bug there cannot vouch for itself by being repeated here. The replay rules
+are schedule/walk.py's, the walk the firmware generator and the executors follow too: what the
+validator accepts is what they run. Two kinds of failure:
 a document that is not a readable schedule raises PoetError (exit 2); a schedule that breaks a
 rule, a budget or its own totals raises ScheduleInvalid (exit 1) naming the first violation.
 """
@@ -15,9 +17,9 @@ import sys
 from pathlib import Path
 
 from poet_opt.errors import PoetError
+from poet_opt.schedule.walk import OPS, ScheduleInvalid, shown, walk
 
 FORMAT = "poet-opt/schedule@1"
-OPS = ("compute", "page_out", "page_in", "free")
 COST_KEYS = ("compute_s", "compute_j", "page_out_s", "page_out_j", "page_in_s", "page_in_j")
 BUDGET_KEYS = ("ram_bytes", "runtime_s", "storage_bytes")
 # Same order as the docs; True marks the integer counts, which must match exactly.
@@ -47,12 +49,6 @@ STORAGE_KINDS = ("sd-card", "spi-flash", "qspi-flash", "internal-flash", "emmc",
 RUNTIME_SLACK = 1e-9
 
 
-class ScheduleInvalid(PoetError):
-    """A well-formed schedule that breaks a replay rule, a budget, or its own reported totals."""
-
-    exit_code = 1
-
-
 def _number(value, where: str, source, *, integer=False, signed=False, most=None):
     kind = "integer" if integer else "number"
     # An int is compared as it is: one of 400 digits has no float (math.isfinite would raise).
@@ -64,20 +60,12 @@ def _number(value, where: str, source, *, integer=False, signed=False, most=None
         ok = value >= 0
     if not ok:
         need = kind if signed else f"non-negative {kind}"
-        raise PoetError(f"{where} is {_shown(value)}; expected a {need}", source=source)
+        raise PoetError(f"{where} is {shown(value)}; expected a {need}", source=source)
     most = most or (MAX_INTEGER if integer else MAX_QUANTITY)
     if abs(value) > most:
         limit = "2^63 - 1" if most == MAX_INTEGER else f"{most:.4g}"
-        raise PoetError(f"{where} is {_shown(value)}; expected at most {limit}", source=source)
+        raise PoetError(f"{where} is {shown(value)}; expected at most {limit}", source=source)
     return int(value) if integer else float(value)
-
-
-def _shown(value) -> str:
-    """A value from the file, quoted short enough for a one-line message."""
-    if isinstance(value, int) and abs(value) >= 10**24:
-        return f"an integer of {len(str(abs(value)))} digits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:60] + "..."
 
 
 def _section(doc: dict, key: str, kind: type, source):
@@ -98,9 +86,9 @@ def _read_plan(doc, source) -> dict:
         if "format" not in doc:
             problem = "not a poet-opt schedule: it has no 'format' field"
         elif version:
-            problem = f"format {_shown(fmt)} is schedule version {_shown(version[1])}, which this poet-opt cannot read"
+            problem = f"format {shown(fmt)} is schedule version {shown(version[1])}, which this poet-opt cannot read"
         else:
-            problem = f"not a poet-opt schedule: format is {_shown(fmt)}"
+            problem = f"not a poet-opt schedule: format is {shown(fmt)}"
         raise PoetError(f"{problem}; the supported format is {FORMAT!r}", source=source)
 
     nodes = _section(doc, "graph", dict, source).get("nodes")
@@ -113,21 +101,21 @@ def _read_plan(doc, source) -> dict:
         if not isinstance(node, dict):
             raise PoetError(f"{where} is not a JSON object", source=source)
         if node.get("id") != i or isinstance(node.get("id"), bool):
-            raise PoetError(f"{where} has id {_shown(node.get('id'))}; nodes must be listed in topological order "
+            raise PoetError(f"{where} has id {shown(node.get('id'))}; nodes must be listed in topological order "
                             f"with id equal to their index", source=source)
         if not isinstance(node.get("name"), str):
-            raise PoetError(f"{where}.name is {_shown(node.get('name'))}; expected a string", source=source)
+            raise PoetError(f"{where}.name is {shown(node.get('name'))}; expected a string", source=source)
         names.append(node["name"])
-        where = f"node {i} {_shown(node['name'])}"
+        where = f"node {i} {shown(node['name'])}"
         size.append(_number(node.get("bytes"), f"{where}: bytes", source, integer=True))
         for key in COST_KEYS:
             cost[key].append(_number(node.get(key), f"{where}: {key}", source))
         node_deps = node.get("deps")
         if not isinstance(node_deps, list):
-            raise PoetError(f"{where}: deps is {_shown(node_deps)}; expected a list of node ids", source=source)
+            raise PoetError(f"{where}: deps is {shown(node_deps)}; expected a list of node ids", source=source)
         for d in node_deps:
             if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-                raise PoetError(f"{where}: deps contains {_shown(d)}; expected node ids", source=source)
+                raise PoetError(f"{where}: deps contains {shown(d)}; expected node ids", source=source)
             if d >= i:
                 raise PoetError(f"{where} depends on node {d}; the graph is not in topological order "
                                 f"(every dep must be smaller than the node's id)", source=source)
@@ -138,7 +126,7 @@ def _read_plan(doc, source) -> dict:
         node_updates = node.get("updates", [])
         if not isinstance(node_updates, list) or any(isinstance(p, bool) or not isinstance(p, int)
                                                      or p not in node_deps for p in node_updates):
-            raise PoetError(f"{where}: updates is {_shown(node_updates)}; expected ids among its deps "
+            raise PoetError(f"{where}: updates is {shown(node_updates)}; expected ids among its deps "
                             "(the weights it changes in place)", source=source)
         updates.append(tuple(node_updates))
 
@@ -161,12 +149,12 @@ def _read_plan(doc, source) -> dict:
     steps = []
     for k, step in enumerate(_section(doc, "steps", list, source)):
         if not isinstance(step, dict) or "op" not in step or "node" not in step:
-            raise PoetError(f"step {k} is {_shown(step)}; expected {{\"op\": ..., \"node\": id}}", source=source)
+            raise PoetError(f"step {k} is {shown(step)}; expected {{\"op\": ..., \"node\": id}}", source=source)
         op, n = step["op"], step["node"]
         if op not in OPS:
-            raise PoetError(f"step {k} has unknown op {_shown(op)}; expected one of {', '.join(OPS)}", source=source)
+            raise PoetError(f"step {k} has unknown op {shown(op)}; expected one of {', '.join(OPS)}", source=source)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < len(nodes):
-            raise PoetError(f"step {k} ({op}) refers to node {_shown(n)}, but the graph has nodes 0..{len(nodes) - 1}",
+            raise PoetError(f"step {k} ({op}) refers to node {shown(n)}, but the graph has nodes 0..{len(nodes) - 1}",
                             source=source)
         steps.append((op, n))
     return {"names": names, "size": size, "deps": deps, "cost": cost, "limits": limits, "steps": steps,
@@ -184,14 +172,14 @@ def _read_device(doc: dict, source) -> None:
             _number(device[key], f"device.{key}", source, integer=True)
     for key in DEVICE_POSITIVE:
         if device.get(key) is not None and device[key] < 1:
-            raise PoetError(f"device.{key} is {_shown(device[key])}; expected a positive integer", source=source)
+            raise PoetError(f"device.{key} is {shown(device[key])}; expected a positive integer", source=source)
     kind = device.get("storage_kind")
     if kind is not None and kind not in STORAGE_KINDS:
-        raise PoetError(f"device.storage_kind is {_shown(kind)}; expected one of {', '.join(STORAGE_KINDS)}",
+        raise PoetError(f"device.storage_kind is {shown(kind)}; expected one of {', '.join(STORAGE_KINDS)}",
                         source=source)
     for key in ("wear_levelling", "write_cache", "sequential_writes"):
         if device.get(key) is not None and not isinstance(device[key], bool):
-            raise PoetError(f"device.{key} is {_shown(device[key])}; expected true or false", source=source)
+            raise PoetError(f"device.{key} is {shown(device[key])}; expected true or false", source=source)
 
 
 def _read_reported(doc: dict, source) -> tuple[dict, dict | None]:
@@ -216,59 +204,32 @@ def _b(x) -> str:
 
 def _replay(plan: dict, source) -> dict:
     names, size, deps, cost, limits = (plan[k] for k in ("names", "size", "deps", "cost", "limits"))
-    resident: set[int] = set()
-    stored: set[int] = set()
     ram = storage = peak = 0
     spent = {k: [] for k in COST_KEYS}  # per-step amounts, summed with fsum at the end
     counts = dict.fromkeys(OPS, 0)
-    computed = [False] * len(names)
-    updated_by: dict[int, int] = {}  # weights changed in place -> the node that changed them
     read_bytes = written_bytes = 0
 
-    for k, (op, n) in enumerate(plan["steps"]):
+    # the replay rules are the walk's, the backends' own (schedule/walk.py); here the budgets and totals
+    for k, op, n, first in walk(plan["steps"], deps, plan["updates"], names, source=source):
         def invalid(what: str):
-            return ScheduleInvalid(f"step {k} ({op} node {n} {_shown(names[n])}): {what}", source=source)
-
-        if op == "compute":
-            for d in deps[n]:
-                if d not in resident:
-                    raise invalid(f"input {d} {_shown(names[d])} is not resident")
-            if n in resident:
-                raise invalid("the node is already resident; free it before computing it again")
-            for p in (n, *deps[n]):
-                if p in updated_by:  # the updating node itself included: it read the old weights once
-                    u = updated_by[p]
-                    raise invalid(f"it reads the weights {p} {_shown(names[p])} after node {u} {_shown(names[u])} "
-                                  "updated them in place")
-            computed[n] = True
-            for p in plan["updates"][n]:
-                updated_by[p] = n
-            read_bytes += size[n] if plan["reads"][n] else 0
-            written_bytes += plan["writes"][n]
-        elif op == "page_in":
-            if n not in stored:
-                raise invalid("the node is not on storage (it was never paged out)")
-            if n in resident:
-                raise invalid("the node is already resident")
-        elif n not in resident:  # page_out, free
-            raise invalid("the node is not resident")
+            return ScheduleInvalid(f"step {k} ({op} node {n} {shown(names[n])}): {what}", source=source)
 
         counts[op] += 1
+        if op == "compute":
+            read_bytes += size[n] if plan["reads"][n] else 0
+            written_bytes += plan["writes"][n]
         if op in ("compute", "page_in"):
-            resident.add(n)
             ram += size[n]
             peak = max(peak, ram)
             if limits["ram_bytes"] is not None and ram > limits["ram_bytes"]:
                 raise invalid(f"RAM in use {_b(ram)} exceeds the budget ram_bytes {_b(limits['ram_bytes'])}")
         elif op == "free":
-            resident.discard(n)
             ram -= size[n]
         if op == "page_in":
             read_bytes += size[n]
         elif op == "page_out":
             written_bytes += size[n]
-        if op == "page_out" and n not in stored:  # page_out: a tensor paged out again reuses its storage copy
-            stored.add(n)
+        if op == "page_out" and first:  # a tensor paged out again reuses its storage copy
             storage += size[n]
             if limits["storage_bytes"] is not None and storage > limits["storage_bytes"]:
                 raise invalid(f"storage in use {_b(storage)} exceeds the budget storage_bytes "
@@ -277,9 +238,6 @@ def _replay(plan: dict, source) -> dict:
             spent[f"{op}_s"].append(cost[f"{op}_s"][n])
             spent[f"{op}_j"].append(cost[f"{op}_j"][n])
 
-    for n, done in enumerate(computed):
-        if not done:
-            raise ScheduleInvalid(f"node {n} {_shown(names[n])} is never computed", source=source)
     runtime = math.fsum(spent["compute_s"] + spent["page_in_s"] + spent["page_out_s"])
     if limits["runtime_s"] is not None and runtime > limits["runtime_s"] * (1 + RUNTIME_SLACK):
         raise ScheduleInvalid(f"runtime {runtime:.12g} s (sum of all steps) exceeds the budget runtime_s "
