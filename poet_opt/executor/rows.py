@@ -15,8 +15,6 @@ layer norm ``weight`` and ``bias``, embedding ``weight`` (rows, d).
 
 from __future__ import annotations
 
-import math
-
 from poet_opt.model import ops as registry
 from poet_opt.model.rows import TOKENWISE
 
@@ -68,25 +66,17 @@ class _Replay:
 
     # -- layout ------------------------------------------------------------------------------------
 
-    def vector(self, layer: str) -> bool:
-        return self.tiling.vector(layer)
 
-    def heads(self, layer: str) -> bool:
-        return self.tiling.heads(layer)
 
-    def name(self, layer: str, b: int, j: int, prefix: str = "") -> str:
-        return self.tiling.tile_name(layer, b, j, prefix)
 
     def gather(self, env, layer: str, b: int, lo: int, hi: int, prefix: str = ""):
         """Columns [lo, hi) of row block b of ``layer`` (or of its gradient), from its pieces."""
-        return self.t.cat([env[self.name(layer, b, j, prefix)][:, :, r0 - a:r1 - a]
+        return self.t.cat([env[self.tiling.tile_name(layer, b, j, prefix)][:, :, r0 - a:r1 - a]
                            for j, (a, _), (r0, r1) in self.tiling.pieces(layer, lo, hi)], dim=2)
 
     def all_rows(self, env, layer: str, lo: int, hi: int):
         return self.t.cat([self.gather(env, layer, b, lo, hi) for b in range(len(self.blocks))], dim=1)
 
-    def dh(self, scores: str) -> int:
-        return self.tiling.head_dim(scores)
 
     def param(self, env, layer: str, tile) -> dict:
         """The weights of one tile, as the tile's own tensors: what its ``param:`` node holds in RAM."""
@@ -102,8 +92,6 @@ class _Replay:
         updates the whole (the executor stores a copy of each on its storage instead)."""
         return {role: self.params[layer][role][where] for role, where in self.tile_where(layer, tile).items()}
 
-    def divisor(self, scores: str) -> float:
-        return self.layers[scores].divisor or math.sqrt(self.dh(scores))
 
     # -- nodes -------------------------------------------------------------------------------------
 
@@ -119,12 +107,12 @@ class _Replay:
             return self.embed(rec, env)
         if role == "mean":  # the mean over tokens, summed block by block
             x = self.layers[rec.layer].inputs[0]
-            part = env[self.name(x, rec.b, rec.j)].sum(dim=1, keepdim=True) / self.seq
+            part = env[self.tiling.tile_name(x, rec.b, rec.j)].sum(dim=1, keepdim=True) / self.seq
             return part if rec.prev is None else env[rec.prev] + part
         if role == "linear":
             lay = self.layers[rec.layer]
             x = self.layers[rec.layer].inputs[0]
-            xb = env[self.name(x, 0 if lay.cls else rec.b, rec.k)]
+            xb = env[self.tiling.tile_name(x, 0 if lay.cls else rec.b, rec.k)]
             if lay.cls:
                 xb = xb[:, :1]
             w = self.param(env, rec.layer, (rec.j, rec.k))
@@ -134,7 +122,7 @@ class _Replay:
             return out if rec.prev is None else env[rec.prev] + out
         if role == "ln_stats":
             x = self.layers[rec.layer].inputs[0]
-            xs = env[self.name(x, rec.b, rec.k)]
+            xs = env[self.tiling.tile_name(x, rec.b, rec.k)]
             count, mean = xs.shape[2], xs.mean(dim=2)
             m2 = ((xs - mean[:, :, None]) ** 2).sum(dim=2)
             if rec.prev is None:
@@ -147,8 +135,8 @@ class _Replay:
             layer, b, k = rec.layer, rec.b, rec.k
             x = self.layers[layer].inputs[0]
             gamma = self.param(env, layer, (k,))["weight"]
-            gg = env[self.name(layer, b, k, "grad:")] * gamma
-            xhat = self.xhat(env, layer, b, env[self.name(x, b, k)])
+            gg = env[self.tiling.tile_name(layer, b, k, "grad:")] * gamma
+            xhat = self.xhat(env, layer, b, env[self.tiling.tile_name(x, b, k)])
             sums = (gg.sum(dim=2), (gg * xhat).sum(dim=2))
             if rec.prev is None:
                 return sums
@@ -172,7 +160,7 @@ class _Replay:
 
     def token_rows(self, b: int, positional: bool, env):
         r0, r1 = self.blocks[b]
-        env[self.name("input", b, 0)]  # the token ids of the block are a dependency, positions too
+        env[self.tiling.tile_name("input", b, 0)]  # the token ids of the block are a dependency, positions too
         if positional:
             return self.t.arange(r0, r1).expand(self.ids.shape[0], -1)
         return self.ids[:, r0:r1]
@@ -181,15 +169,13 @@ class _Replay:
         layer, b, j, v = rec.layer, rec.b, rec.j, rec.v
         lay = self.layers[layer]
         (c0, c1) = self.cols[layer][j]
-        v0, v1 = self._vocab(layer)[v]
+        v0, v1 = self.tiles[layer].vocab[v]
         table = self.param(env, layer, (v, j))["weight"]
         idx = self.token_rows(b, lay.positional, env)
         inside = (idx >= v0) & (idx < v1)
         out = table[(idx - v0).clamp(0, v1 - v0 - 1)] * inside[:, :, None]
         return out if rec.prev is None else env[rec.prev] + out
 
-    def _vocab(self, layer: str):
-        return [tuple(v) for v in self.tiles[layer].vocab]
 
     def forward(self, rec, env):
         layer = rec.layer
@@ -203,24 +189,24 @@ class _Replay:
             return self.ids[:, r0:r1]
         if op == "layernorm":
             w = self.param(env, layer, (j,))
-            return self.xhat(env, layer, b, env[self.name(inputs[0], b, j)]) * w["weight"] + w["bias"]
+            return self.xhat(env, layer, b, env[self.tiling.tile_name(inputs[0], b, j)]) * w["weight"] + w["bias"]
         if op == "softmax":
-            return self.t.softmax(env[self.name(inputs[0], b, j)], dim=-1)
+            return self.t.softmax(env[self.tiling.tile_name(inputs[0], b, j)], dim=-1)
         if op == "matmul" and len(lay.shape) == 3:  # scores of head j for row block b
-            dh = self.dh(layer)
+            dh = self.tiling.head_dim(layer)
             q = self.gather(env, inputs[0], b, j * dh, (j + 1) * dh)
             k = self.all_rows(env, inputs[1], j * dh, (j + 1) * dh)
-            return q @ k.transpose(1, 2) / self.divisor(layer)
+            return q @ k.transpose(1, 2) / self.tiling.divisor(layer)
         if op == "matmul":  # context: piece j of row block b
             p, v = inputs
-            dh = self.dh(self._scores_of(p))
+            dh = self.tiling.head_dim(self._scores_of(p))
             (c0, c1) = self.cols[layer][j]
             out = []
             for h in range(c0 // dh, (c1 - 1) // dh + 1):
                 lo, hi = max(c0, h * dh), min(c1, (h + 1) * dh)
-                out.append(env[self.name(p, b, h)] @ self.all_rows(env, v, lo, hi))
+                out.append(env[self.tiling.tile_name(p, b, h)] @ self.all_rows(env, v, lo, hi))
             return self.t.cat(out, dim=2)
-        xs = [env[self.name(i, b, j)] for i in inputs]
+        xs = [env[self.tiling.tile_name(i, b, j)] for i in inputs]
         spec = registry.get(op)
         if op in TOKENWISE and spec.torch_forward is not None:  # add, gelu, tanh, ...: piece by piece
             return spec.torch_forward(self.t, *xs)
@@ -235,7 +221,7 @@ class _Replay:
 
     def loss(self, rec, env):
         last, logits = self.logits_rows(env, rec.b)
-        if self.vector(last):
+        if self.tiling.vector(last):
             return self.t.nn.functional.cross_entropy(logits[:, 0], self.y)
         r0, r1 = self.blocks[rec.b]  # per-token labels: the mean over every token, block by block
         part = self.t.nn.functional.cross_entropy(logits.flatten(0, 1), self.y[:, r0:r1].flatten(), reduction="sum")
@@ -247,11 +233,11 @@ class _Replay:
     def gradient(self, rec, env):
         f, b, j = rec.of, rec.b, rec.j
         total = env[rec.prev] if rec.prev else 0
-        (c0, c1) = (0, 0) if self.heads(f) else self.cols[f][j]
+        (c0, c1) = (0, 0) if self.tiling.heads(f) else self.cols[f][j]
         if rec.logits:
             last, logits = self.logits_rows(env, b)
             classes = logits.shape[2]
-            if self.vector(last):
+            if self.tiling.vector(last):
                 onehot = self.t.nn.functional.one_hot(self.y, classes).to(logits.dtype)[:, None]
                 scale = logits.shape[0]
             else:
@@ -269,7 +255,7 @@ class _Replay:
         if kind == "linear":
             lay = self.layers[u]
             jj = term.j
-            g = env[self.name(u, 0 if lay.cls or self.vector(u) else b, jj, "grad:")]
+            g = env[self.tiling.tile_name(u, 0 if lay.cls or self.tiling.vector(u) else b, jj, "grad:")]
             part = g @ self.param(env, u, (jj, j))["weight"]
             if lay.cls:  # the pooler read the [CLS] token: the block's other rows get nothing
                 r0, r1 = self.blocks[b]
@@ -278,57 +264,57 @@ class _Replay:
                 return full
             return part
         if kind == "add":
-            return env[self.name(u, b, j, "grad:")]
+            return env[self.tiling.tile_name(u, b, j, "grad:")]
         if kind == "mean":
             r0, r1 = self.blocks[b]
-            return (env[self.name(u, 0, j, "grad:")] / self.seq).expand(-1, r1 - r0, -1)
+            return (env[self.tiling.tile_name(u, 0, j, "grad:")] / self.seq).expand(-1, r1 - r0, -1)
         spec = registry.get(kind)
         if kind in TOKENWISE and spec.arity == 1:  # gelu, tanh, ...: from what its backward reads
-            return spec.torch_gradient(t, env[self.name(u, b, j, "grad:")],
-                                       x=env[self.name(f, b, j)] if spec.saves == "in" else None,
-                                       y=env[self.name(u, b, j)] if spec.saves == "out" else None)
+            return spec.torch_gradient(t, env[self.tiling.tile_name(u, b, j, "grad:")],
+                                       x=env[self.tiling.tile_name(f, b, j)] if spec.saves == "in" else None,
+                                       y=env[self.tiling.tile_name(u, b, j)] if spec.saves == "out" else None)
         if kind == "layernorm":
             d = self.layers[u].shape[-1]
             gamma = self.param(env, u, (j,))["weight"]
             _, var = self.stats(env, u, b)
-            xhat = self.xhat(env, u, b, env[self.name(f, b, j)])
+            xhat = self.xhat(env, u, b, env[self.tiling.tile_name(f, b, j)])
             s1, s2 = env[self.tiling.chain_end("lngstats:", u, b)]
-            g = env[self.name(u, b, j, "grad:")] * gamma
+            g = env[self.tiling.tile_name(u, b, j, "grad:")] * gamma
             return (g - s1[:, :, None] / d - xhat * s2[:, :, None] / d) / t.sqrt(var + EPS)[:, :, None]
         if kind == "softmax":
-            p, dp = env[self.name(u, b, j)], env[self.name(u, b, j, "grad:")]
+            p, dp = env[self.tiling.tile_name(u, b, j)], env[self.tiling.tile_name(u, b, j, "grad:")]
             return p * (dp - (dp * p).sum(dim=-1, keepdim=True))
         if kind in ("scores_q", "scores_k"):
-            dh = self.dh(u)
+            dh = self.tiling.head_dim(u)
             q_name, k_name = self.layers[u].inputs
             (c0, c1) = self.cols[f][j]
             out = []
             for h in range(c0 // dh, (c1 - 1) // dh + 1):
                 lo, hi = max(c0, h * dh), min(c1, (h + 1) * dh)
                 if kind == "scores_q":
-                    ds = env[self.name(u, b, h, "grad:")]
-                    out.append(ds @ self.all_rows(env, k_name, lo, hi) / self.divisor(u))
+                    ds = env[self.tiling.tile_name(u, b, h, "grad:")]
+                    out.append(ds @ self.all_rows(env, k_name, lo, hi) / self.tiling.divisor(u))
                 else:
                     bq = term.b
                     r0, r1 = self.blocks[b]
-                    ds = env[self.name(u, bq, h, "grad:")][:, :, r0:r1]
-                    out.append(ds.transpose(1, 2) @ self.gather(env, q_name, bq, lo, hi) / self.divisor(u))
+                    ds = env[self.tiling.tile_name(u, bq, h, "grad:")][:, :, r0:r1]
+                    out.append(ds.transpose(1, 2) @ self.gather(env, q_name, bq, lo, hi) / self.tiling.divisor(u))
             return t.cat(out, dim=2)
         if kind == "context_p":
             p_name, v_name = self.layers[u].inputs
-            dh = self.dh(self._scores_of(p_name))
+            dh = self.tiling.head_dim(self._scores_of(p_name))
             dc = self.gather(env, u, b, j * dh, (j + 1) * dh, "grad:")
             return dc @ self.all_rows(env, v_name, j * dh, (j + 1) * dh).transpose(1, 2)
         if kind == "context_v":
             p_name, _ = self.layers[u].inputs
-            dh = self.dh(self._scores_of(p_name))
+            dh = self.tiling.head_dim(self._scores_of(p_name))
             (c0, c1) = self.cols[f][j]
             bq = term.b
             r0, r1 = self.blocks[b]
             out = []
             for h in range(c0 // dh, (c1 - 1) // dh + 1):
                 lo, hi = max(c0, h * dh), min(c1, (h + 1) * dh)
-                p = env[self.name(p_name, bq, h)][:, :, r0:r1]
+                p = env[self.tiling.tile_name(p_name, bq, h)][:, :, r0:r1]
                 dc = self.gather(env, u, bq, lo, hi, "grad:")
                 out.append(p.transpose(1, 2) @ dc)
             return t.cat(out, dim=2)
@@ -342,13 +328,13 @@ class _Replay:
         x = lay.inputs[0]
         if lay.op == "layernorm":
             (j,) = tile
-            g = env[self.name(layer, b, j, "grad:")]
-            xhat = self.xhat(env, layer, b, env[self.name(x, b, j)])
+            g = env[self.tiling.tile_name(layer, b, j, "grad:")]
+            xhat = self.xhat(env, layer, b, env[self.tiling.tile_name(x, b, j)])
             part = {"weight": (g * xhat).sum(dim=(0, 1)), "bias": g.sum(dim=(0, 1))}
         else:
             j, k = tile
-            g = env[self.name(layer, 0 if self.vector(layer) else b, j, "grad:")]
-            xs = env[self.name(x, 0 if lay.cls else b, k)]
+            g = env[self.tiling.tile_name(layer, 0 if self.tiling.vector(layer) else b, j, "grad:")]
+            xs = env[self.tiling.tile_name(x, 0 if lay.cls else b, k)]
             if lay.cls:
                 xs = xs[:, :1]
             part = {"weight": g.flatten(0, 1).T @ xs.flatten(0, 1)}
@@ -363,11 +349,11 @@ class _Replay:
 
     def embed_update(self, rec, env):
         layer, v, j = rec.layer, rec.v, rec.j
-        (v0, v1), (c0, c1) = self._vocab(layer)[v], self.cols[layer][j]
+        (v0, v1), (c0, c1) = self.tiles[layer].vocab[v], self.cols[layer][j]
         grad = self.t.zeros(v1 - v0, c1 - c0, dtype=self.param(env, layer, (v, j))["weight"].dtype)
         for b in rec.blocks:  # the sparse gradient: the rows of the tokens seen
             idx = self.token_rows(b, self.layers[layer].positional, env)
-            g = env[self.name(layer, b, j, "grad:")]
+            g = env[self.tiling.tile_name(layer, b, j, "grad:")]
             inside = (idx >= v0) & (idx < v1)
             grad.index_add_(0, (idx[inside] - v0), g[inside])
         self.apply(env, layer, (v, j), {"weight": grad})

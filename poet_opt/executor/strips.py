@@ -88,8 +88,6 @@ class _Replay:
 
     # -- strips ------------------------------------------------------------------------------------
 
-    def strip_name(self, layer: str, j: int, prefix: str = "") -> str:
-        return self.tiling.strip_name(layer, j, prefix)
 
     def rows_of(self, env, layer: str, lo: int, hi: int, prefix: str = ""):
         """Rows [lo, hi) of tensor ``layer`` (or of its gradient, prefix "grad:"), from the strips
@@ -97,7 +95,7 @@ class _Replay:
         if prefix == "grad:" and layer in self.alias:  # a weight slice: its channels of the concat's gradient
             c0, c1 = self.channels[layer]
             return self.rows_of(env, self.alias[layer], lo, hi, prefix)[:, c0:c1]
-        pieces = [env[self.strip_name(layer, j, prefix)][:, :, r0 - a:r1 - a]
+        pieces = [env[self.tiling.strip_name(layer, j, prefix)][:, :, r0 - a:r1 - a]
                   for j, (a, _), (r0, r1) in self.tiling.pieces(layer, lo, hi)]
         return self.t.cat(pieces, dim=2)
 
@@ -123,7 +121,7 @@ class _Replay:
         if role == "forward":
             return self.forward(rec.layer, rec.rows, env)
         if role == "bn_stats":
-            xs = env[self.strip_name(self.layers[rec.layer].inputs[0], self._index(rec))]
+            xs = env[self.tiling.strip_name(self.layers[rec.layer].inputs[0], self.tiling.strip_index(rec.layer, rec.rows))]
             count = xs.numel() // xs.shape[1]
             mean = xs.mean(dim=(0, 2, 3))
             m2 = ((xs - mean[None, :, None, None]) ** 2).sum(dim=(0, 2, 3))
@@ -134,14 +132,14 @@ class _Replay:
             n = n_a + count
             delta = mean - mean_a
             out = (n, mean_a + delta * count / n, m2_a + m2 + delta ** 2 * n_a * count / n)
-            if self._index(rec) == len(self.tiling.strips(rec.layer)) - 1:  # the chain's end: the whole tensor's
+            if self.tiling.strip_index(rec.layer, rec.rows) == len(self.tiling.strips(rec.layer)) - 1:  # the chain's end: the whole tensor's
                 self._move(rec.layer, *out)
             return out
         if role == "bn_gstats":
             layer = rec.layer
-            j = self._index(rec)
-            g = env[self.strip_name(layer, j, "grad:")]
-            xhat = self._xhat(env, layer, env[self.strip_name(self.layers[layer].inputs[0], j)])
+            j = self.tiling.strip_index(rec.layer, rec.rows)
+            g = env[self.tiling.strip_name(layer, j, "grad:")]
+            xhat = self._xhat(env, layer, env[self.tiling.strip_name(self.layers[layer].inputs[0], j)])
             sums = (g.sum(dim=(0, 2, 3)), (g * xhat).sum(dim=(0, 2, 3)))
             prev = self._previous(env, "gstats:", rec)
             return sums if prev is None else (prev[0] + sums[0], prev[1] + sums[1])
@@ -151,11 +149,9 @@ class _Replay:
             return self.weight_gradient(rec, env)
         raise ValueError(f"unknown role {role!r} of node {node.name}")
 
-    def _index(self, rec) -> int:
-        return self.tiling.strip_index(rec.layer, rec.rows)
 
     def _previous(self, env, prefix, rec):
-        j = self._index(rec)
+        j = self.tiling.strip_index(rec.layer, rec.rows)
         return env[self.tiling.strip_name(rec.layer, j - 1, prefix)] if j else None
 
     def _move(self, layer: str, count: int, mean, m2) -> None:
@@ -208,7 +204,7 @@ class _Replay:
                 return F.avg_pool2d(local, k, s)
             w = self.weights(env, name)
             return F.conv2d(local, w["weight"], w.get("bias"), stride=s, groups=layer.groups)
-        xs = [env[self.strip_name(i, j)] for i in inputs]
+        xs = [env[self.tiling.strip_name(i, j)] for i in inputs]
         if op == "batchnorm":
             w = self.weights(env, name)
             if not self.tiling.striped(name):
@@ -286,12 +282,12 @@ class _Replay:
             if a < b:
                 out[:, :, a - lo:b - lo] = local[:, :, a - r0:b - r0]
             return out
-        g = env[self.strip_name(u, j, "grad:")]
+        g = env[self.tiling.strip_name(u, j, "grad:")]
         if op != "batchnorm":
-            return self._elementwise_gradient(u, f, g, lambda: env[self.strip_name(f, j)],
-                                              lambda: env[self.strip_name(u, j)])
+            return self._elementwise_gradient(u, f, g, lambda: env[self.tiling.strip_name(f, j)],
+                                              lambda: env[self.tiling.strip_name(u, j)])
         w = self.weights(env, u)
-        xs = env[self.strip_name(f, j)]
+        xs = env[self.tiling.strip_name(f, j)]
         if not self.tiling.striped(u):  # one strip: its own batch statistics
             mean, var = xs.mean(dim=(0, 2, 3)), xs.var(dim=(0, 2, 3), unbiased=False)
             xhat = (xs - mean[None, :, None, None]) / t.sqrt(var + self._eps(u))[None, :, None, None]

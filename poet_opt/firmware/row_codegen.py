@@ -27,8 +27,6 @@ What the generator runs is the support table's "rows" column (model/ops/support.
 
 from __future__ import annotations
 
-import math
-
 from poet_opt.errors import PoetError
 from poet_opt.firmware.writer import LR, StepWriter, c_float, elementwise_backward, ids
 from poet_opt.model import ops as registry
@@ -122,7 +120,7 @@ class RowWriter(StepWriter):
                               f"{', '.join(str(t) for t in range(self.seq))}}};\n")
 
     def logits_step(self) -> int:
-        want = self.by_name[self.name(list(self.layers_meta)[-1], 0, 0)]
+        want = self.by_name[self.tiling.tile_name(list(self.layers_meta)[-1], 0, 0)]
         for s, step in enumerate(self.doc["steps"]):
             if step["op"] == "compute" and step["node"] == want:
                 return s
@@ -130,22 +128,16 @@ class RowWriter(StepWriter):
 
     # -- layout ----------------------------------------------------------------------------------
 
-    def vector(self, layer: str) -> bool:
-        return self.tiling.vector(layer)
 
-    def heads(self, layer: str) -> bool:
-        return self.tiling.heads(layer)
 
-    def name(self, layer: str, b: int, j: int, prefix: str = "") -> str:
-        return self.tiling.tile_name(layer, b, j, prefix)
 
     def rows(self, layer: str, b: int) -> int:
         """Rows per sample of block b of the layer's tiles (a vector's: one)."""
         r0, r1 = self.blocks[b]
-        return 1 if self.vector(layer) else r1 - r0
+        return 1 if self.tiling.vector(layer) else r1 - r0
 
     def width(self, layer: str, j: int) -> int:
-        if self.heads(layer):
+        if self.tiling.heads(layer):
             return self.seq
         c0, c1 = self.cols[layer][j]
         return c1 - c0
@@ -154,7 +146,7 @@ class RowWriter(StepWriter):
         return self.batch * self.rows(layer, b) * self.width(layer, j)
 
     def tile(self, ops, layer: str, b: int, j: int, prefix: str = "") -> str:
-        return self.at(ops, self.name(layer, b, j, prefix), f"a tile of {prefix}{layer}")
+        return self.at(ops, self.tiling.tile_name(layer, b, j, prefix), f"a tile of {prefix}{layer}")
 
     def weights(self, ops, layer: str, tile) -> tuple[str, str]:
         """(the weight, the bias or NULL) of a tile in the arena: the bias after the weights."""
@@ -172,11 +164,7 @@ class RowWriter(StepWriter):
         """(piece, first, last column) of the layer's pieces that hold columns [lo, hi)."""
         return [(j, r0, r1) for j, _, (r0, r1) in self.tiling.pieces(layer, lo, hi)]
 
-    def dh(self, scores: str) -> int:
-        return self.tiling.head_dim(scores)
 
-    def divisor(self, scores: str) -> float:
-        return self.layers_meta[scores].divisor or math.sqrt(self.dh(scores))
 
     def eps(self, layer: str) -> str:
         return c_float(self.net.layers[layer].attrs.get("eps", 1e-5))
@@ -237,7 +225,7 @@ class RowWriter(StepWriter):
         (Q's pieces) and the key blocks (K's tiles), each product in place."""
         layer, b, h = rec.layer, rec.b, rec.j
         q, k = self.layers_meta[layer].inputs
-        dh, rows = self.dh(layer), self.rows(layer, b)
+        dh, rows = self.tiling.head_dim(layer), self.rows(layer, b)
         lines = [f"poet_zero({out}, {self.count(layer, b, h)}u);"]
         for s in range(self.batch):
             c = f"{out} + {s * rows * self.seq}u"
@@ -250,7 +238,7 @@ class RowWriter(StepWriter):
                         kb = f"{self.tile(ops, k, bk, jk)} + {s * (k1 - k0) * wk + lo2 - self.cols[k][jk][0]}u"
                         qa = f"{a} + {lo2 - lo}u"
                         lines.append(self.gemm(f"{c} + {k0}u", self.seq, qa, (wq, 1), kb, (1, wk), rows, k1 - k0,
-                                               hi2 - lo2, 1.0 / self.divisor(layer)))
+                                               hi2 - lo2, 1.0 / self.tiling.divisor(layer)))
         return lines
 
     def context(self, rec, out, ops) -> list[str]:
@@ -258,7 +246,7 @@ class RowWriter(StepWriter):
         block, in V's pieces."""
         layer, b, j = rec.layer, rec.b, rec.j
         p, v = self.layers_meta[layer].inputs
-        dh, rows, w = self.dh(self.layers_meta[p].inputs[0]), self.rows(layer, b), self.width(layer, j)
+        dh, rows, w = self.tiling.head_dim(self.layers_meta[p].inputs[0]), self.rows(layer, b), self.width(layer, j)
         c0, c1 = self.cols[layer][j]
         lines = [f"poet_zero({out}, {self.count(layer, b, j)}u);"]
         for s in range(self.batch):
@@ -385,7 +373,7 @@ class RowWriter(StepWriter):
         n, rows, w = self.batch, self.rows(f, b), self.width(f, j)
         if kind == "linear":
             jj = term.j
-            g = self.tile(ops, u, 0 if lay.cls or self.vector(u) else b, jj, "grad:")
+            g = self.tile(ops, u, 0 if lay.cls or self.tiling.vector(u) else b, jj, "grad:")
             weight, _ = self.weights(ops, u, (jj, j))
             wo = self.width(u, jj)
             if lay.cls:  # the pooler read each sample's first token only
@@ -418,7 +406,7 @@ class RowWriter(StepWriter):
         ``term.b``'s rows of dS that are block b's keys."""
         u = term.layer
         q, k = self.layers_meta[u].inputs
-        dh, alpha = self.dh(u), 1.0 / self.divisor(u)
+        dh, alpha = self.tiling.head_dim(u), 1.0 / self.tiling.divisor(u)
         rows, w = self.rows(f, b), self.width(f, j)
         c0, c1 = self.cols[f][j]
         lines = []
@@ -451,7 +439,7 @@ class RowWriter(StepWriter):
         query block ``term.b``'s probabilities of block b's keys."""
         u = term.layer
         p, v = self.layers_meta[u].inputs
-        dh = self.dh(self.layers_meta[p].inputs[0])
+        dh = self.tiling.head_dim(self.layers_meta[p].inputs[0])
         rows = self.rows(f, b)
         lines = []
         for s in range(self.batch):
@@ -494,7 +482,7 @@ class RowWriter(StepWriter):
         wo = self.width(layer, j)
         total = wo * (2 if lay.op == "layernorm" else self.width(x, tile[1]) + (1 if tile[1] == 0 else 0))
         prev = self.at(ops, rec.prev, rec.prev) if rec.prev else None
-        g = self.tile(ops, layer, 0 if self.vector(layer) else b, j, "grad:")
+        g = self.tile(ops, layer, 0 if self.tiling.vector(layer) else b, j, "grad:")
         lines = []
         if rec.update and prev is None and lay.op == "linear" and not (lay.cls and self.batch > 1):
             # a single link: the gradient straight into the weights, with no buffer for it

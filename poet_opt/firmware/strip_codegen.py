@@ -53,11 +53,7 @@ class StripWriter(StepWriter):
 
     # -- geometry --------------------------------------------------------------------------------
 
-    def strips(self, layer: str) -> list[tuple[int, int]]:
-        return self.tiling.strips(layer)
 
-    def striped(self, layer: str) -> bool:
-        return self.tiling.striped(layer)
 
     def buf(self, ops, layer: str, j: int, prefix: str = "") -> str:
         if prefix == "grad:" and layer in self.alias:
@@ -65,7 +61,7 @@ class StripWriter(StepWriter):
             n, _, _, w = self.nchw(layer)
             if n != 1:
                 raise PoetError(f"internal: {layer}'s gradient strip is not contiguous at batch {n}; gather it")
-            a, b = self.strips(layer)[j]
+            a, b = self.tiling.strips(layer)[j]
             return f"({self.buf(ops, concat, j, prefix)} + {lo * (b - a) * w}u)"
         return self.at(ops, self.tiling.strip_name(layer, j, prefix), f"a strip of {layer}")
 
@@ -86,8 +82,6 @@ class StripWriter(StepWriter):
         n, c, h, w = self.net.layers[layer].shape
         return n, c, h, w
 
-    def index(self, layer: str, rows) -> int:
-        return self.tiling.strip_index(layer, rows)
 
     def scratch(self, floats: int) -> None:
         self.scratch_floats = max(self.scratch_floats, floats)
@@ -161,7 +155,7 @@ class StripWriter(StepWriter):
     def whole(self, layer: str) -> bool:
         """Whether the layer and its inputs are single tensors, run as unstriped graphs run them."""
         names = [layer, *self.layers_meta[layer].inputs]
-        return not any(self.striped(x) for x in names) and self.net.layers[layer].op not in WINDOWED
+        return not any(self.tiling.striped(x) for x in names) and self.net.layers[layer].op not in WINDOWED
 
     def strip_forward(self, rec, out, ops, first) -> list[str]:
         name, rows = rec.layer, rec.rows
@@ -175,12 +169,12 @@ class StripWriter(StepWriter):
             x = layer.operands[0]
             n, c, h, w = self.nchw(x)
             lines = [f"poet_zero({out}, {n * c}u);"]
-            for j, (a, b) in enumerate(self.strips(x)):
+            for j, (a, b) in enumerate(self.tiling.strips(x)):
                 lines.append(f"poet_global_avgpool_strip_forward({out}, {self.buf(ops, x, j)}, {n * c}u, "
                              f"{(b - a) * w}u, {h * w}u);")
             return lines
         a, b = rows
-        j = self.index(name, rows)
+        j = self.tiling.strip_index(name, rows)
         n, c, h, w = self.nchw(name)
         count = n * c * (b - a) * w
         if op == "input":
@@ -258,7 +252,7 @@ class StripWriter(StepWriter):
 
     def stats(self, rec, out, ops) -> list[str]:
         name, (a, b) = rec.layer, rec.rows
-        j = self.index(name, (a, b))
+        j = self.tiling.strip_index(name, (a, b))
         x = self.layers_meta[name].inputs[0]
         n, c, _, w = self.nchw(name)
         prev = self.chain_link(ops, "stats:", name, j)
@@ -273,7 +267,7 @@ class StripWriter(StepWriter):
 
     def grad_stats(self, rec, out, ops) -> list[str]:
         name, (a, b) = rec.layer, rec.rows
-        j = self.index(name, (a, b))
+        j = self.tiling.strip_index(name, (a, b))
         x = self.layers_meta[name].inputs[0]
         n, c, h, w = self.nchw(name)
         prev = self.chain_link(ops, "gstats:", name, j)
@@ -304,7 +298,7 @@ class StripWriter(StepWriter):
         """out += the data gradient back through u into rows ``rows`` of f."""
         user = self.net.layers[u]
         op = user.op
-        if rows is None or (not self.striped(u) and not self.striped(f) and op not in WINDOWED):
+        if rows is None or (not self.tiling.striped(u) and not self.tiling.striped(f) and op not in WINDOWED):
             return [self.data_gradient(user, which, out, ops, f) for which, o in enumerate(user.operands) if o == f]
         lo, hi = rows
         n, c, h, w = self.nchw(f)
@@ -316,7 +310,7 @@ class StripWriter(StepWriter):
                     f"{(hi - lo) * w}u, {h * w}u);"]
         if op in WINDOWED:
             return self.window_gradient(user, f, rows, out, ops)
-        j = self.index(f, rows)
+        j = self.tiling.strip_index(f, rows)
         g = self.buf(ops, u, j, "grad:")
         if op == "batchnorm":
             stats = self.at(ops, self.tiling.chain_end("stats:", u), f"{u}'s backward")
@@ -393,7 +387,7 @@ class StripWriter(StepWriter):
         _, c, _, w = self.nchw(name)
         # a slice's gradient rows at batch > 1 lie in several blocks of the concat's: gathered
         gather_gy = name in self.alias and n > 1
-        gy_whole = None if gather_gy else self.buf(ops, name, self.index(name, rows), "grad:")
+        gy_whole = None if gather_gy else self.buf(ops, name, self.tiling.strip_index(name, rows), "grad:")
         weights = layer.params["weight"].value.size
         total = sum(q.value.size for q in layer.params.values())
         prev = self.at(ops, rec.prev, rec.prev) if rec.prev else None
@@ -444,7 +438,7 @@ class StripWriter(StepWriter):
 
     def update(self, p: int, ops) -> list[str]:
         layer = self.param_layers[p]
-        if layer.op != "batchnorm" or not self.striped(layer.name):
+        if layer.op != "batchnorm" or not self.tiling.striped(layer.name):
             return super().update(p, ops)
         # gamma and beta's gradients are the whole tensor's sums of dy * xhat and dy
         c = layer.shape[1]

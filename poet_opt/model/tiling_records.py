@@ -29,6 +29,7 @@ statistics is called.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
@@ -280,6 +281,10 @@ class RowTiling(Tiling):
 
     def head_dim(self, scores: str) -> int:
         return self.layers[self.layers[scores].inputs[0]].shape[-1] // self.layers[scores].shape[0]
+
+    def divisor(self, scores: str) -> float:
+        """What attention scores are divided by: the model's own, else the square root of the head's width."""
+        return self.layers[scores].divisor or math.sqrt(self.head_dim(scores))
 
     def tile_ranges(self, layer: str, tile: Sequence[int]) -> dict[str, tuple[Range, ...]]:
         """role -> the ranges, per axis, of the layer's parameter that weight tile ``tile`` is: a

@@ -166,7 +166,7 @@ def _wear_cost(solver: dict) -> Optional[str]:
                 f"wear {format_bytes(wear['most_worn_bytes'])}, and still last that long); one solve")
     if not wear["binds"]:
         lasts = wear.get("lifetime_without")
-        return (f"  wear cost none: the plan without the budget already lasts "
+        return ("  wear cost none: the plan without the budget already lasts "
                 + ("forever" if lasts is None else f"{lasts:,} steps") + f", at least {steps}; "
                 "one solve, in half the time limit (the other half was kept for a budgeted solve)")
     without = wear["energy_without_j"]
