@@ -61,13 +61,19 @@ def against_sgd(factory, data, trained: dict, steps: int = 1) -> tuple[float, fl
     return largest, worst, moved
 
 
-def test_run_trains_an_embedding_of_token_ids_as_torch_sgd(tmp_path):
-    """Whole layers, resident: torch's own embedding forward, its table's gradient by autograd."""
+@pytest.mark.parametrize("weights", ["resident", "streamed"])
+def test_run_trains_an_embedding_of_token_ids_as_torch_sgd(weights, tmp_path):
+    """Whole layers: resident, torch's own embedding forward and its table's gradient by autograd;
+    streamed, the strip replay's (executor/strips.py: F.embedding, each token's gradient added into
+    its row), the table read from storage and written back after its update, as emulate does."""
     data, out = _ids(tmp_path), tmp_path / "after.npz"
     ran = cli("run", "--torch", BAG, "--input-shape", "2,16", "--device", "rpi4", "--ram", "1MiB",
-              "--weights", "resident", "--steps", "2", "--lr", LR, "--data", data, "--weights-out", out, "--json",
+              "--weights", weights, "--steps", "2", "--lr", LR, "--data", data, "--weights-out", out, "--json",
               "--time-limit", "10")
     assert ran.exit_code == 0, ran.stderr
+    summary = json.loads(ran.stdout)
+    assert summary["weights"] == weights
+    assert summary["peak_live_bytes"] == summary["planned_peak_bytes"]
     with np.load(out) as trained:
         largest, worst, moved = against_sgd(bag_of_words, data, dict(trained), steps=2)
     assert worst <= 1e-5 * largest, worst

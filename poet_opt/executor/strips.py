@@ -193,6 +193,8 @@ class _Replay:
             if op == "linear":
                 w = self.weights(env, name)
                 return F.linear(xs[0].flatten(1), w["weight"], w.get("bias"))
+            if op == "embedding":  # a table of token ids, whole (a table is never in strips)
+                return F.embedding(xs[0].long(), self.weights(env, name)["weight"])
             return self._elementwise(op, xs, "whole")
         j = self.tiling.strip_index(name, rows)
         if op in ("conv2d", "maxpool", "avgpool"):
@@ -337,6 +339,10 @@ class _Replay:
         if op == "linear":
             g, xs = env[f"grad:{u}"], self.whole(env, x).flatten(1)
             return {"weight": g.t() @ xs, "bias": g.sum(0)}
+        if op == "embedding":  # each token's output gradient added into its row, in token order as torch does
+            table, ids = self.params[u]["weight"], self.whole(env, x).long().flatten()
+            g = env[f"grad:{u}"].reshape(-1, table.shape[1])
+            return {"weight": t.zeros(table.shape, dtype=g.dtype).index_add_(0, ids, g)}
         lo, hi = rows if rows is not None else (0, shape[1])
         g = self.rows_of(env, u, lo, hi, "grad:")
         if op == "batchnorm":  # one strip: its own batch statistics

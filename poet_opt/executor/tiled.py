@@ -41,7 +41,8 @@ from poet_opt.schedule.walk import walk_document
 # The layers executor/strips.py replays (forward, data and weight gradient) besides the elementwise
 # operators it runs from their registry entry. Anything else is refused before training, naming
 # the node, rather than failing half way through a step.
-STRIP_OPS = {"input", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "add", "concat", "linear"}
+STRIP_OPS = {"input", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "add", "concat", "linear",
+             "embedding"}  # a table is whole in a strip graph: its tokens are not rows along H
 
 
 def replays(op: str) -> bool:

@@ -149,7 +149,7 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         where = f" of the device's {format_bytes(device_ram_bytes)}" if device_ram_bytes is not None else ""
         raise PoetError(f"{exc.message.split(';')[0]}: the PyTorch executor streams weights only through the strip "
                         f"builder's layers (convolution, pooling, batch norm, the activations of docs/operators.md, add, "
-                        f"concat, linear); with "
+                        f"concat, linear, embedding); with "
                         f"--weights resident the weights, their gradients, the stack reserve and the smallest working "
                         f"set need {format_bytes(need)}{where}", field="--weights") from None
     too_big = device_ram_bytes is not None and \
