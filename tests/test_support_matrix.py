@@ -339,7 +339,7 @@ CHAIN_OPS = {"whole": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "tan
                         "global_avgpool", "batchnorm", "concat"},
              "rows": {"add", "relu", "relu6", "gelu", "silu", "hardswish", "tanh", "linear", "layernorm", "matmul",
                       "softmax", "avgpool", "embedding"},
-             "slices": {"conv2d", "linear", "concat"}}
+             "slices": {"conv2d", "linear", "concat", "embedding"}}
 
 
 def worst_against_sgd(factory, data, weights) -> tuple[float, float]:
@@ -431,20 +431,24 @@ def test_firmware_chain_equals_torch(tiling, tmp_path):
     if tiling == "whole":
         (tmp_path / "seq").mkdir()
         ran |= _emulate(_seq_chain, (2, 6, 6), tmp_path / "seq", **kw)
+    if tiling in ("whole", "slices"):  # sliced: the table's 4 features one at a time (40 B of 160)
         (tmp_path / "ids").mkdir()
-        ran |= _emulate(_token_chain, (2, 5), tmp_path / "ids", ids=10, **kw)
+        ran |= _emulate(_token_chain, (2, 5), tmp_path / "ids", ids=10, **dict(kw, tile_bytes=64) if kw.get(
+            "tile_bytes") else kw)
     claimed = {s.name for s in ops.specs() if support.runs(s, tiling, "firmware")} - STRUCTURAL
     assert CHAIN_OPS[tiling] == claimed, "every operator the firmware is said to run is in a chain"
     assert CHAIN_OPS[tiling] <= ran, CHAIN_OPS[tiling] - ran
 
 
-def _run(factory, shape, tmp_path, **kw):
-    """`poet-opt run` (run_training) on the chain, one step, against torch.optim.SGD."""
+def _run(factory, shape, tmp_path, ids=None, **kw):
+    """`poet-opt run` (run_training) on the chain, one step, against torch.optim.SGD (``ids``: on
+    token ids below it)."""
     from poet_opt.executor.train import run_training
 
     rng = np.random.default_rng(3)
     data = tmp_path / "batch.npz"
-    np.savez(data, x=rng.standard_normal(shape).astype(np.float32), y=rng.integers(0, 3, shape[0]))
+    x = rng.standard_normal(shape).astype(np.float32) if ids is None else rng.integers(0, ids, shape)
+    np.savez(data, x=x, y=rng.integers(0, 3, shape[0]))
     result = run_training(torch_model=factory, input_shape=",".join(map(str, shape)), device="nrf52840",
                           ram="200KiB", steps=1, lr=LR, data=data, **kw)
     largest, worst = worst_against_sgd(factory, data, result.weights)
@@ -462,6 +466,11 @@ def test_executor_chain_equals_torch(tiling, tmp_path):
     doc = doc.to_dict() if hasattr(doc, "to_dict") else doc
     names = [n["name"] for n in doc["graph"]["nodes"]]
     assert any("#" in n for n in names), "the plan has weight slices"
+    if tiling == "slices":  # a table cut into its features, one at a time (40 B of 160)
+        (tmp_path / "ids").mkdir()
+        table = _run(_token_chain, (2, 5), tmp_path / "ids", ids=10, **dict(kw, weight_tile="64B"))
+        table = table.to_dict() if hasattr(table, "to_dict") else table
+        assert {"param:0#0", "param:0#3"} <= {n["name"] for n in table["graph"]["nodes"]}
     assert (tiling == "strips") == any("@s" in n for n in names), "strips only where asked"
     claimed = {s.name for s in ops.specs() if support.runs(s, tiling, "executor")} - STRUCTURAL
     in_chain = CHAIN_OPS[tiling] if tiling == "slices" else CHAIN_OPS["strips"]

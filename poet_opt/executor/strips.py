@@ -195,6 +195,8 @@ class _Replay:
                 return F.linear(xs[0].flatten(1), w["weight"], w.get("bias"))
             if op == "embedding":  # a table of token ids, whole (a table is never in strips)
                 return F.embedding(xs[0].long(), self.weights(env, name)["weight"])
+            if op == "concat":  # weight slices: along their features
+                return self.t.cat(xs, dim=self._features(name))
             return self._elementwise(op, xs, "whole")
         j = self.tiling.strip_index(name, rows)
         if op in ("conv2d", "maxpool", "avgpool"):
@@ -319,8 +321,13 @@ class _Replay:
             return g if len(layer.inputs) == 2 else 2 * g
         if op == "concat":
             c0, c1 = self.channels[f]
-            return g[:, c0:c1]
+            return g.narrow(self._features(u), c0, c1 - c0)
         raise ValueError(f"no gradient for {op}")
+
+    def _features(self, layer: str) -> int:
+        """The axis of a tensor's features, the batch first: channels of (C, H, W) and a vector's
+        features, the last of (tokens, features), as model/tiling.py slices them."""
+        return 2 if len(self.layers[layer].shape) == 2 else 1
 
     def fused_weight_gradient(self, u: str, env) -> dict:
         """The weight gradient of layer u whose update a data-gradient node applies."""

@@ -275,11 +275,9 @@ def _strip_graph(name: str, ops, output: int, module, trainable, meta: dict, str
 def _tiled(layer: Layer, slices: WeightSlices, trainable_nodes: set[str]) -> dict[str, Layer]:
     """The tiles of ``layer`` as model/tiling.py slices it, then the concat that takes ``layer``'s
     name and place (with activation strips too, where a tile's nodes are its strips)."""
-    if layer.op not in ("conv2d", "linear") or layer.op == "conv2d" and layer.attrs["groups"] != 1:
-        table = f" (an embedding's table, {4 * layer.params['weight'].value.size:,} B, stays whole only under a " \
-            "--weight-tile that large)" if layer.op == "embedding" else ""
-        raise PoetError(f"node {layer.name!r}: the firmware tiles only ungrouped convolutions and linear layers{table}",
-                        field="--weight-tile")
+    if layer.op not in ("conv2d", "linear", "embedding") or layer.op == "conv2d" and layer.attrs["groups"] != 1:
+        raise PoetError(f"node {layer.name!r}: the firmware tiles only ungrouped convolutions, linear layers and "
+                        "embeddings", field="--weight-tile")
     axis = 1 if layer.op == "conv2d" else len(layer.shape) - 1
     if (len(layer.shape) == 4) != (layer.op == "conv2d"):  # model/tiling.py slices (C, H, W) outputs by channel
         raise PoetError(f"node {layer.name!r}: a linear layer with a 4-d output is sliced across its channels, not "
@@ -291,8 +289,12 @@ def _tiled(layer: Layer, slices: WeightSlices, trainable_nodes: set[str]) -> dic
     for name, (lo, hi) in feature_ranges(features, names).items():
         shape = tuple(hi - lo if a == axis else d for a, d in enumerate(layer.shape))
         attrs = dict(layer.attrs, features_out=hi - lo) if layer.op == "linear" else dict(layer.attrs)
-        params = {role: Parameter(p.torch_name, p.value[lo:hi].copy(), (lo, hi), tuple(p.value.shape))
-                  for role, p in layer.params.items()}
+        if layer.op == "embedding":  # a table's columns: every word's features lo..hi, a block of the table
+            params = {role: Parameter(p.torch_name, p.value[:, lo:hi].copy(), (0, p.value.shape[0]),
+                                      tuple(p.value.shape), (lo, hi)) for role, p in layer.params.items()}
+        else:  # output features lo..hi: the parameters' rows
+            params = {role: Parameter(p.torch_name, p.value[lo:hi].copy(), (lo, hi), tuple(p.value.shape))
+                      for role, p in layer.params.items()}
         out[name] = Layer(name, layer.op, shape, list(layer.operands), list(layer.operand_shapes), attrs, params,
                           trainable=name in trainable_nodes, origin=layer.origin,
                           operand_views=list(layer.operand_views))

@@ -51,7 +51,7 @@ FIRMWARE = {
     "strips": {"conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm", "concat"},
     "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool", "embedding"},  # a torch transformer's
     # (model/torch_rows.py), tables indexed by token id or by position
-    "slices": {"conv2d", "linear", "concat"},
+    "slices": {"conv2d", "linear", "concat", "embedding"},  # a table's columns: feature pieces of every word
 }
 # The PyTorch executor: `poet-opt run` for whole graphs (executor/kernels.py); the strip replay
 # (executor/strips.py, walked by executor/tiled.py) for strips and weight slices; the row replay
@@ -63,7 +63,7 @@ EXECUTOR = {
               "sub", "mul", "div"},
     "strips": {"concat", "conv2d", "maxpool", "avgpool", "global_avgpool", "batchnorm"},
     "rows": {"linear", "layernorm", "matmul", "softmax", "avgpool", "embedding"},
-    "slices": {"conv2d", "linear", "concat"},
+    "slices": {"conv2d", "linear", "concat", "embedding"},
 }
 
 
