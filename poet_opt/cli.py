@@ -177,7 +177,8 @@ def WEIGHTS_OPTION(command):
     command = click.option(
         "--strips", default="auto", show_default=True, help="streamed zoo and --torch models: split activations along "
         "H into strips, or a transformer's tokens into row blocks (docs/streaming.md); auto: only when a node would "
-        "not fit the device otherwise; off; or N (strips, or row blocks)")(command)
+        "not fit the device otherwise; off; or N (strips, or row blocks), which streams the weights under --weights "
+        "auto")(command)
     command = click.option(
         "--weight-tile", default=None, help="streamed weights: split a layer whose weights exceed this (e.g. 48KiB) "
         "into slices of its output features; default a quarter of the RAM budget")(command)

@@ -54,7 +54,7 @@ def add_commands(main, one_line_errors, check_writable, check_not_inputs, measur
                   "weights exceed this; default: a quarter of --ram")
     @click.option("--strips", default="auto", show_default=True, help="as for `poet-opt solve`: streamed weights, "
                   "split activations along H into strips, or a transformer's tokens into row blocks; auto: only when "
-                  "a node would not fit the device otherwise; off; or N")
+                  "a node would not fit the device otherwise; off; or N, which streams the weights under --weights auto")
     @click.option("--steps", type=int, required=True, help="training steps to run")
     @click.option("--lr", type=float, required=True, help="SGD learning rate")
     @click.option("--data", required=True, type=click.Path(dir_okay=False),

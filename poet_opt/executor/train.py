@@ -97,12 +97,13 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
     are asked: the same nodes), whose replay runs it (executor/tiled.py). ``x``: the batch's input,
     checked against what the model reads (float32 features or token ids, model/batch.py's check_x)
     as soon as the module is traced, before any row graph is built."""
-    from poet_opt.model.load import default_tile_bytes, needs_streaming
+    from poet_opt.model.load import default_tile_bytes, needs_streaming, weights_for_strips
     from poet_opt.model.torch_import import resolve_module
 
     if weights not in ("auto", "resident", "streamed"):
         raise PoetError(f"unknown weights placement {weights!r}; choose auto, resident or streamed", field="--weights")
     strips = strips if isinstance(strips, dict) else strips_value(strips)  # a dict: a plan's {H: N}
+    weights = weights_for_strips(strips if not isinstance(strips, dict) else 1, weights)
     module, name = resolve_module(torch_model)  # once: a factory would give other initial weights each call
     try:
         resident, unrunnable = prepare(module, input_shape, trainable=trainable, name=name), None
@@ -117,8 +118,9 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         check_x(x, resident.vocabulary if resident is not None else _vocabulary(module, input_shape))
     if weights == "resident" or weights == "auto" and not needs_streaming(plain, device_ram_bytes,
                                                                           stack_reserve_bytes, ram_bytes):
-        if strips not in ("auto", "off") and weights == "resident":  # as solve: auto ignores them when resident
-            raise PoetError("activation strips need streamed weights (--weights streamed)", field="--strips")
+        if resident is None and strips == "auto" and _transformer(plain):  # as emulate says of it
+            raise PoetError(f"{unrunnable.message}; in row tiles it does: give --strips N for N row blocks of tokens",
+                            field="--strips") from None
         if resident is None:
             raise unrunnable
         return resident
@@ -128,7 +130,7 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         room = device_ram_bytes - stack_reserve_bytes
         budget = room if budget is None else min(budget, room)
     shape = parse_full_shape(input_shape)
-    if any(n.op == "matmul" for n in plain.nodes) and not any(n.op == "conv2d" for n in plain.nodes):
+    if _transformer(plain):
         return _row_network(module, shape, resident, name=name, trainable=trainable, weights=weights, strips=strips,
                             tile=tile, budget=budget, device_ram_bytes=device_ram_bytes,
                             stack_reserve_bytes=stack_reserve_bytes)
@@ -171,6 +173,11 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
     return streamed
 
 
+def _transformer(graph) -> bool:
+    """A graph the row builder tiles by tokens: attention products and no convolution (model/load.py)."""
+    return any(n.op == "matmul" for n in graph.nodes) and not any(n.op == "conv2d" for n in graph.nodes)
+
+
 def _vocabulary(module, input_shape) -> int | None:
     """The rows of the table the traced input indexes (model/torch_rows.py), or None."""
     from poet_opt.model.torch_rows import input_vocabulary
@@ -193,7 +200,8 @@ def _row_network(module, shape, resident: Network | None, *, name, trainable, we
     if strips == "off" or strips == "auto" and not too_big:
         raise PoetError(f"the PyTorch executor streams a transformer's weights only in row tiles, and its largest "
                         f"node ({node.name}, {format_bytes(working)}) fits the device whole, so auto leaves them out: "
-                        "ask for N row blocks with --strips N, or keep the weights resident (--weights resident)",
+                        "ask for N row blocks with --strips N"
+                        + (", or keep the weights resident (--weights resident)" if resident is not None else ""),
                         field="--strips")
     rows = lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=strips,
                          strip_budget=budget)

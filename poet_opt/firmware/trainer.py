@@ -22,17 +22,17 @@ from poet_opt.errors import PoetError
 from poet_opt.files import check_not_inputs, write_files
 from poet_opt.firmware import codegen
 from poet_opt.firmware.fit import solve_for_export
+from poet_opt.firmware.lowering import STACK_BYTES, Lowering
 from poet_opt.firmware.targets import target_from_profile
 from poet_opt.model.batch import check_labels, divergence, finite_or_none
-from poet_opt.model.load import default_tile_bytes, needs_streaming, strips_value
-from poet_opt.model.network import Network, lower_network
+from poet_opt.model.load import strips_value
+from poet_opt.model.network import Network
 from poet_opt.model.operators import parse_full_shape
 from poet_opt.solver.backends import ctrl_c_ends_everything
 from poet_opt.units import parse_size
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 BOARD_DIR = Path(__file__).resolve().parent / "board"
-STACK_BYTES = 4096  # the kernels keep a few words each; the emulator measures the real depth
 LOSS_BYTES = 4  # harness_losses: one float per step, kept in RAM for the host to read back
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 EXAMPLE_STEPS_ON_A_DATA_SET = 16  # the board project's main.c, after emulate on a data set
@@ -283,7 +283,7 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
     other statics (for ``steps`` steps' losses) and its stack leave too little of the device beside it. ``costs``: a measured-costs file or MeasuredCosts
     (``solve --costs``), put on the graph before the solve. ``data_set``: the harness keeps one
     batch, its logits and one loss (firmware/dataset.py) instead of every step's loss."""
-    from poet_opt.model.measured_costs import MeasuredCosts, apply_costs, load_costs
+    from poet_opt.model.measured_costs import MeasuredCosts, load_costs
 
     def say(text: str) -> None:
         if progress is not None:
@@ -293,54 +293,9 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
     table = costs if costs is None or isinstance(costs, MeasuredCosts) else load_costs(costs)
     model = name
     say("tracing the model")
-    if weights not in ("resident", "streamed", "auto"):
-        raise PoetError(f"unknown weights placement {weights!r}; choose resident, streamed or auto", field="--weights")
     ram_bytes = parse_size(ram, field="--ram")
-    if tile_bytes is not None:
-        tile = parse_size(tile_bytes, field="--weight-tile")
-        if tile < 1:
-            raise PoetError("must be at least 1 B", field="--weight-tile")
-        if weights == "resident":
-            raise PoetError("weight tiles need streamed weights (--weights streamed or auto)", field="--weight-tile")
-    else:  # as `poet-opt solve` slices streamed layers (model/load.py): one default for every command
-        tile = None if weights == "resident" else default_tile_bytes([ram_bytes])
-    try:
-        whole = lower_network(module, shape, trainable=trainable, name=model,
-                              weights="resident" if weights == "auto" else weights,
-                              tile_bytes=tile if weights == "streamed" else None)
-    except PoetError as exc:  # a written-out attention has views the firmware runs in row tiles only
-        from poet_opt.model.torch_import import import_torch
-
-        try:
-            planned = import_torch(module, shape, trainable=trainable, weights="streamed", tile_bytes=tile)
-        except PoetError:
-            planned = None
-        if planned is not None and strips == "off" and _wants_rows(planned, profile, "auto"):
-            raise PoetError(f"this transformer fits {profile.name} only with its tokens in row tiles, which "
-                            "--strips off turns off; give --strips auto or N", field="--strips") from None
-        if planned is not None and strips == "auto" and _wants_rows(planned, profile, 1) and \
-                not _wants_rows(planned, profile, "auto"):  # it fits whole: row tiles only if asked for
-            raise PoetError(f"{exc.message}; in row tiles it does: give --strips N for N row blocks of tokens",
-                            field="--strips") from None
-        if planned is None or not _wants_rows(planned, profile, strips):
-            raise
-        whole = None
-    if whole is not None and weights == "auto" and \
-            needs_streaming(whole.graph, profile.memory.ram_bytes, STACK_BYTES, ram_bytes):
-        whole = lower_network(module, shape, trainable=trainable, name=model, weights="streamed", tile_bytes=tile)
-    lowered = {}  # the network of the graph each (re-)solve plans, by its strip budget
-
-    def striped(budget: int) -> Network:
-        if budget not in lowered:
-            # a default slice is a share of the budget the graph is fit to, as solve's is of --ram
-            fit_tile = default_tile_bytes([budget]) if tile_bytes is None and tile is not None else tile
-            net = _with_strips(whole, strips, module, shape, profile, budget, trainable=trainable, name=model,
-                               weights=weights, tile=fit_tile) if whole is not None else \
-                _with_rows(module, shape, profile, budget, strips, trainable=trainable, name=model, weights=weights)
-            # the file names this graph's nodes: a file for another model or lowering fails here
-            lowered[budget] = net if table is None else replace(net, graph=apply_costs(net.graph, table))
-        return lowered[budget]
-
+    striped = Lowering(module, shape, profile, ram_bytes, name=model, trainable=trainable, weights=weights,
+                       tile_bytes=tile_bytes, strips=strips, table=table)
     network = striped(ram_bytes)
     say("solving")
     # strips fit to the budget may leave a node too large for the tighter budget an arena's
@@ -349,7 +304,7 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
     graph_for = (lambda budget: striped(budget).graph) if refit else None
     with ctrl_c_ends_everything():
         plan = solve_for_export(network.graph, profile, ram=ram, time_limit=time_limit, mode=mode, graph_for=graph_for)
-        network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
+        network = striped.network_of(plan.graph) if refit else network
         # --ram bounds the arena; the firmware's other statics and its stack come on top of it, and
         # with them the arena of ResNet-18 at 200 KiB left no room on the nRF52840's 256 KiB: the
         # arena is then solved again within the RAM they leave
@@ -380,7 +335,7 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
             except PoetError as exc:
                 raise PoetError(f"{_no_room(ram_bytes, beside, target, profile)}, and no plan fits it: {exc.message}",
                                 field="--ram") from None
-            network = next(net for net in lowered.values() if net.graph is plan.graph) if refit else network
+            network = striped.network_of(plan.graph) if refit else network
         else:
             raise PoetError(_no_room(ram_bytes, beside, target, profile), field="--ram")
     return network, plan
@@ -430,58 +385,6 @@ def _input_files(data, device, torch_model, eval_data=None) -> list[tuple[str, P
     if isinstance(torch_model, str):
         given.append(("--torch", torch_model.rsplit(":", 1)[0]))
     return [(option, Path(path)) for option, path in given if isinstance(path, (str, Path)) and Path(path).is_file()]
-
-
-def _wants_rows(graph, profile, strips) -> bool:
-    """Whether `solve` would plan this transformer in row tiles (model/load.py): --strips N, or some
-    node too large for the device whole."""
-    nodes = graph.nodes
-    too_big = graph.largest_working_set()[0] + STACK_BYTES > profile.memory.ram_bytes
-    return strips != "off" and (too_big or strips != "auto") and not any(n.op == "conv2d" for n in nodes) and \
-        any(n.op == "matmul" for n in nodes)
-
-
-def _with_rows(module, shape, profile, ram, strips, *, trainable, name, weights) -> Network:
-    """The transformer with its tokens in row tiles (model/torch_rows.py), every node within ``ram``
-    ("auto": the tiling with the fewest nodes; N: N row blocks), refused before any solve when the
-    firmware has no row kernel for one of its operators (firmware/row_codegen.py)."""
-    from poet_opt.firmware.row_codegen import check_rows
-
-    if weights == "resident":
-        raise PoetError("row tiles cut a transformer's weights into tiles streamed from storage: they need "
-                        "streamed weights (--weights auto or streamed)", field="--weights")
-    budget = min(parse_size(ram, field="--ram"), profile.memory.ram_bytes - STACK_BYTES)
-    network = lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=strips,
-                            strip_budget=budget)
-    if network.graph is None:
-        raise PoetError(f"no row tiling of the transformer brings every node within {budget:,} B", field="--ram")
-    check_rows(network)
-    return network
-
-
-def _with_strips(network: Network, strips, module, shape, profile, ram, *, trainable, name, weights, tile) -> Network:
-    """The network lowered with activation strips when ``strips`` asks for them, or ("auto") when
-    some node cannot fit the device's RAM whole; the network as it is otherwise."""
-    from poet_opt.units import format_bytes
-
-    working, node = network.graph.largest_working_set()
-    if _wants_rows(network.graph, profile, strips):
-        return _with_rows(module, shape, profile, ram, strips, trainable=trainable, name=name, weights=weights)
-    too_big = working + STACK_BYTES > profile.memory.ram_bytes and any(n.op == "conv2d" for n in network.graph.nodes)
-    if strips not in ("auto", "off") and (isinstance(strips, bool) or not isinstance(strips, int) or strips < 1):
-        raise PoetError(f"expected auto, off or a positive whole number, got {strips!r}", field="--strips")
-    if strips == "off" or strips == "auto" and not too_big:
-        if too_big:
-            raise PoetError(f"computing {node.name} holds {format_bytes(working)} at once, more than "
-                            f"{profile.name}'s {format_bytes(profile.memory.ram_bytes)} of RAM with the stack: it "
-                            "needs its activations split into strips (strips='auto')", field="--ram")
-        return network
-    if weights == "resident":
-        raise PoetError(f"computing {node.name} whole holds {format_bytes(working)}: activation strips need "
-                        "streamed weights (--weights auto or streamed)", field="--weights")
-    budget = min(parse_size(ram, field="--ram"), profile.memory.ram_bytes - STACK_BYTES)
-    return lower_network(module, shape, trainable=trainable, name=name, weights="streamed", strips=strips,
-                         strip_budget=budget, tile_bytes=tile)
 
 
 def run_schedule(network: Network, plan, profile, *, steps: int, lr: float, x: np.ndarray, y: np.ndarray,

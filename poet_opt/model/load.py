@@ -47,7 +47,8 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
 
         table = costs = costs if isinstance(costs, MeasuredCosts) else load_costs(costs)
     strips = strips_value(strips)
-    if strips not in ("auto", "off") and (weights == "resident" or model is None and torch is None):
+    weights = weights_for_strips(strips, weights)
+    if strips not in ("auto", "off") and model is None and torch is None:
         raise PoetError("activation strips need a zoo model (--model) or a torch module (--torch) with streamed "
                         "weights (--weights streamed)", field="--strips")
     if weights == "auto":
@@ -152,6 +153,18 @@ def default_tile_bytes(ram_budgets) -> int | None:
     smallest RAM budget, so a slice leaves room for its layer's activations (None: no budget)."""
     budgets = [b for b in (ram_budgets or ()) if b is not None]
     return max(1, min(budgets) // 4) if budgets else None
+
+
+def weights_for_strips(strips, weights: str) -> str:
+    """The weights' placement once ``strips`` (strips_value's) is known, the same in every command:
+    N strips or row blocks, asked for, stream the weights (auto gives way to them) and cannot be had
+    with resident weights."""
+    if strips in ("auto", "off"):
+        return weights
+    if weights == "resident":
+        raise PoetError("activation strips and row blocks stream the weights: give --weights auto or streamed, or "
+                        "--strips auto", field="--strips")
+    return "streamed" if weights == "auto" else weights
 
 
 def strips_value(strips):

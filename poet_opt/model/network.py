@@ -348,7 +348,7 @@ def _source(arg, producers, modules, node: str, chains: list | None = None) -> s
             if fn == "dropout" or kind.startswith("Dropout"):
                 raise _unsupported(node, "its input passes through dropout, whose random mask firmware cannot "
                                          "reproduce")
-            raise _unsupported(node, f"its input is a {fn or kind} view of another tensor, which moves elements")
+            raise _unsupported(node, f"its input is a view of another tensor ({fn or kind}) that moves elements")
         chain.append(seen)
         seen = seen.args[0]
     if chains is not None:

@@ -1,0 +1,90 @@
+"""One set of defaults (issue 27, item 4): `solve`, `run` and `emulate` lower a PyTorch module to
+the same graph for the same options, or refuse it before solving; a plan one of them makes for a
+module is a plan of the graph the others would run. Each command's own lowering is called, as the
+command calls it, over weights auto, resident and streamed and strips auto, off and N."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from poet_opt import cli  # noqa: E402
+from poet_opt.device.profiles import load_profile  # noqa: E402
+from poet_opt.errors import PoetError  # noqa: E402
+from poet_opt.executor.train import lower_for_run  # noqa: E402
+from poet_opt.firmware.lowering import Lowering  # noqa: E402
+from poet_opt.model.torch_import import resolve_module  # noqa: E402
+from poet_opt.units import parse_size  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CASES = {  # a CNN in strips, a transformer on token ids in row blocks, a table with a linear head
+    "cnn": ("poet_opt.examples.torch_models:strip_cnn", "1,1,96,96", "nrf52840", "160KiB"),
+    "tokens": ("poet_opt.examples.torch_models:small_token_classifier", "1,16", "nrf52840", "64KiB"),
+    "bert": (f"{HERE / 'test_run_embedding.py'}:small_bert", "1,16", "stm32f746", "300KiB"),
+    "words": (f"{HERE / 'test_run_embedding.py'}:bag_of_words", "2,16", "nrf52840", "64KiB"),
+}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def outcome(lower):
+    """The graph's nodes (name, bytes), or the refusal's field and line."""
+    try:
+        graph = lower()
+    except PoetError as exc:
+        return ("refused", exc.field, exc.message)
+    return tuple((n.name, n.bytes) for n in graph.nodes)
+
+
+def lowerings(case: str, weights: str, strips: str) -> dict:
+    spec, shape, device, ram = CASES[case]
+    profile = load_profile(device)
+    memory = profile.memory
+
+    def emulate():
+        module, name = resolve_module(spec)
+        lowering = Lowering(module, tuple(int(v) for v in shape.split(",")), profile, parse_size(ram), name=name,
+                            weights=weights, strips=strips)
+        return lowering(parse_size(ram)).graph
+
+    return {
+        "solve": outcome(lambda: cli.load_graph(None, None, batch_size=1, bytes_per_element=4, input_shape=shape,
+                                                torch=spec, weights=weights, profile=profile, ram=[ram],
+                                                strips=strips)[0]),
+        "run": outcome(lambda: lower_for_run(spec, shape, weights=weights, strips=strips,
+                                             device_ram_bytes=memory.ram_bytes,
+                                             stack_reserve_bytes=memory.stack_reserve_bytes,
+                                             ram_bytes=parse_size(ram)).graph),
+        "emulate": outcome(emulate),
+    }
+
+
+@pytest.mark.parametrize("case, weights, strips", list(itertools.product(CASES, ("auto", "resident", "streamed"),
+                                                                         ("auto", "off", "2"))))
+def test_every_command_lowers_a_module_to_one_graph_or_refuses_it(case, weights, strips):
+    got = lowerings(case, weights, strips)
+    graphs = {command: nodes for command, nodes in got.items() if nodes[0] != "refused"}
+    assert len(set(graphs.values())) <= 1, {c: len(n) for c, n in graphs.items()}
+    if strips == "2":  # asked for: every command streams them, or all refuse with one line
+        refusals = {c: o for c, o in got.items() if o[0] == "refused"}
+        if weights == "resident":
+            assert len(refusals) == 3 and len(set(refusals.values())) == 1, refusals
+            assert refusals["solve"][1] == "--strips"
+        else:
+            assert "solve" in graphs and "emulate" in graphs
+            # the executor streams a table only in row tiles: refused before solving, naming --weights
+            assert set(refusals) <= ({"run"} if case == "words" else set()), refusals
+            assert any(name.startswith("param:") for name, _ in graphs["solve"])  # streamed weights
+
+
+def test_a_transformer_no_backend_runs_whole_is_sent_to_row_tiles_by_both_backends():
+    """bert's twin reads its position table through an arange view: neither backend runs it whole;
+    both say so in one line naming --strips, and point to row tiles, where both train it."""
+    got = lowerings("bert", "auto", "auto")
+    for command in ("run", "emulate"):
+        kind, field, message = got[command]
+        assert kind == "refused" and field == "--strips" and "in row tiles it does: give --strips N" in message
