@@ -175,16 +175,47 @@ def test_the_row_lowering_refuses_what_it_cannot_see_through_naming_the_node(fau
     assert f"node {node!r}" in str(err.value) and what in str(err.value)
 
 
-def test_run_refuses_to_stream_a_transformer_it_would_not_tile_naming_strips(batch):
-    """On the nRF52840 the small block fits whole: auto tiles nothing, and the executor streams a
-    transformer's weights only in row tiles; --strips N asks for them."""
+def test_run_tiles_a_streamed_transformer_no_backend_streams_whole(batch):
+    """The small block fits the nRF52840 whole, but its attention is written with transposing views
+    that only row tiles see through, and the executor streams a transformer's weights only in row
+    tiles: no backend streams it whole, so auto tiles its tokens, in every command alike
+    (tests/test_same_lowering.py); --strips N asks for N blocks."""
     common = ["run", "--torch", SPEC, "--input-shape", SHAPE, "--device", "nrf52840", "--ram", "64KiB",
-              "--weights", "streamed", "--steps", "1", "--lr", LR, "--data", batch]
-    assert_one_line_error(cli(*common), "--strips", "only in row tiles", "--strips N")
-    ran = cli(*common, "--strips", "2", "--time-limit", "5", "--json")
-    assert ran.exit_code == 0, ran.stderr
-    summary = json.loads(ran.stdout)
-    assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] <= 64 * 1024
+              "--weights", "streamed", "--steps", "1", "--lr", LR, "--data", batch, "--time-limit", "5", "--json"]
+    for extra in ([], ["--strips", "2"]):
+        ran = cli(*common, *extra)
+        assert ran.exit_code == 0, ran.stderr
+        summary = json.loads(ran.stdout)
+        assert summary["peak_live_bytes"] == summary["planned_peak_bytes"] <= 64 * 1024
+
+
+class ProductChain(torch.nn.Module):
+    """Two projections multiplied, with no view between them: a transformer's products that the
+    firmware runs whole (test_support_matrix.py's chain of token operators)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.ln = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), torch.nn.LayerNorm(6)
+        self.sm, self.head = torch.nn.Softmax(-1), torch.nn.Linear(36, 3)
+
+    def forward(self, x):
+        x = self.ln(x)
+        return self.head(torch.flatten(self.sm(torch.matmul(self.q(x), self.k(x))), 1))
+
+
+def product_chain():
+    torch.manual_seed(12)
+    return ProductChain()
+
+
+def test_run_refuses_to_stream_whole_what_only_the_firmware_streams_whole_naming_strips(tmp_path):
+    """The chain fits whole and the firmware streams it whole (`emulate` trains that plan), but the
+    executor streams a transformer's weights only in row tiles: one line naming --strips."""
+    data = tmp_path / "chain.npz"
+    np.savez(data, x=np.random.default_rng(0).standard_normal((1, 6, 6)).astype(np.float32), y=np.array([1]))
+    ran = cli("run", "--torch", f"{__file__}:product_chain", "--input-shape", "1,6,6", "--device", "nrf52840",
+              "--ram", "64KiB", "--weights", "streamed", "--steps", "1", "--lr", LR, "--data", data)
+    assert_one_line_error(ran, "--strips", "only in row tiles", "--strips N")
 
 
 def test_the_commands_of_docs_executor_md_on_row_tiles_run(tmp_path, monkeypatch):

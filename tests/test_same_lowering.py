@@ -69,6 +69,8 @@ def test_every_command_lowers_a_module_to_one_graph_or_refuses_it(case, weights,
     got = lowerings(case, weights, strips)
     graphs = {command: nodes for command, nodes in got.items() if nodes[0] != "refused"}
     assert len(set(graphs.values())) <= 1, {c: len(n) for c, n in graphs.items()}
+    # what solve plans, a backend runs; what no backend runs, solve refuses up front
+    assert ("solve" in graphs) == (len(graphs) > 1), {c: o[:2] if o[0] == "refused" else len(o) for c, o in got.items()}
     if strips == "2":  # asked for: every command streams them, or all refuse with one line
         refusals = {c: o for c, o in got.items() if o[0] == "refused"}
         if weights == "resident":
@@ -79,10 +81,14 @@ def test_every_command_lowers_a_module_to_one_graph_or_refuses_it(case, weights,
             assert any(name.startswith("param:") for name, _ in graphs["solve"])  # streamed weights
 
 
-def test_a_transformer_no_backend_runs_whole_is_sent_to_row_tiles_by_both_backends():
-    """bert's twin reads its position table through an arange view: neither backend runs it whole;
-    both say so in one line naming --strips, and point to row tiles, where both train it."""
+def test_a_transformer_no_backend_runs_whole_goes_to_row_tiles_in_every_command():
+    """bert's twin reads its position table through an arange view, which neither backend runs
+    whole: under the defaults every command tiles its tokens (it fits whole, so auto would tile
+    nothing otherwise); asked for whole, every command refuses, naming the option that tiles it."""
     got = lowerings("bert", "auto", "auto")
-    for command in ("run", "emulate"):
-        kind, field, message = got[command]
-        assert kind == "refused" and field == "--strips" and "in row tiles it does: give --strips N" in message
+    assert got["solve"][0] != "refused" and len(set(got.values())) == 1
+    assert any("@r" in name for name, _ in got["solve"])
+    for weights, strips, field in (("resident", "auto", "--weights"), ("streamed", "off", "--strips")):
+        refused = lowerings("bert", weights, strips)
+        assert {o[0] for o in refused.values()} == {"refused"}, refused
+        assert refused["solve"][1] == field and "in row tiles it runs" in refused["solve"][2]

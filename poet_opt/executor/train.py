@@ -19,7 +19,7 @@ from poet_opt.errors import PoetError
 from poet_opt.executor.runner import SCHEDULE_FIELD, ScheduleExecutor, StepStats, Storage
 from poet_opt.model.batch import check_batch, check_x, divergence, finite_or_none, load_batch
 from poet_opt.model.load import strips_value
-from poet_opt.model.network import Network, lower_network
+from poet_opt.model.network import NO_KERNEL, Network, lower_network, rows_only
 from poet_opt.model.operators import parse_full_shape
 from poet_opt.schedule.fit import check_ram_within_device
 
@@ -80,8 +80,7 @@ def prepare(torch_model, input_shape, *, trainable="all", name=None) -> Network:
     try:
         return lower_network(torch_model, input_shape, trainable=trainable, name=name, views=True)
     except PoetError as exc:  # the layer table speaks of the firmware generator; here the executor runs it
-        message = exc.message.replace("the firmware generator has no kernel for it",
-                                      "the PyTorch executor has no rule for it")
+        message = exc.message.replace(NO_KERNEL, "the PyTorch executor has no rule for it")
         raise PoetError(message, source=exc.source, field=exc.field) from None
 
 
@@ -116,11 +115,13 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         plain = resident.graph
     if x is not None:  # features or token ids, as the model reads them: before a row graph is built
         check_x(x, resident.vocabulary if resident is not None else _vocabulary(module, input_shape))
-    if weights == "resident" or weights == "auto" and not needs_streaming(plain, device_ram_bytes,
-                                                                          stack_reserve_bytes, ram_bytes):
-        if resident is None and strips == "auto" and _transformer(plain):  # as emulate says of it
-            raise PoetError(f"{unrunnable.message}; in row tiles it does: give --strips N for N row blocks of tokens",
-                            field="--strips") from None
+    # a transformer no backend runs whole goes into row tiles under --strips auto, as solve plans it
+    rows_only = resident is None and _transformer(plain) and strips == "auto" and weights != "resident"
+    if weights == "resident" or weights == "auto" and not rows_only and not needs_streaming(
+            plain, device_ram_bytes, stack_reserve_bytes, ram_bytes):
+        if resident is None and _transformer(plain) and strips != "off":
+            raise PoetError(f"{unrunnable.message}; in row tiles it runs: give --weights auto or streamed",
+                            field="--weights") from None
         if resident is None:
             raise unrunnable
         return resident
@@ -188,16 +189,23 @@ def _vocabulary(module, input_shape) -> int | None:
 def _row_network(module, shape, resident: Network | None, *, name, trainable, weights, strips, tile, budget,
                  device_ram_bytes, stack_reserve_bytes: int) -> Network:
     """A streamed transformer as solve lowers it (model/load.py): in row tiles when some node would not
-    fit the device whole ("auto") or N row blocks are asked, else whole, which the executor does not
-    stream (a refusal naming --strips); the resident network when rows do not fit either, as solve
-    (``resident`` None: the executor cannot run it whole, a refusal naming --ram)."""
+    fit the device whole ("auto"), when no backend streams it whole (the firmware's lowering refuses
+    it: model/network.py, rows_only), or N row blocks are asked, else whole, which the executor does
+    not stream (a refusal naming --strips; emulate trains it); the resident network when rows do
+    not fit either, as solve (``resident`` None: the executor cannot run it whole, a refusal naming
+    --ram)."""
     from poet_opt.model.torch_import import import_torch
     from poet_opt.units import format_bytes
 
     whole = import_torch(module, shape, trainable=trainable, name=name, weights="streamed", tile_bytes=tile)
     working, node = whole.largest_working_set()
     too_big = device_ram_bytes is not None and working + stack_reserve_bytes > device_ram_bytes
-    if strips == "off" or strips == "auto" and not too_big:
+    whole_refused = rows_only(module, shape, whole, trainable=trainable, streamed=True) \
+        if strips in ("auto", "off") else None
+    if strips == "off" and whole_refused is not None:
+        raise PoetError(f"{whole_refused.message}; in row tiles it runs: give --strips auto or N",
+                        field="--strips")
+    if strips == "off" or strips == "auto" and not too_big and whole_refused is None:
         raise PoetError(f"the PyTorch executor streams a transformer's weights only in row tiles, and its largest "
                         f"node ({node.name}, {format_bytes(working)}) fits the device whole, so auto leaves them out: "
                         "ask for N row blocks with --strips N"

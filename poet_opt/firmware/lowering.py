@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from poet_opt.errors import PoetError
 from poet_opt.model.load import default_tile_bytes, needs_streaming, strips_value, weights_for_strips
-from poet_opt.model.network import Network, lower_network
+from poet_opt.model.network import Network, lower_network, rows_only
 from poet_opt.units import parse_size
 
 STACK_BYTES = 4096  # the kernels keep a few words each; the emulator measures the real depth
@@ -58,11 +58,23 @@ class Lowering:
             if planned is not None and strips == "off" and _wants_rows(planned, profile, "auto"):
                 raise PoetError(f"this transformer fits {profile.name} only with its tokens in row tiles, which "
                                 "--strips off turns off; give --strips auto or N", field="--strips") from None
-            if planned is not None and strips == "auto" and _wants_rows(planned, profile, 1) and \
-                    not _wants_rows(planned, profile, "auto"):  # it fits whole: row tiles only if asked for
-                raise PoetError(f"{exc.message}; in row tiles it does: give --strips N for N row blocks of tokens",
-                                field="--strips") from None
-            if planned is None or not _wants_rows(planned, profile, strips):
+            tiled = planned is not None and _wants_rows(planned, profile, strips)
+            if planned is not None and strips == "auto" and not tiled and _wants_rows(planned, profile, 1):
+                # it fits whole: in row tiles when no backend runs it whole in the placement solve gives its
+                # weights (model/network.py, rows_only), as solve and run tile it; else only if asked
+                resident = import_torch(module, shape, trainable=trainable)
+                whole_resident = weights != "streamed" and rows_only(module, shape, resident,
+                                                                      trainable=trainable) is None
+                if whole_resident and (weights == "resident" or not needs_streaming(
+                        resident, profile.memory.ram_bytes, STACK_BYTES, ram_bytes)):  # the executor runs it whole
+                    raise PoetError(f"{exc.message}; in row tiles it does: give --strips N for N row blocks of "
+                                    "tokens" + (" with --weights auto" if weights == "resident" else ""),
+                                    field="--strips") from None
+                if weights == "resident":
+                    raise PoetError(f"{exc.message}; in row tiles it runs: give --weights auto or streamed",
+                                    field="--weights") from None
+                tiled = True  # streamed: this lowering refused it, and the executor streams it only in rows
+            if not tiled:
                 raise
             whole = None
         if whole is not None and weights == "auto" and \

@@ -52,19 +52,23 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         raise PoetError("activation strips need a zoo model (--model) or a torch module (--torch) with streamed "
                         "weights (--weights streamed)", field="--strips")
     if weights == "auto":
-        graph, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
-                                          bytes_per_element=bytes_per_element, input_shape=input_shape,
-                                          trainable=trainable, costs=costs, optimizer=optimizer)
-        if graph_file or not needs_streaming(graph, device_ram_bytes, stack_reserve_bytes, ram_bytes):
+        try:
+            graph, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
+                                              bytes_per_element=bytes_per_element, input_shape=input_shape,
+                                              trainable=trainable, costs=costs, optimizer=optimizer)
+        except RowsOnly:  # a transformer no backend runs whole: streamed, in row tiles
+            graph = None
+        if graph is not None and (graph_file or not needs_streaming(graph, device_ram_bytes, stack_reserve_bytes,
+                                                                    ram_bytes)):
             return graph, name
-        streamed, _ = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
+        streamed, name = load_training_graph(model, graph_file, torch, onnx, batch_size=batch_size,
                                           bytes_per_element=bytes_per_element, input_shape=input_shape,
                                           trainable=trainable, costs=costs, optimizer=optimizer, weights="streamed",
                                           tile_bytes=tile_bytes, device_ram_bytes=device_ram_bytes,
                                           stack_reserve_bytes=stack_reserve_bytes, ram_bytes=ram_bytes, strips=strips,
                                           before_tiling=before_tiling)
         working, node = streamed.largest_working_set()
-        if working + stack_reserve_bytes <= device_ram_bytes:
+        if graph is None or working + stack_reserve_bytes <= device_ram_bytes:
             return streamed, name
         graph.meta["streamed_working_set"] = {"bytes": working, "node": node.name}
         graph.meta["strips_tried"] = streamed.meta.get("strips_tried", False)
@@ -113,11 +117,22 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         graph = import_torch(torch, input_shape, bytes_per_element=bytes_per_element, trainable=trainable,
                              known_costs=known, **streaming)
         name = torch.rsplit(":", 1)[-1]
+        whole = None
+        if strips in ("auto", "off"):  # N: row tiles anyway
+            from poet_opt.model.network import rows_only
+            from poet_opt.model.operators import parse_full_shape
+
+            whole = rows_only(torch, parse_full_shape(input_shape), graph, trainable=trainable,
+                              streamed=weights == "streamed")
+        if whole is not None and (weights != "streamed" or strips == "off"):
+            hint, field = ("--weights auto or streamed", "--weights") if weights != "streamed" else \
+                ("--strips auto or N", "--strips")
+            raise RowsOnly(f"{whole.message}; in row tiles it runs: give {hint}", field=field)
         if before_tiling is not None and graph.streams_weights:
             before_tiling(graph)
         if weights == "streamed" and strips != "off":
             graph = _torch_striped(graph, torch, input_shape, trainable, strips, bytes_per_element, device_ram_bytes,
-                                   stack_reserve_bytes, ram_bytes, tile_bytes)
+                                   stack_reserve_bytes, ram_bytes, tile_bytes, rows=whole is not None)
     else:
         from poet_opt.model.onnx_import import import_onnx
 
@@ -155,6 +170,10 @@ def default_tile_bytes(ram_budgets) -> int | None:
     return max(1, min(budgets) // 4) if budgets else None
 
 
+class RowsOnly(PoetError):
+    """A transformer no backend runs whole (model/network.py, rows_only), asked for whole."""
+
+
 def weights_for_strips(strips, weights: str) -> str:
     """The weights' placement once ``strips`` (strips_value's) is known, the same in every command:
     N strips or row blocks, asked for, stream the weights (auto gives way to them) and cannot be had
@@ -187,18 +206,20 @@ def _strip_budget(device_ram_bytes, stack_reserve_bytes: int, ram_bytes):
 
 
 def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, strips, bytes_per_element: int,
-                   device_ram_bytes, stack_reserve_bytes: int, ram_bytes, tile_bytes) -> TrainingGraph:
+                   device_ram_bytes, stack_reserve_bytes: int, ram_bytes, tile_bytes,
+                   rows: bool = False) -> TrainingGraph:
     """A torch CNN's graph with its activations in strips, lowered as `poet-opt emulate` lowers it
     (model/network.py), so that the plan `solve` makes is one the firmware can run: N strips at every
     height, or for "auto" the fewest that bring every node within the RAM budget and the device, and
     only when some node could not fit the device otherwise, with layers over ``tile_bytes`` of weights
-    in slices as the zoo's strip graphs have them. A torch transformer's tokens go into row blocks
+    in slices as the zoo's strip graphs have them (``rows``: a transformer no backend runs whole
+    goes into row blocks under "auto" whatever its size). A torch transformer's tokens go into row blocks
     the same way, as `poet-opt run` lowers it. Unchanged when neither can help, so that the
     working-set check says what does not fit."""
     too_big = device_ram_bytes is not None and graph.largest_working_set()[0] + stack_reserve_bytes > device_ram_bytes
     convolutions = any(n.op == "conv2d" for n in graph.nodes)
     transformer = not convolutions and any(n.op == "matmul" for n in graph.nodes)  # row tiles (model/torch_rows.py)
-    if strips == "auto" and not too_big or not (convolutions or transformer):
+    if strips == "auto" and not (too_big or rows) or not (convolutions or transformer):
         return graph
     if bytes_per_element != 4:
         raise PoetError(f"activation strips of a torch module are planned in fp32, not {bytes_per_element} bytes "

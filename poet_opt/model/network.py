@@ -199,6 +199,27 @@ def lower_network(model, input_shape, *, trainable="all", name: str | None = Non
                    token_vocabulary(module, ops))
 
 
+def rows_only(model, input_shape, graph: TrainingGraph, *, trainable="all",
+              streamed: bool = False) -> PoetError | None:
+    """Why no backend runs a transformer whole, when none does. Resident, the PyTorch executor's
+    lowering, which takes every view the firmware's takes and more, refuses it (a position table
+    read through ``torch.arange``, say); ``streamed``, the firmware's does, since the executor
+    streams a transformer's weights only in row tiles. Row tiles see through such views, so every
+    command then tiles its tokens under --strips auto (model/load.py, executor/train.py,
+    firmware/lowering.py). None for a module that runs whole, or whose ``graph`` (its import) is no
+    transformer."""
+    nodes = graph.nodes
+    if not any(n.op == "matmul" for n in nodes) or any(n.op == "conv2d" for n in nodes):
+        return None
+    try:
+        lower_network(model, input_shape, trainable=trainable, views=not streamed,
+                      weights="streamed" if streamed else "resident")
+    except PoetError as exc:
+        what = "no backend runs it whole" + (" with streamed weights" if streamed else "")
+        return PoetError(exc.message.replace(NO_KERNEL, what), field=exc.field)
+    return None
+
+
 def _row_network(name: str, module, ops, output: int, trainable, meta: dict, strips, budget) -> Network:
     """A transformer in row tiles: one layer per row operator (executor/rows.py replays it), each
     linear's and norm's weight and bias whole; the tiles are the graph's ``param:L#j.k`` nodes."""
@@ -330,8 +351,11 @@ def _roles(n, modules) -> dict:
             "running_mean": getattr(m, "running_mean", None), "running_var": getattr(m, "running_var", None)}
 
 
+NO_KERNEL = "the firmware generator has no kernel for it"  # the executor's lowering says its own (executor/train.py)
+
+
 def _unsupported(node: str, what: str) -> PoetError:
-    return PoetError(f"node {node!r}: {what}; the firmware generator has no kernel for it", field=FIELD)
+    return PoetError(f"node {node!r}: {what}; {NO_KERNEL}", field=FIELD)
 
 
 def _source(arg, producers, modules, node: str, chains: list | None = None) -> str:
@@ -419,7 +443,7 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             if m.dim not in (-1, len(xs) - 1):
                 raise _unsupported(name, "a softmax over a dimension other than the last")
             return make("softmax", x)
-        whole = _executor_module(m, xs) if chains is not None else None
+        whole = _executor_module(m, xs, name) if chains is not None else None
         if whole is not None:
             return make(whole, x)
         if isinstance(m, nn.MaxPool2d):
@@ -488,7 +512,7 @@ def _elementwise(spec, name: str, what: str, chains) -> str:
     return spec.name
 
 
-def _executor_module(m, xs) -> str | None:
+def _executor_module(m, xs, name: str) -> str | None:
     """The op of a module only the PyTorch executor runs (whole, torch's own forward and autograd):
     1-d and 3-d convolutions, group and instance norm, log-softmax over the last axis; else None."""
     import torch
