@@ -526,36 +526,72 @@ POET_INLINE void dwc_load(float *v, const float *p, const uint32_t NC, const uin
         v[j] = p[(int32_t)j - 1];
 }
 
+/* Tap (v, t) of output q: MODE 2 adds window times dy into the sum, else window times weight
+ * into the output's; the first product starts a sum (no zero, no first addition) */
+POET_INLINE void dwc_tap(float *acc, int *first, float *wv, const float *const *rows, const float *d, uint32_t q,
+                         uint32_t v, uint32_t t, const int MODE, const uint32_t SW, const uint32_t NC,
+                         const uint32_t LEFT, const uint32_t RIGHT, const uint32_t TOP, const uint32_t BOT)
+{
+    const uint32_t j = q * SW + t; /* the window column */
+    if ((TOP && v == 0) || (BOT && v == 2) || (LEFT && j == 0) || (RIGHT && j == NC - 1))
+        return;
+    if (MODE == 2)
+        wv[3 * v + t] += rows[v][j] * d[q];
+    else if (first[q])
+        acc[q] = rows[v][j] * wv[3 * v + t], first[q] = 0;
+    else
+        acc[q] += rows[v][j] * wv[3 * v + t];
+}
+
 /* Q outputs of one row from window rows a, b, c (kernel rows 0, 1, 2): TOP, BOT: row a, row c
- * lies in the padding */
+ * lies in the padding. ROWS: kernel row by kernel row for all Q outputs, so that a window row is
+ * done with before the next is needed (at stride 2 the three rows and the weight gradient's sums
+ * would not fit the registers at once); else output by output. Each sum takes the same terms in
+ * the same order either way, which only changes how the compiler schedules and allocates; by
+ * measurement on the M4F, ROWS but for the stride-1 forward. */
 POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *c, float *wv, const int MODE,
                          const uint32_t SW, const uint32_t Q, const uint32_t LEFT, const uint32_t RIGHT,
                          const uint32_t TOP, const uint32_t BOT)
 {
     const uint32_t NC = DWC_NC(Q, SW);
+    const int ROWS = SW == 2 || MODE != 0;
     const float *rows[3];
+    float acc[3], d[3];
+    int first[3];
     uint32_t q, v, t;
     rows[0] = a, rows[1] = b, rows[2] = c;
     for (q = 0; q < Q; ++q) {
-        const float d = MODE == 2 ? y[q] : 0.0f;
-        float acc = 0.0f;
-        int first = 1;
-        for (v = TOP ? 1 : 0; v < (BOT ? 2u : 3u); ++v)
-            for (t = 0; t < 3; ++t) {
-                const uint32_t j = q * SW + t; /* the window column */
-                if ((LEFT && j == 0) || (RIGHT && j == NC - 1))
-                    continue;
-                if (MODE == 2)
-                    wv[3 * v + t] += rows[v][j] * d;
-                else if (first) /* the first product starts the sum: no zero, no first addition */
-                    acc = rows[v][j] * wv[3 * v + t], first = 0;
-                else
-                    acc += rows[v][j] * wv[3 * v + t];
-            }
+        d[q] = MODE == 2 ? y[q] : 0.0f;
+        acc[q] = 0.0f, first[q] = 1;
+    }
+    if (ROWS)
+        for (v = 0; v < 3; ++v)
+            for (q = 0; q < Q; ++q)
+                for (t = 0; t < 3; ++t)
+                    dwc_tap(acc, first, wv, rows, d, q, v, t, MODE, SW, NC, LEFT, RIGHT, TOP, BOT);
+    else
+        for (q = 0; q < Q; ++q) {
+            float s = 0.0f;
+            int f = 1;
+            for (v = TOP ? 1 : 0; v < (BOT ? 2u : 3u); ++v)
+                for (t = 0; t < 3; ++t) {
+                    const uint32_t j = q * SW + t;
+                    if ((LEFT && j == 0) || (RIGHT && j == NC - 1))
+                        continue;
+                    if (MODE == 2)
+                        wv[3 * v + t] += rows[v][j] * d[q];
+                    else if (f)
+                        s = rows[v][j] * wv[3 * v + t], f = 0;
+                    else
+                        s += rows[v][j] * wv[3 * v + t];
+                }
+            acc[q] = s;
+        }
+    for (q = 0; q < Q; ++q) {
         if (MODE == 1)
-            y[q] += acc;
+            y[q] += acc[q];
         else if (MODE == 0)
-            y[q] = acc;
+            y[q] = acc[q];
     }
 }
 
@@ -1503,6 +1539,106 @@ POET_OUTLINE void dw3_s2_backward_input_channels2(float *dxc, const float *dyc, 
 }
 #endif
 
+#ifndef POET_KERNELS_SMALL
+/* The data gradient of a depthwise layer at stride 2 (one input and one output channel a group,
+ * 3x3, padding 1) in column strips: Q dy columns, dx's 2Q columns above them, walked down a pair
+ * of dx rows per dy row. dx (2m + a, 2j + b) takes dy (m, j), and for a or b odd also (m + 1, j)
+ * and (m, j + 1); each dy row's Q + 1 values are loaded once per strip and carried to the next
+ * pair, each dx element is loaded, added to once with all its terms and stored. The last block of
+ * a row (RIGHT 1: no dy column j + 1; 2: nor dx column 2j + 1, an odd width) and the last dy row
+ * (BOT 1: no dy row m + 1; 2: nor dx row 2m + 1) are their own copies. */
+POET_INLINE void dws2_out(float *x0, float *x1, const float *d0, const float *d1, const float *w, const uint32_t Q,
+                          const uint32_t RIGHT, const uint32_t BOT)
+{
+    uint32_t q;
+    for (q = 0; q < Q; ++q) {
+        const int nr = RIGHT && q == Q - 1, nx = RIGHT == 2 && q == Q - 1;
+        const float a = d0[q];
+        x0[2 * q] += a * w[4];
+        if (!nx)
+            x0[2 * q + 1] += nr ? a * w[5] : a * w[5] + d0[q + 1] * w[3];
+        if (BOT == 0) {
+            x1[2 * q] += a * w[7] + d1[q] * w[1];
+            if (!nx)
+                x1[2 * q + 1] += nr ? a * w[8] + d1[q] * w[2] : a * w[8] + d0[q + 1] * w[6] + (d1[q] * w[2] + d1[q + 1] * w[0]);
+        } else if (BOT == 1) {
+            x1[2 * q] += a * w[7];
+            if (!nx)
+                x1[2 * q + 1] += nr ? a * w[8] : a * w[8] + d0[q + 1] * w[6];
+        }
+    }
+}
+
+POET_INLINE void dws2_load(float *d, const float *p, const uint32_t N)
+{
+    uint32_t j;
+    for (j = 0; j < N; ++j)
+        d[j] = p[j];
+}
+
+/* dy columns j0 .. j0 + Q (the blocks above them) of one plane, every row */
+POET_INLINE void dws2_strip(float *dx, const float *dy, const float *w, uint32_t j0, const poet_conv2d_shape *s,
+                            const uint32_t Q, const uint32_t RIGHT)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out, N = RIGHT ? Q : Q + 1;
+    const float *dp = dy + j0;
+    float *xp = dx + 2 * j0;
+    float D[5], E[5];
+    uint32_t i;
+    dws2_load(D, dp, N);
+    dp += w_out;
+    /* dy rows in D and E by turns; one pointer each, stepped, and a count down */
+    for (i = (s->h_out - 1) / 2; i; --i) {
+        dws2_load(E, dp, N);
+        dp += w_out;
+        dws2_out(xp, xp + w_in, D, E, w, Q, RIGHT, 0);
+        xp += 2 * w_in;
+        dws2_load(D, dp, N);
+        dp += w_out;
+        dws2_out(xp, xp + w_in, E, D, w, Q, RIGHT, 0);
+        xp += 2 * w_in;
+    }
+    if ((s->h_out - 1) % 2) {
+        dws2_load(E, dp, N);
+        dws2_out(xp, xp + w_in, D, E, w, Q, RIGHT, 0);
+        xp += 2 * w_in;
+        if (2 * s->h_out - 1 < s->h_in) /* the last dy row, and the dx row below it */
+            dws2_out(xp, xp + w_in, E, E, w, Q, RIGHT, 1);
+        else
+            dws2_out(xp, xp, E, E, w, Q, RIGHT, 2);
+    } else if (2 * s->h_out - 1 < s->h_in)
+        dws2_out(xp, xp + w_in, D, D, w, Q, RIGHT, 1);
+    else
+        dws2_out(xp, xp, D, D, w, Q, RIGHT, 2);
+}
+
+/* Every plane of the layer: strips of four blocks, what is left but the last block, the last */
+POET_OUTLINE void dws2_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    const uint32_t w_out = s->w_out, in_plane = s->h_in * s->w_in, out_plane = s->h_out * w_out, C = s->c_in;
+    uint32_t n, c, k, j0;
+    for (n = 0; n < s->n; ++n)
+        for (c = 0; c < C; ++c) {
+            float wv[9], *xc = dx + (n * C + c) * in_plane;
+            const float *dc = dy + (n * C + c) * out_plane;
+            for (k = 0; k < 9; ++k)
+                wv[k] = w[c * 9 + k];
+            for (j0 = 0; j0 + 4 < w_out; j0 += 4)
+                dws2_strip(xc, dc, wv, j0, s, 4, 0);
+            if (j0 + 4 == w_out)
+                dws2_strip(xc, dc, wv, j0, s, 3, 0), j0 += 3;
+            else if (j0 + 3 == w_out)
+                dws2_strip(xc, dc, wv, j0, s, 2, 0), j0 += 2;
+            else if (j0 + 2 == w_out)
+                dws2_strip(xc, dc, wv, j0, s, 1, 0), j0 += 1;
+            if (2 * j0 + 1 < s->w_in)
+                dws2_strip(xc, dc, wv, j0, s, 1, 1);
+            else
+                dws2_strip(xc, dc, wv, j0, s, 1, 2);
+        }
+}
+#endif
+
 /* One input channel a group (depthwise layers, and the stem's one input to several outputs),
  * 3x3, stride 2, one row and column of padding: each group's dx from its output channels, two at
  * a time where the build has the copy for them */
@@ -1513,6 +1649,12 @@ static int depthwise3_s2_backward_input(float *dx, const float *dy, const float 
     if (s->groups != s->c_in || s->k_h != 3 || s->k_w != 3 || s->stride_h != 2 || s->stride_w != 2 ||
         s->pad_h != 1 || s->pad_w != 1)
         return 0;
+#ifndef POET_KERNELS_SMALL
+    if (s->groups == s->c_out) { /* depthwise: the column strips */
+        dws2_backward_input(dx, dy, w, s);
+        return 1;
+    }
+#endif
     for (n = 0; n < s->n; ++n)
         for (c = 0; c < s->c_in; ++c) {
             float *dxc = dx + (n * s->c_in + c) * s->h_in * s->w_in;
