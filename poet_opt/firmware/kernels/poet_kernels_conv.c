@@ -798,16 +798,6 @@ POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, co
 #ifdef POET_KERNELS_SMALL
     if (1) { /* the row walks' copies are 20 KB of code: the plain row pass on small parts */
 #else
-    if (CO == 1 && dwc_ok(s, SW)) { /* column strips */
-        float wv[9];
-        for (v = 0; v < 9; ++v)
-            wv[v] = wc[v];
-        dwc_plane(yc, xc, wv, s, accumulate, SW);
-        if (b && !accumulate)
-            for (ow = 0; ow < s->h_out * w_out; ++ow)
-                yc[ow] += b[0];
-        return;
-    }
     if (s->pad_w != 1 || w_in < 3) {
 #endif
         for (o = 0; o < CO; ++o)
@@ -911,14 +901,6 @@ POET_INLINE void depthwise3_grad(float *g, const float *dy, const float *x, cons
     uint32_t n, k;
     for (k = 0; k < 9 * CO; ++k)
         acc[k] = 0.0f;
-    if (CO == 1 && dwc_ok(s, SW)) { /* column strips; dy is only read */
-        for (n = 0; n < s->n; ++n)
-            dwc_plane((float *)(uintptr_t)(dy + (n * s->c_out + co) * out_plane), x + (n * s->c_in + ci) * in_plane,
-                      acc, s, 2, SW);
-        for (k = 0; k < 9; ++k)
-            g[k] = acc[k];
-        return;
-    }
     for (n = 0; n < s->n; ++n)
         depthwise3_grad_rows(acc, dy + (n * s->c_out + co) * out_plane, x + (n * s->c_in + ci) * in_plane, s, SW, CO,
                              out_plane);
