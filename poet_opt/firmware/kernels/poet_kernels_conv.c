@@ -2000,13 +2000,15 @@ POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float
                     for (oh = 0; oh < s->h_out; ++oh)
                         pw_grad_block(acc, a + n * s->c_out * out_plane + oh * s->w_out,
                                       bx + n * s->c_in * in_plane + oh * brow, P, out_plane, in_plane, PC, SB, 0);
-                for (c = 0; c < 4; ++c)
-                    for (q = 0; q < 4; ++q) {
-                        if (sgd)
+                /* one test a block, not one a weight */
+                if (sgd)
+                    for (c = 0; c < 4; ++c)
+                        for (q = 0; q < 4; ++q)
                             at[c * cin_g + q] -= lr * acc[c * 4 + q];
-                        else
+                else
+                    for (c = 0; c < 4; ++c)
+                        for (q = 0; q < 4; ++q)
                             at[c * cin_g + q] += acc[c * 4 + q];
-                    }
             }
 }
 
