@@ -718,9 +718,11 @@ POET_INLINE void dwc_plane(float *y, const float *x, float *wv, const poet_conv2
  * the forward, out = y from in = x, bias b; 1: the data gradient, out = dx += from in = dy with
  * each kernel turned around, t the walk's geometry (the layer's with input and output exchanged,
  * the padding 2 - 1 = 1). */
-POET_INLINE void dwc_layer(float *out, const float *in, const float *w, const float *b, const poet_conv2d_shape *t,
+POET_INLINE void dwc_layer(float *out, const float *in, const float *w, const float *b, const poet_conv2d_shape *shape,
                            const int MODE, const uint32_t SW)
 {
+    /* a copy: the stores into out might otherwise alias the shape, re-read every plane */
+    const poet_conv2d_shape copy = *shape, *t = &copy;
     const uint32_t in_plane = t->h_in * t->w_in, out_plane = t->h_out * t->w_out, C = t->c_out;
     uint32_t n, c, k;
     for (n = 0; n < t->n; ++n)
@@ -752,9 +754,11 @@ POET_OUTLINE void dwc_backward_input_s1(float *dx, const float *dy, const float 
 
 /* The weight gradient of such a layer: channel by channel, its nine sums in registers over the
  * batch's planes; gw += them (sgd 0), or w -= lr them */
-POET_INLINE void dwc_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
+POET_INLINE void dwc_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *shape, float lr,
                                 int sgd, const uint32_t SW)
 {
+    /* a copy: the stores into gw might otherwise alias the shape, re-read every channel */
+    const poet_conv2d_shape copy = *shape, *s = &copy;
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, C = s->c_out;
     uint32_t n, c, k;
     for (c = 0; c < C; ++c) {
