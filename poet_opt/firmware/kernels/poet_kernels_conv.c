@@ -1985,9 +1985,11 @@ POET_INLINE void pw_grad_block(float *s, const float *a, const float *b, uint32_
  * fours: 4 x 4 blocks of sums over the batch and the plane's positions, each input loaded once
  * for four of them, with no per-tap set-up (the general tiles' output ranges and eight row
  * pointers cost as much as a reduction over mcu-vww's 6x6 and 3x3 planes). */
-POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float *x, const poet_conv2d_shape *shape,
                                          float lr, int sgd, const uint32_t PC, const uint32_t SB)
 {
+    /* a copy: the stores into gw might otherwise alias the shape, re-read every block */
+    const poet_conv2d_shape copy = *shape, *s = &copy;
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = PC ? PC : s->w_out;
     const uint32_t out_plane = s->h_out * s->w_out, in_plane = s->h_in * s->w_in;
     const uint32_t brow = s->stride_h * s->w_in;
