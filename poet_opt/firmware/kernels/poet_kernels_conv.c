@@ -508,13 +508,14 @@ POET_INLINE void dw3_row(float *yr, const float *row0, float *wv, uint32_t w_in,
  * (Q - 1) SW + 3 columns at immediate offsets from one pointer, and the window's three rows rotate
  * through registers, so an input is loaded once per strip it feeds (at stride 1, (Q + 2) / Q
  * times), the nine weights (or the weight gradient's nine sums) stay in registers for the whole
- * plane, and a step costs two pointer additions. The padding never reaches the inner loop: the
- * strip against the left edge, the one against the right edge and the first and last rows of
- * each strip are their own unrolled copies that leave out the taps in the padding, so mcu-vww's
- * 6x6 planes, where those are most of the outputs, cost no more per multiply-add than a 48x48's.
- * MODE 0: y = the sums (no bias: the caller adds it); 1: y += the sums (the data gradient);
- * 2: y is dy, read only, and wv the weight gradient's sums, to which each window times its dy is
- * added. The sums run kernel row by kernel row, column by column. */
+ * plane, and the only address arithmetic is one addition per row read or written. The padding
+ * never reaches the inner loop: the strip against the left edge, the one against the right edge
+ * and the first and last rows of each strip are their own unrolled copies that leave out the
+ * taps in the padding, so on mcu-vww's 6x6 planes, where those are most of the outputs, they cost
+ * no tests and no set-up of their own. MODE 0: y = the sums (no bias: the caller adds it); 1:
+ * y += the sums (the data gradient); 2: y is dy, read only, and wv the weight gradient's sums, to
+ * which each window times its dy is added. The sums run kernel row by kernel row, column by
+ * column. */
 #define DWC_NC(Q, SW) (((Q) - 1) * (SW) + 3)
 
 /* v[j] = p[j - 1]: a window row's NC input columns, from the one left of p on; the first (LEFT)
@@ -570,7 +571,8 @@ POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *
                 for (t = 0; t < 3; ++t)
                     dwc_tap(acc, first, wv, rows, d, q, v, t, MODE, SW, NC, LEFT, RIGHT, TOP, BOT);
     else
-        for (q = 0; q < Q; ++q) {
+        for (q = 0; q < Q; ++q) { /* (the stride-1 forward only: one scalar sum at a time, which
+                                    * the compiler keeps in registers better than acc[q]) */
             float s = 0.0f;
             int f = 1;
             for (v = TOP ? 1 : 0; v < (BOT ? 2u : 3u); ++v)
@@ -578,9 +580,7 @@ POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *
                     const uint32_t j = q * SW + t;
                     if ((LEFT && j == 0) || (RIGHT && j == NC - 1))
                         continue;
-                    if (MODE == 2)
-                        wv[3 * v + t] += rows[v][j] * d[q];
-                    else if (f)
+                    if (f)
                         s = rows[v][j] * wv[3 * v + t], f = 0;
                     else
                         s += rows[v][j] * wv[3 * v + t];
