@@ -263,6 +263,25 @@ def test_conv2d(k, case):
     run_conv(k, np.random.default_rng(len(case)), *CONV_CASES[case])
 
 
+# Depthwise 3x3 layers with padding 1 at stride 1 and 2 run in column strips (forward, data and
+# weight gradients): a left strip of 2 columns, strips of 2 (stride 1) or 3 (stride 2), and what
+# is left against the right edge; down each strip the first row, steps of 3 (stride 1) or 2 rows,
+# 0 to 2 rows left and a last row with or without its bottom row in the padding. The data gradient
+# at stride 2 walks strips of 4 dy columns, their remainder, and a last block with or without an
+# odd width's dx column, over pairs of dx rows. Heights 2 to 11 and widths 3 to 14 take every one
+# of those edges; 1 and 2 wide planes take the row walks.
+DEPTHWISE_STRIPS = [(h, w, 1) for h, w in [(2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 3), (8, 8), (9, 9), (10, 14),
+                                           (2, 2), (1, 5)]] + \
+                   [(h, w, 2) for h, w in [(2, 4), (3, 5), (4, 6), (5, 7), (6, 8), (7, 9), (8, 10), (9, 11), (10, 12),
+                                           (11, 13), (2, 14), (3, 3), (1, 6), (6, 1)]]
+
+
+@pytest.mark.parametrize("h,w,stride", DEPTHWISE_STRIPS)
+def test_depthwise_column_strips(k, h, w, stride):
+    run_conv(k, np.random.default_rng(h * 100 + w * 10 + stride), 2, 3, h, w, 3, (3, 3), (stride, stride), (1, 1), 3,
+             bias=(h + w) % 2 == 0, label=f"depthwise {h}x{w}/{stride}")
+
+
 @pytest.fixture(scope="session")
 def k_small(tmp_path_factory) -> Kernels:
     """The build with only the general tiles, -DPOET_KERNELS_SMALL (the default on Cortex-M0/M0+)."""

@@ -63,6 +63,13 @@ CONV = [
     (2, 6, 2, 5, 8, 1, 1, (0, 0), 1),
     (1, 8, 2, 5, 12, 1, 1, (0, 0), 1),
     (2, 4, 5, 18, 8, 1, 2, (0, 0), 1),
+    # depthwise column strips: stride 1 with 0, 1 and 2 rows after the steps of 3 and an odd width
+    # (a last strip of one column); stride 2 with an even height and an odd width (the data
+    # gradient's last block without its dx column), and strips of 3 and 4 with remainders
+    (1, 2, 5, 7, 2, 3, 1, (1, 1), 2),
+    (1, 2, 4, 3, 2, 3, 1, (1, 1), 2),
+    (1, 2, 8, 7, 2, 3, 2, (1, 1), 2),
+    (1, 2, 9, 13, 2, 3, 2, (1, 1), 2),
     # one input channel to several outputs (the stem): two output channels a walk, and one left
     (1, 1, 9, 10, 5, 3, 2, (1, 1), 1),
     (2, 2, 6, 7, 6, 3, 1, (1, 1), 2),

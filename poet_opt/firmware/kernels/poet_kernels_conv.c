@@ -500,6 +500,299 @@ POET_INLINE void dw3_row(float *yr, const float *row0, float *wv, uint32_t w_in,
 #undef DW3_OUT
 #undef DW3_OUT2
 
+#ifndef POET_KERNELS_SMALL
+/* ---- depthwise 3x3 column strips ----
+ *
+ * A depthwise 3x3 channel with one row and column of padding and the same stride along both axes
+ * (1 or 2), as strips of Q output columns walked down the plane: each step loads one input row's
+ * (Q - 1) SW + 3 columns at immediate offsets from one pointer, and the window's three rows rotate
+ * through registers, so an input is loaded once per strip it feeds (at stride 1, (Q + 2) / Q
+ * times), the nine weights (or the weight gradient's nine sums) stay in registers for the whole
+ * plane, and the only address arithmetic is one addition per row read or written. The padding
+ * never reaches the inner loop: the strip against the left edge, the one against the right edge
+ * and the first and last rows of each strip are their own unrolled copies that leave out the
+ * taps in the padding, so on mcu-vww's 6x6 planes, where those are most of the outputs, they cost
+ * no tests and no set-up of their own. MODE 0: y = the sums (no bias: the caller adds it); 1:
+ * y += the sums (the data gradient); 2: y is dy, read only, and wv the weight gradient's sums, to
+ * which each window times its dy is added. The sums run kernel row by kernel row, column by
+ * column. */
+#define DWC_NC(Q, SW) (((Q) - 1) * (SW) + 3)
+
+/* v[j] = p[j - 1]: a window row's NC input columns, from the one left of p on; the first (LEFT)
+ * or the last (RIGHT) lies in the padding, is not loaded and is never read */
+POET_INLINE void dwc_load(float *v, const float *p, const uint32_t NC, const uint32_t LEFT, const uint32_t RIGHT)
+{
+    uint32_t j;
+    for (j = LEFT ? 1 : 0; j < (RIGHT ? NC - 1 : NC); ++j)
+        v[j] = p[(int32_t)j - 1];
+}
+
+/* Tap (v, t) of output q: MODE 2 adds window times dy into the sum, else window times weight
+ * into the output's; the first product starts a sum (no zero, no first addition) */
+POET_INLINE void dwc_tap(float *acc, int *first, float *wv, const float *const *rows, const float *d, uint32_t q,
+                         uint32_t v, uint32_t t, const int MODE, const uint32_t SW, const uint32_t NC,
+                         const uint32_t LEFT, const uint32_t RIGHT, const uint32_t TOP, const uint32_t BOT)
+{
+    const uint32_t j = q * SW + t; /* the window column */
+    if ((TOP && v == 0) || (BOT && v == 2) || (LEFT && j == 0) || (RIGHT && j == NC - 1))
+        return;
+    if (MODE == 2)
+        wv[3 * v + t] += rows[v][j] * d[q];
+    else if (first[q])
+        acc[q] = rows[v][j] * wv[3 * v + t], first[q] = 0;
+    else
+        acc[q] += rows[v][j] * wv[3 * v + t];
+}
+
+/* Q outputs of one row from window rows a, b, c (kernel rows 0, 1, 2): TOP, BOT: row a, row c
+ * lies in the padding. ROWS: kernel row by kernel row for all Q outputs, so that a window row is
+ * done with before the next is needed (at stride 2 the three rows and the weight gradient's sums
+ * would not fit the registers at once); else output by output. Each sum takes the same terms in
+ * the same order either way, which only changes how the compiler schedules and allocates; by
+ * measurement on the M4F, ROWS but for the stride-1 forward. */
+POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *c, float *wv, const int MODE,
+                         const uint32_t SW, const uint32_t Q, const uint32_t LEFT, const uint32_t RIGHT,
+                         const uint32_t TOP, const uint32_t BOT)
+{
+    const uint32_t NC = DWC_NC(Q, SW);
+    const int ROWS = SW == 2 || MODE != 0;
+    const float *rows[3];
+    float acc[3], d[3];
+    int first[3];
+    uint32_t q, v, t;
+    rows[0] = a, rows[1] = b, rows[2] = c;
+    for (q = 0; q < Q; ++q) {
+        d[q] = MODE == 2 ? y[q] : 0.0f;
+        acc[q] = 0.0f, first[q] = 1;
+    }
+    if (ROWS)
+        for (v = 0; v < 3; ++v)
+            for (q = 0; q < Q; ++q)
+                for (t = 0; t < 3; ++t)
+                    dwc_tap(acc, first, wv, rows, d, q, v, t, MODE, SW, NC, LEFT, RIGHT, TOP, BOT);
+    else
+        for (q = 0; q < Q; ++q) { /* (the stride-1 forward only: one scalar sum at a time, which
+                                    * the compiler keeps in registers better than acc[q]) */
+            float s = 0.0f;
+            int f = 1;
+            for (v = TOP ? 1 : 0; v < (BOT ? 2u : 3u); ++v)
+                for (t = 0; t < 3; ++t) {
+                    const uint32_t j = q * SW + t;
+                    if ((LEFT && j == 0) || (RIGHT && j == NC - 1))
+                        continue;
+                    if (f)
+                        s = rows[v][j] * wv[3 * v + t], f = 0;
+                    else
+                        s += rows[v][j] * wv[3 * v + t];
+                }
+            acc[q] = s;
+        }
+    for (q = 0; q < Q; ++q) {
+        if (MODE == 1)
+            y[q] += acc[q];
+        else if (MODE == 0)
+            y[q] = acc[q];
+    }
+}
+
+/* Output columns c0 .. c0 + Q of every row (h_in >= 2). The unrolled steps rotate the window's
+ * rows through A, B and C instead of moving them: three output rows at stride 1 (each loads one
+ * input row), two at stride 2 (two each, the last carried into the next); the rows left after
+ * them, and the last one with its bottom row in the padding, take the registers where the
+ * rotation left the window. */
+POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, const poet_conv2d_shape *s,
+                           const int MODE, const uint32_t SW, const uint32_t Q, const uint32_t LEFT,
+                           const uint32_t RIGHT)
+{
+    const uint32_t NC = DWC_NC(Q, SW), w_in = s->w_in, w_out = s->w_out, h_in = s->h_in;
+    const float *xp = x + c0 * SW; /* row 0, the column right of the window's first */
+    float *yp = y + c0;
+    float A[DWC_NC(3, 2)], B[DWC_NC(3, 2)], C[DWC_NC(3, 2)];
+    uint32_t r, i;
+    if (SW == 1) {
+        /* output row r from input rows r - 1 .. r + 1: A and B hold the first two, xp the third */
+        dwc_load(A, xp, NC, LEFT, RIGHT);
+        dwc_load(B, xp + w_in, NC, LEFT, RIGHT);
+        dwc_out(yp, A, A, B, wv, MODE, SW, Q, LEFT, RIGHT, 1, 0); /* row 0: its top row in the padding */
+        xp += 2 * w_in, yp += w_out;
+        /* one pointer each, stepped a row at a time, and a count down: no other address arithmetic */
+        for (i = (h_in - 2) / 3, r = 1 + 3 * i; i; --i) {
+            dwc_load(C, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+            yp += w_out;
+            dwc_load(A, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_out(yp, B, C, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+            yp += w_out;
+            dwc_load(B, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_out(yp, C, A, B, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+            yp += w_out;
+        }
+        /* r + 1 < h_in for 0, 1 or 2 more rows, then the last, its bottom row in the padding */
+        if (r + 1 == h_in) {
+            dwc_out(yp, A, B, B, wv, MODE, SW, Q, LEFT, RIGHT, 0, 1);
+            return;
+        }
+        dwc_load(C, xp, NC, LEFT, RIGHT);
+        dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+        if (r + 2 == h_in) {
+            dwc_out(yp + w_out, B, C, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 1);
+            return;
+        }
+        dwc_load(A, xp + w_in, NC, LEFT, RIGHT);
+        dwc_out(yp + w_out, B, C, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+        dwc_out(yp + 2 * w_out, C, A, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 1);
+    } else {
+        /* output row r from input rows 2r - 1 (carried in A) .. 2r + 1; xp at row 2r */
+        dwc_load(B, xp, NC, LEFT, RIGHT);
+        dwc_load(A, xp + w_in, NC, LEFT, RIGHT);
+        dwc_out(yp, B, B, A, wv, MODE, SW, Q, LEFT, RIGHT, 1, 0); /* row 0: its top row in the padding */
+        xp += 2 * w_in, yp += w_out;
+        for (i = (h_in - 2) / 4, r = 1 + 2 * i; i; --i) {
+            dwc_load(B, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_load(C, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+            yp += w_out;
+            dwc_load(B, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_load(A, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_out(yp, C, B, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+            yp += w_out;
+        }
+        /* input rows 2r .. h_in - 1 left: none, one (the last output row's bottom one in the
+         * padding), two (a full row), or three (a full row and such a last one) */
+        if (2 * r < h_in)
+            dwc_load(B, xp, NC, LEFT, RIGHT);
+        if (2 * r + 1 == h_in)
+            dwc_out(yp, A, B, B, wv, MODE, SW, Q, LEFT, RIGHT, 0, 1);
+        else if (2 * r + 1 < h_in) {
+            dwc_load(C, xp + w_in, NC, LEFT, RIGHT);
+            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+            if (2 * r + 2 < h_in) {
+                dwc_load(B, xp + 2 * w_in, NC, LEFT, RIGHT);
+                dwc_out(yp + w_out, C, B, B, wv, MODE, SW, Q, LEFT, RIGHT, 0, 1);
+            }
+        }
+    }
+}
+
+/* Whether the strips take the plane: 3x3, padding 1, the same stride 1 or 2 along both axes, and
+ * a plane big enough for a left strip of two columns away from the right edge */
+static int dwc_ok(const poet_conv2d_shape *s, uint32_t SW)
+{
+    return s->k_h == 3 && s->k_w == 3 && s->pad_h == 1 && s->pad_w == 1 && s->stride_h == SW &&
+           s->stride_w == SW && (SW == 1 || SW == 2) && s->h_in >= 2 && s->w_in >= SW + 2;
+}
+
+/* One plane: the left strip of two columns, strips of QM, then what is left against the right
+ * edge. QM: 2 at stride 1 (the window's 12 inputs, 9 weights or sums and the temporaries fill
+ * the registers at 3), 3 at stride 2. */
+POET_INLINE void dwc_plane(float *y, const float *x, float *wv, const poet_conv2d_shape *s, const int MODE,
+                           const uint32_t SW)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out, QM = SW == 1 ? 2 : 3;
+    uint32_t c0 = 2;
+    dwc_strip(y, x, wv, 0, s, MODE, SW, 2, 1, 0);
+    for (; c0 + QM <= w_out && (c0 + QM - 1) * SW + 1 < w_in; c0 += QM)
+        dwc_strip(y, x, wv, c0, s, MODE, SW, QM, 0, 0);
+    /* left: none, a strip of QM against the edge, or fewer columns, against it or not */
+    if (c0 + QM <= w_out)
+        dwc_strip(y, x, wv, c0, s, MODE, SW, QM, 0, 1);
+    else if (QM == 3 && c0 + 2 == w_out && (w_out - 1) * SW + 1 < w_in)
+        dwc_strip(y, x, wv, c0, s, MODE, SW, 2, 0, 0);
+    else if (QM == 3 && c0 + 2 == w_out)
+        dwc_strip(y, x, wv, c0, s, MODE, SW, 2, 0, 1);
+    else if (c0 + 1 == w_out && (w_out - 1) * SW + 1 < w_in)
+        dwc_strip(y, x, wv, c0, s, MODE, SW, 1, 0, 0);
+    else if (c0 + 1 == w_out)
+        dwc_strip(y, x, wv, c0, s, MODE, SW, 1, 0, 1);
+}
+
+/* A whole depthwise layer (one input and one output channel a group) in column strips, all its
+ * planes in one call, so that mcu-vww's small ones do not pay a call and the checks each. MODE 0:
+ * the forward, out = y from in = x, bias b; 1: the data gradient, out = dx += from in = dy with
+ * each kernel turned around, t the walk's geometry (the layer's with input and output exchanged,
+ * the padding 2 - 1 = 1). */
+POET_INLINE void dwc_layer(float *out, const float *in, const float *w, const float *b, const poet_conv2d_shape *shape,
+                           const int MODE, const uint32_t SW)
+{
+    /* a copy: the stores into out might otherwise alias the shape, re-read every plane */
+    const poet_conv2d_shape copy = *shape, *t = &copy;
+    const uint32_t in_plane = t->h_in * t->w_in, out_plane = t->h_out * t->w_out, C = t->c_out;
+    uint32_t n, c, k;
+    for (n = 0; n < t->n; ++n)
+        for (c = 0; c < C; ++c) {
+            float wv[9], *o = out + (n * C + c) * out_plane;
+            for (k = 0; k < 9; ++k)
+                wv[k] = MODE == 1 ? w[c * 9 + 8 - k] : w[c * 9 + k];
+            dwc_plane(o, in + (n * C + c) * in_plane, wv, t, MODE, SW);
+            if (b)
+                for (k = 0; k < out_plane; ++k)
+                    o[k] += b[c];
+        }
+}
+
+POET_OUTLINE void dwc_forward_s1(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+    dwc_layer(y, x, w, b, s, 0, 1);
+}
+
+POET_OUTLINE void dwc_forward_s2(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+    dwc_layer(y, x, w, b, s, 0, 2);
+}
+
+POET_OUTLINE void dwc_backward_input_s1(float *dx, const float *dy, const float *w, const poet_conv2d_shape *t)
+{
+    dwc_layer(dx, dy, w, NULL, t, 1, 1);
+}
+
+/* The weight gradient of such a layer: channel by channel, its nine sums in registers over the
+ * batch's planes; gw += them (sgd 0), or w -= lr them */
+POET_INLINE void dwc_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *shape, float lr,
+                                int sgd, const uint32_t SW)
+{
+    /* a copy: the stores into gw might otherwise alias the shape, re-read every channel */
+    const poet_conv2d_shape copy = *shape, *s = &copy;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, C = s->c_out;
+    uint32_t n, c, k;
+    for (c = 0; c < C; ++c) {
+        float acc[9], *at = gw + c * 9;
+        for (k = 0; k < 9; ++k)
+            acc[k] = 0.0f;
+        for (n = 0; n < s->n; ++n) /* dy is only read */
+            dwc_plane((float *)(uintptr_t)(dy + (n * C + c) * out_plane), x + (n * C + c) * in_plane, acc, s, 2, SW);
+        for (k = 0; k < 9; ++k) {
+            if (sgd)
+                at[k] -= lr * acc[k];
+            else
+                at[k] += acc[k];
+        }
+    }
+}
+
+POET_OUTLINE void dwc_grad_s1(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+{
+    dwc_grad_layer(gw, dy, x, s, lr, sgd, 1);
+}
+
+POET_OUTLINE void dwc_grad_s2(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+{
+    dwc_grad_layer(gw, dy, x, s, lr, sgd, 2);
+}
+
+/* Whether a layer is depthwise (one input and one output channel a group) and the strips take it */
+static int dwc_layer_ok(const poet_conv2d_shape *s, uint32_t SW)
+{
+    return s->groups == s->c_in && s->groups == s->c_out && dwc_ok(s, SW);
+}
+#endif
+
 POET_INLINE void depthwise3_rows(float *yc, const float *xc, const float *wc, const float *b,
                                  const poet_conv2d_shape *s, const uint32_t SW, const int accumulate, const uint32_t CO)
 {
@@ -961,6 +1254,13 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
 #ifndef POET_KERNELS_SMALL
     if (pointwise_mm_forward(y, x, w, b, s))
         return;
+    if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
+        if (s->stride_w == 1)
+            dwc_forward_s1(y, x, w, b, s);
+        else
+            dwc_forward_s2(y, x, w, b, s);
+        return;
+    }
     if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 1)
         forward_all(y, x, w, b, s, 3, 3, 1);
     else if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 2)
@@ -1225,6 +1525,106 @@ POET_OUTLINE void dw3_s2_backward_input_channels2(float *dxc, const float *dyc, 
 }
 #endif
 
+#ifndef POET_KERNELS_SMALL
+/* The data gradient of a depthwise layer at stride 2 (one input and one output channel a group,
+ * 3x3, padding 1) in column strips: Q dy columns, dx's 2Q columns above them, walked down a pair
+ * of dx rows per dy row. dx (2m + a, 2j + b) takes dy (m, j), and for a or b odd also (m + 1, j)
+ * and (m, j + 1); each dy row's Q + 1 values are loaded once per strip and carried to the next
+ * pair, each dx element is loaded, added to once with all its terms and stored. The last block of
+ * a row (RIGHT 1: no dy column j + 1; 2: nor dx column 2j + 1, an odd width) and the last dy row
+ * (BOT 1: no dy row m + 1; 2: nor dx row 2m + 1) are their own copies. */
+POET_INLINE void dws2_out(float *x0, float *x1, const float *d0, const float *d1, const float *w, const uint32_t Q,
+                          const uint32_t RIGHT, const uint32_t BOT)
+{
+    uint32_t q;
+    for (q = 0; q < Q; ++q) {
+        const int nr = RIGHT && q == Q - 1, nx = RIGHT == 2 && q == Q - 1;
+        const float a = d0[q];
+        x0[2 * q] += a * w[4];
+        if (!nx)
+            x0[2 * q + 1] += nr ? a * w[5] : a * w[5] + d0[q + 1] * w[3];
+        if (BOT == 0) {
+            x1[2 * q] += a * w[7] + d1[q] * w[1];
+            if (!nx)
+                x1[2 * q + 1] += nr ? a * w[8] + d1[q] * w[2] : a * w[8] + d0[q + 1] * w[6] + (d1[q] * w[2] + d1[q + 1] * w[0]);
+        } else if (BOT == 1) {
+            x1[2 * q] += a * w[7];
+            if (!nx)
+                x1[2 * q + 1] += nr ? a * w[8] : a * w[8] + d0[q + 1] * w[6];
+        }
+    }
+}
+
+POET_INLINE void dws2_load(float *d, const float *p, const uint32_t N)
+{
+    uint32_t j;
+    for (j = 0; j < N; ++j)
+        d[j] = p[j];
+}
+
+/* dy columns j0 .. j0 + Q (the blocks above them) of one plane, every row */
+POET_INLINE void dws2_strip(float *dx, const float *dy, const float *w, uint32_t j0, const poet_conv2d_shape *s,
+                            const uint32_t Q, const uint32_t RIGHT)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out, N = RIGHT ? Q : Q + 1;
+    const float *dp = dy + j0;
+    float *xp = dx + 2 * j0;
+    float D[5], E[5];
+    uint32_t i;
+    dws2_load(D, dp, N);
+    dp += w_out;
+    /* dy rows in D and E by turns; one pointer each, stepped, and a count down */
+    for (i = (s->h_out - 1) / 2; i; --i) {
+        dws2_load(E, dp, N);
+        dp += w_out;
+        dws2_out(xp, xp + w_in, D, E, w, Q, RIGHT, 0);
+        xp += 2 * w_in;
+        dws2_load(D, dp, N);
+        dp += w_out;
+        dws2_out(xp, xp + w_in, E, D, w, Q, RIGHT, 0);
+        xp += 2 * w_in;
+    }
+    if ((s->h_out - 1) % 2) {
+        dws2_load(E, dp, N);
+        dws2_out(xp, xp + w_in, D, E, w, Q, RIGHT, 0);
+        xp += 2 * w_in;
+        if (2 * s->h_out - 1 < s->h_in) /* the last dy row, and the dx row below it */
+            dws2_out(xp, xp + w_in, E, E, w, Q, RIGHT, 1);
+        else
+            dws2_out(xp, xp, E, E, w, Q, RIGHT, 2);
+    } else if (2 * s->h_out - 1 < s->h_in)
+        dws2_out(xp, xp + w_in, D, D, w, Q, RIGHT, 1);
+    else
+        dws2_out(xp, xp, D, D, w, Q, RIGHT, 2);
+}
+
+/* Every plane of the layer: strips of four blocks, what is left but the last block, the last */
+POET_OUTLINE void dws2_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    const uint32_t w_out = s->w_out, in_plane = s->h_in * s->w_in, out_plane = s->h_out * w_out, C = s->c_in;
+    uint32_t n, c, k, j0;
+    for (n = 0; n < s->n; ++n)
+        for (c = 0; c < C; ++c) {
+            float wv[9], *xc = dx + (n * C + c) * in_plane;
+            const float *dc = dy + (n * C + c) * out_plane;
+            for (k = 0; k < 9; ++k)
+                wv[k] = w[c * 9 + k];
+            for (j0 = 0; j0 + 4 < w_out; j0 += 4)
+                dws2_strip(xc, dc, wv, j0, s, 4, 0);
+            if (j0 + 4 == w_out)
+                dws2_strip(xc, dc, wv, j0, s, 3, 0), j0 += 3;
+            else if (j0 + 3 == w_out)
+                dws2_strip(xc, dc, wv, j0, s, 2, 0), j0 += 2;
+            else if (j0 + 2 == w_out)
+                dws2_strip(xc, dc, wv, j0, s, 1, 0), j0 += 1;
+            if (2 * j0 + 1 < s->w_in)
+                dws2_strip(xc, dc, wv, j0, s, 1, 1);
+            else
+                dws2_strip(xc, dc, wv, j0, s, 1, 2);
+        }
+}
+#endif
+
 /* One input channel a group (depthwise layers, and the stem's one input to several outputs),
  * 3x3, stride 2, one row and column of padding: each group's dx from its output channels, two at
  * a time where the build has the copy for them */
@@ -1235,6 +1635,12 @@ static int depthwise3_s2_backward_input(float *dx, const float *dy, const float 
     if (s->groups != s->c_in || s->k_h != 3 || s->k_w != 3 || s->stride_h != 2 || s->stride_w != 2 ||
         s->pad_h != 1 || s->pad_w != 1)
         return 0;
+#ifndef POET_KERNELS_SMALL
+    if (s->groups == s->c_out) { /* depthwise: the column strips */
+        dws2_backward_input(dx, dy, w, s);
+        return 1;
+    }
+#endif
     for (n = 0; n < s->n; ++n)
         for (c = 0; c < s->c_in; ++c) {
             float *dxc = dx + (n * s->c_in + c) * s->h_in * s->w_in;
@@ -1264,6 +1670,12 @@ static int depthwise3_backward_input(float *dx, const float *dy, const float *w,
     t = *s;
     t.h_in = s->h_out, t.w_in = s->w_out, t.h_out = s->h_in, t.w_out = s->w_in;
     t.pad_h = 2 - s->pad_h, t.pad_w = 2 - s->pad_w;
+#ifndef POET_KERNELS_SMALL
+    if (dwc_ok(&t, 1)) { /* the column strips, the whole layer in one call */
+        dwc_backward_input_s1(dx, dy, w, &t);
+        return 1;
+    }
+#endif
     for (n = 0; n < s->n; ++n)
         for (c = 0; c < s->c_in; ++c) {
             for (i = 0; i < 9; ++i)
@@ -1451,6 +1863,13 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
     uint32_t g, co, ci;
 #ifndef POET_KERNELS_SMALL
+    if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
+        if (s->stride_w == 1)
+            dwc_grad_s1(gw, dy, x, s, lr, sgd);
+        else
+            dwc_grad_s2(gw, dy, x, s, lr, sgd);
+        return;
+    }
     if (cin_g == 1 && cout_g == 1 && s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->w_in >= 3 &&
         s->stride_w == 1) {
         depthwise3_grad_layer_s1(gw, dy, x, s, lr, sgd);
@@ -1566,9 +1985,11 @@ POET_INLINE void pw_grad_block(float *s, const float *a, const float *b, uint32_
  * fours: 4 x 4 blocks of sums over the batch and the plane's positions, each input loaded once
  * for four of them, with no per-tap set-up (the general tiles' output ranges and eight row
  * pointers cost as much as a reduction over mcu-vww's 6x6 and 3x3 planes). */
-POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
+POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float *x, const poet_conv2d_shape *shape,
                                          float lr, int sgd, const uint32_t PC, const uint32_t SB)
 {
+    /* a copy: the stores into gw might otherwise alias the shape, re-read every block */
+    const poet_conv2d_shape copy = *shape, *s = &copy;
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups, P = PC ? PC : s->w_out;
     const uint32_t out_plane = s->h_out * s->w_out, in_plane = s->h_in * s->w_in;
     const uint32_t brow = s->stride_h * s->w_in;
@@ -1585,13 +2006,15 @@ POET_INLINE void pointwise_weight_grad_p(float *gw, const float *dy, const float
                     for (oh = 0; oh < s->h_out; ++oh)
                         pw_grad_block(acc, a + n * s->c_out * out_plane + oh * s->w_out,
                                       bx + n * s->c_in * in_plane + oh * brow, P, out_plane, in_plane, PC, SB, 0);
-                for (c = 0; c < 4; ++c)
-                    for (q = 0; q < 4; ++q) {
-                        if (sgd)
+                /* one test a block, not one a weight */
+                if (sgd)
+                    for (c = 0; c < 4; ++c)
+                        for (q = 0; q < 4; ++q)
                             at[c * cin_g + q] -= lr * acc[c * 4 + q];
-                        else
+                else
+                    for (c = 0; c < 4; ++c)
+                        for (q = 0; q < 4; ++q)
                             at[c * cin_g + q] += acc[c * 4 + q];
-                    }
             }
 }
 
