@@ -198,6 +198,15 @@ def test_an_operator_the_executor_cannot_run_is_named_in_one_line(tmp_path):
     assert_one_line_error(ran, "--torch", "dropout", "the PyTorch executor has no rule for it")
 
 
+def test_a_log_softmax_over_another_axis_is_named_in_one_line():
+    """Over the batch, not the last axis: refused naming the node (it raised NameError, exit 3)."""
+    from poet_opt.errors import PoetError
+
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LogSoftmax(dim=0))
+    with pytest.raises(PoetError, match="node '1': a log-softmax over a dimension other than the last"):
+        prepare(module, "2,4")
+
+
 def test_a_division_by_an_activation_keeps_both_operands():
     """d(a/b)/db = -a/b^2: the graph keeps both operands for the divisor's gradient (a product keeps
     only the other operand, a square its input)."""
