@@ -47,6 +47,7 @@ from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, storage_limits
 from poet_opt.solver.backends import BASIS_BASIC, BASIS_LOWER, solve_milp
 from poet_opt.solver.bounds import BoundResult
+from poet_opt.solver.dual_bound import dual_bound
 from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
 from poet_opt.solver.heuristics import read_gaps
 from poet_opt.solver.stream_bound import support_block
@@ -223,14 +224,31 @@ class ResidencyModel:
         return Milp(c=m.c, offset=m.offset, A=m.A, row_lb=m.row_lb, row_ub=m.row_ub, lb=m.lb, ub=m.ub,
                     integrality=np.zeros(m.num_vars, dtype=np.int8))
 
+    def boxed(self) -> Milp:
+        """The LP relaxation with every column boxed, for dual_bound.py: the levels ``L`` get the lower
+        bound 0, which every point meeting the rows has already. The level chain makes ``L[s]`` the sum
+        over the gaps spanning ``s`` of ``nb * (1 - R - P)`` (each at least 0, since ``R + P <= 1``
+        and ``nb >= 0``) plus the block's held bytes (``weight * V``, ``weight >= 0``, ``V >= 0``): the
+        same feasible set, the same optimum, and now any row multipliers give a finite bound."""
+        lp = self.relaxed()
+        lb = lp.lb.copy()
+        lb[self.L] = 0.0
+        return Milp(c=lp.c, offset=lp.offset, A=lp.A, row_lb=lp.row_lb, row_ub=lp.row_ub, lb=lb, ub=lp.ub,
+                    integrality=lp.integrality)
+
 
 # The Lagrangian's share of residency_bound's time: it answers in seconds at any size, the LP after
 # it is higher where it finishes (ResNet-18: 20.10 J against 19.75 J; bert-base's LP does not finish
 # in 500 s, its Lagrangian gives 277.5 J in 60 s).
 LAGRANGIAN_SHARE = 0.3
-# Past this many columns the LP is not tried and the Lagrangian has all the time (ResNet-18's model:
-# 45,000 columns, LP in 8.5 s; bert-base's: 321,000, no LP optimum in 500 s).
+# Past this many columns the simplex LP is not tried (ResNet-18's model: 45,000 columns, LP in 8.5 s;
+# bert-base's: 321,000, no LP optimum in 500 s): the Lagrangian has LARGE_LAGRANGIAN_SHARE of the time
+# (all of it without recomputation inputs), and the LP with recomputation inputs the rest, by an
+# interior-point method whose multipliers dual_bound.py turns into a proven bound.
 LP_MAX_COLUMNS = 150_000
+# bert-base's Lagrangian reaches its LP's optimum (277.5 J) in about 60 s of a lightly loaded core
+# (benchmarks/STREAMING.md, "Is bert-base's Lagrangian bound converged?")
+LARGE_LAGRANGIAN_SHARE = 0.3
 # The LP with recomputation inputs gets this share of what the plain LP left: the rest goes to the
 # dual bound of its MILP (ResNet-18: 112,000 columns, LP in about 60 s on a loaded 2-core machine).
 INPUTS_LP_SHARE = 0.8
@@ -261,11 +279,20 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
 
     best = None
     columns = 2 * len(read_gaps(graph, graph.users())[0]) + 2 * len(graph)
+    large = columns > LP_MAX_COLUMNS
+    widens = inputs and mode != "paging"
     if upper is not None and upper > floor:
-        share = LAGRANGIAN_SHARE if columns <= LP_MAX_COLUMNS else 1.0
+        share = LAGRANGIAN_SHARE if not large else LARGE_LAGRANGIAN_SHARE if widens else 1.0
         best = lagrangian_bound(graph, costs, budgets, mode, upper=upper, time_limit=share * time_limit,
-                                iterations=3000 if share < 1 else 100_000)
-    if left() <= 0.05 or done() or columns > LP_MAX_COLUMNS:
+                                iterations=3000 if not large else 100_000)
+    if left() <= 0.05 or done():
+        return _timed(best, started)
+    if large:
+        if widens and left() > INPUTS_BUILD_S_PER_COLUMN * columns:
+            wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)
+            if wider.block.cost and left() > 1.0:
+                result = solve_milp(wider.boxed(), time_limit=left(), gap=0.0, threads=threads, lp_solver="ipm")
+                best = _higher(best, _from_duals(wider, result, floor, "residency LP with recomputation inputs"))
         return _timed(best, started)
     model = ResidencyModel(graph, costs, budgets, mode)
     if left() <= 0.05:
@@ -278,8 +305,10 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             best = BoundResult(bound=value, method="residency LP", status=result.status)
     elif result.status == "infeasible":
         return None
+    else:  # stopped short: its multipliers still bound (dual_bound.py)
+        best = _higher(best, _from_duals(model, result, floor, "residency LP"))
     named = "residency MILP"
-    if inputs and mode != "paging" and left() > INPUTS_BUILD_S_PER_COLUMN * columns and not done():
+    if widens and left() > INPUTS_BUILD_S_PER_COLUMN * columns and not done():
         # The same LP with what recomputations' inputs hold (stream_bound.py): a superset of its rows,
         # so at least as high where it finishes (ResNet-18: 20.35 J against 20.10 J)
         wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)
@@ -292,6 +321,8 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
                     best = BoundResult(bound=value, method="residency LP with recomputation inputs",
                                        status=result.status)
                 model, named = wider, "residency MILP with recomputation inputs"
+            elif result.status != "infeasible":  # a time-out keeps what its multipliers prove
+                best = _higher(best, _from_duals(wider, result, floor, "residency LP with recomputation inputs"))
     if not lp_only and left() > 0.2 and not done():
         result = solve_milp(model.milp, time_limit=left(), gap=1e-4, threads=threads)
         if result.bound is not None and math.isfinite(result.bound) and result.status != "infeasible":
@@ -299,6 +330,21 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             if value > floor and (best is None or value > best.bound):
                 best = BoundResult(bound=value, method=named, status=result.status)
     return _timed(best, started)
+
+
+def _from_duals(model: ResidencyModel, result, floor: float, method: str) -> Optional[BoundResult]:
+    """The bound the run's row multipliers prove on ``model``'s LP (dual_bound.py, on its boxed form),
+    whatever the run's status: None when it is not above ``floor``."""
+    if result.duals is None:
+        return None
+    value = dual_bound(model.boxed(), result.duals)
+    if value is None or not value > floor:
+        return None
+    return BoundResult(bound=value, method=f"{method}, dual bound", status=result.status)
+
+
+def _higher(best: Optional[BoundResult], other: Optional[BoundResult]) -> Optional[BoundResult]:
+    return other if other is not None and (best is None or other.bound > best.bound) else best
 
 
 def _timed(best: Optional[BoundResult], started: float) -> Optional[BoundResult]:
