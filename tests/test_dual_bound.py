@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poet_opt.solver.backends import solve_milp
-from poet_opt.solver.dual_bound import dual_bound
+from poet_opt.solver.dual_bound import dual_ascent, dual_bound
 from poet_opt.solver.formulation import Milp
 
 REL = 1e-7  # HiGHS's tolerances on an objective of order one
@@ -105,3 +105,14 @@ def test_the_margin_makes_the_bound_at_most_the_exact_dual_function():
     value = dual_bound(milp, y)
     assert F(value) <= exact
     assert float(exact) - value < 1e-9 * max(1.0, abs(float(exact)))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, print_blob=True)
+@given(boxed_lps(), st.integers(0, 2**32 - 1))
+def test_dual_ascent_climbs_from_its_start_and_stays_below_the_optimum(milp, seed):
+    best = optimum(milp)
+    y0 = np.random.default_rng(seed).normal(size=milp.num_rows)
+    start = dual_bound(milp, y0)
+    value, y = dual_ascent(milp, y0, target=best.objective + 1.0, time_limit=0.5)
+    assert value == dual_bound(milp, y)
+    assert start - 1e-12 * max(1.0, abs(start)) <= value <= best.objective + REL * max(1.0, abs(best.objective))

@@ -76,3 +76,65 @@ def dual_bound(milp: Milp, duals: np.ndarray) -> Optional[float]:
     magnitude = abs(float(milp.offset)) + float(np.abs(row_terms).sum()) + float(np.abs(col_terms).sum()) \
         + float((reach * d_scale).sum())
     return value - 2 * gamma * magnitude
+
+
+def dual_ascent(milp: Milp, duals: np.ndarray, *, target: float, time_limit: float,
+                iterations: int = 1_000_000) -> tuple[Optional[float], np.ndarray]:
+    """Raises the dual function of ``milp``'s LP (every column boxed) from ``y = duals`` by projected
+    subgradient steps (Polyak's, aimed at ``target``, an upper bound such as a plan's objective,
+    halved after 30 steps without a better value), and returns ``dual_bound`` of the best ``y`` seen,
+    and that ``y``. Each step costs two products with ``A``. The steps only choose candidates: the
+    value returned is dual_bound's own computation at the chosen ``y``, so how they are chosen bears
+    on the value, never on its validity. Rows with one finite side keep the sign of multiplier it
+    allows. A subgradient of the dual function at ``y`` is ``r - A x``, ``x`` the box's minimizer of
+    the reduced costs and ``r`` the side each multiplier leans on (for a zero one, ``A x`` clipped
+    into the row's range)."""
+    import time
+
+    started = time.perf_counter()
+    lb, ub = np.asarray(milp.lb, dtype=float), np.asarray(milp.ub, dtype=float)
+    if not (np.all(np.isfinite(lb)) and np.all(np.isfinite(ub))):
+        return dual_bound(milp, duals), np.asarray(duals, dtype=float)  # the steps below assume a box
+    A = milp.A.tocsr()
+    AT = A.T.tocsr()
+    c = np.asarray(milp.c, dtype=float)
+    row_lb, row_ub = np.asarray(milp.row_lb, dtype=float), np.asarray(milp.row_ub, dtype=float)
+    has_lo, has_hi = np.isfinite(row_lb), np.isfinite(row_ub)
+    lo_side, hi_side = np.where(has_lo, row_lb, -np.inf), np.where(has_hi, row_ub, np.inf)
+    lo_val, hi_val = np.where(has_lo, row_lb, 0.0), np.where(has_hi, row_ub, 0.0)
+
+    def project(v: np.ndarray) -> np.ndarray:
+        v = np.where(np.isfinite(v), v, 0.0)
+        v = np.where(has_lo, v, np.minimum(v, 0.0))
+        return np.where(has_hi, v, np.maximum(v, 0.0))
+
+    def value_at(v: np.ndarray, d: np.ndarray) -> float:  # the dual function, without the margin
+        return float(milp.offset + (v * np.where(v > 0, lo_val, hi_val)).sum() + np.minimum(d * lb, d * ub).sum())
+
+    y = project(np.array(duals, dtype=float))
+    d = c - AT @ y
+    value = value_at(y, d)
+    best, best_y, theta, stall = value, y, 1.0, 0
+    for _ in range(iterations):
+        if time.perf_counter() - started > time_limit or theta < 1e-7:
+            break
+        x = np.where(d < 0, ub, lb)
+        ax = A @ x
+        r = np.where(y > 0, lo_side, np.where(y < 0, hi_side, np.clip(ax, lo_side, hi_side)))
+        grad = r - ax
+        grad[(y == 0) & ~has_lo & (grad > 0)] = 0.0  # steps out of a one-sided row's sign are none
+        grad[(y == 0) & ~has_hi & (grad < 0)] = 0.0
+        norm = float(grad @ grad)
+        if not norm > 0 or not math.isfinite(norm):
+            break
+        step = theta * max(target - value, 1e-6 * abs(target), 1e-12) / norm
+        y = project(y + step * grad)
+        d = c - AT @ y
+        value = value_at(y, d)
+        if value > best + 1e-12 * abs(target):
+            best, best_y, stall = value, y, 0
+        else:
+            stall += 1
+            if stall >= 30:
+                theta, stall = theta / 2, 0
+    return dual_bound(milp, best_y), best_y

@@ -47,7 +47,7 @@ from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, storage_limits
 from poet_opt.solver.backends import BASIS_BASIC, BASIS_LOWER, solve_milp
 from poet_opt.solver.bounds import BoundResult
-from poet_opt.solver.dual_bound import dual_bound
+from poet_opt.solver.dual_bound import dual_ascent, dual_bound
 from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
 from poet_opt.solver.heuristics import read_gaps
 from poet_opt.solver.stream_bound import support_block
@@ -224,6 +224,27 @@ class ResidencyModel:
         return Milp(c=m.c, offset=m.offset, A=m.A, row_lb=m.row_lb, row_ub=m.row_ub, lb=m.lb, ub=m.ub,
                     integrality=np.zeros(m.num_vars, dtype=np.int8))
 
+    def lagrangian_duals(self, lam: np.ndarray, costs: NodeCosts) -> np.ndarray:
+        """Row multipliers of this model whose dual function (dual_bound.py) is the Lagrangian's value
+        at ``lam`` (lagrangian_bound): on the level chain's row ``s`` the sum of ``lam`` from ``s`` on
+        (so each level's reduced cost is ``-lam[s]``, and a gap's return's is its cost less the keep's
+        ``nb * lam`` over its span); on each gap's ``P <= O`` row minus its share of the page-out; on its
+        ``R + P <= 1`` row the least of 0 and its returns' reduced costs; zero on every other row."""
+        gaps, T, G = self.gaps, self.T, len(self.R)
+        i = gaps.tensor
+        y = np.zeros(self.milp.num_rows)
+        level = np.cumsum(lam[::-1])[::-1]
+        y[2 * G:2 * G + T] = level
+        per_tensor = np.bincount(i, minlength=T)
+        share = np.where(gaps.can_p, costs.page_out_j[i] / np.maximum(per_tensor[i], 1), 0.0)
+        y[G:2 * G] = -share
+        ahead = np.concatenate([level, [0.0]])
+        keep = gaps.nb[i] * (ahead[gaps.a + 1] - ahead[gaps.b])
+        d_r = np.where(gaps.can_r, costs.compute_j[i] - keep, 0.0)
+        d_p = np.where(gaps.can_p, costs.page_in_j[i] + share - keep, 0.0)
+        y[:G] = np.minimum(0.0, np.minimum(d_r, d_p))
+        return y
+
     def boxed(self) -> Milp:
         """The LP relaxation with every column boxed, for dual_bound.py: the levels ``L`` get the lower
         bound 0, which every point meeting the rows has already. The level chain makes ``L[s]`` the sum
@@ -243,8 +264,10 @@ class ResidencyModel:
 LAGRANGIAN_SHARE = 0.3
 # Past this many columns the simplex LP is not tried (ResNet-18's model: 45,000 columns, LP in 8.5 s;
 # bert-base's: 321,000, no LP optimum in 500 s): the Lagrangian has LARGE_LAGRANGIAN_SHARE of the time
-# (all of it without recomputation inputs), and the LP with recomputation inputs the rest, by an
-# interior-point method whose multipliers dual_bound.py turns into a proven bound.
+# (all of it without recomputation inputs), and the LP with recomputation inputs the rest, by dual
+# ascent from the Lagrangian's multipliers (dual_bound.py), each iterate's bound proven by its own
+# arithmetic. (HiGHS's interior point on bert-base's 973,000 columns takes 8-10 s an iteration on
+# this machine and had no answer after 420 s.)
 LP_MAX_COLUMNS = 150_000
 # bert-base's Lagrangian reaches its LP's optimum (277.5 J) in about 60 s of a lightly loaded core
 # (benchmarks/STREAMING.md, "Is bert-base's Lagrangian bound converged?")
@@ -288,11 +311,15 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     if left() <= 0.05 or done():
         return _timed(best, started)
     if large:
-        if widens and left() > INPUTS_BUILD_S_PER_COLUMN * columns:
+        if widens and best is not None and best.multipliers is not None and \
+                left() > INPUTS_BUILD_S_PER_COLUMN * columns:
             wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)
             if wider.block.cost and left() > 1.0:
-                result = solve_milp(wider.boxed(), time_limit=left(), gap=0.0, threads=threads, lp_solver="ipm")
-                best = _higher(best, _from_duals(wider, result, floor, "residency LP with recomputation inputs"))
+                value, _ = dual_ascent(wider.boxed(), wider.lagrangian_duals(best.multipliers, costs),
+                                       target=upper, time_limit=left() - 0.5)  # (its last bound: 0.4 s on bert-base)
+                if value is not None and value > best.bound:
+                    best = BoundResult(bound=value, method="residency LP with recomputation inputs, dual ascent",
+                                       status="subgradient")
         return _timed(best, started)
     model = ResidencyModel(graph, costs, budgets, mode)
     if left() <= 0.05:
@@ -381,7 +408,7 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     floor = costs.plain_energy_j
     target = max(upper - floor, 1e-12)
     lam = np.zeros(T)
-    best, theta, stall = -np.inf, 1.0, 0
+    best, theta, stall, best_lam = -np.inf, 1.0, 0, lam
     for _ in range(iterations):
         prefix = np.concatenate([[0.0], np.cumsum(lam)])
         span = prefix[b] - prefix[a + 1]  # lam over stages a+1..b-1
@@ -389,7 +416,7 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
         keep = keep_cost < ret
         value = float(np.where(keep, keep_cost, ret).sum() - lam @ room)
         if value > best + 1e-12 * target:
-            best, stall = value, 0
+            best, stall, best_lam = value, 0, lam
         else:
             stall += 1
             if stall >= 50:
@@ -411,4 +438,4 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     if bound <= floor:
         return None
     return BoundResult(bound=bound, method="residency Lagrangian", solve_s=time.perf_counter() - started,
-                       status="subgradient")
+                       status="subgradient", multipliers=best_lam)
