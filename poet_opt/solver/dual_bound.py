@@ -35,6 +35,10 @@ import numpy as np
 from poet_opt.solver.formulation import Milp
 
 UNIT_ROUNDOFF = np.finfo(float).eps / 2
+# dual_ascent: each step's direction is the subgradient plus this much of the step before (a
+# deflected subgradient, which zig-zags less), and the step halves after STALL steps without a better value
+DEFLECTION = 0.7
+STALL = 60
 
 
 def dual_bound(milp: Milp, duals: np.ndarray) -> Optional[float]:
@@ -82,7 +86,7 @@ def dual_ascent(milp: Milp, duals: np.ndarray, *, target: float, time_limit: flo
                 iterations: int = 1_000_000) -> tuple[Optional[float], np.ndarray]:
     """Raises the dual function of ``milp``'s LP (every column boxed) from ``y = duals`` by projected
     subgradient steps (Polyak's, aimed at ``target``, an upper bound such as a plan's objective,
-    halved after 30 steps without a better value), and returns ``dual_bound`` of the best ``y`` seen,
+    halved after STALL steps without a better value), and returns ``dual_bound`` of the best ``y`` seen,
     and that ``y``. Each step costs two products with ``A``. The steps only choose candidates: the
     value returned is dual_bound's own computation at the chosen ``y``, so how they are chosen bears
     on the value, never on its validity. Rows with one finite side keep the sign of multiplier it
@@ -115,6 +119,7 @@ def dual_ascent(milp: Milp, duals: np.ndarray, *, target: float, time_limit: flo
     d = c - AT @ y
     value = value_at(y, d)
     best, best_y, theta, stall = value, y, 1.0, 0
+    direction = np.zeros_like(y)
     for _ in range(iterations):
         if time.perf_counter() - started > time_limit or theta < 1e-7:
             break
@@ -124,17 +129,18 @@ def dual_ascent(milp: Milp, duals: np.ndarray, *, target: float, time_limit: flo
         grad = r - ax
         grad[(y == 0) & ~has_lo & (grad > 0)] = 0.0  # steps out of a one-sided row's sign are none
         grad[(y == 0) & ~has_hi & (grad < 0)] = 0.0
-        norm = float(grad @ grad)
+        direction = grad + DEFLECTION * direction
+        norm = float(direction @ direction)
         if not norm > 0 or not math.isfinite(norm):
             break
         step = theta * max(target - value, 1e-6 * abs(target), 1e-12) / norm
-        y = project(y + step * grad)
+        y = project(y + step * direction)
         d = c - AT @ y
         value = value_at(y, d)
         if value > best + 1e-12 * abs(target):
             best, best_y, stall = value, y, 0
         else:
             stall += 1
-            if stall >= 30:
+            if stall >= STALL:
                 theta, stall = theta / 2, 0
     return dual_bound(milp, best_y), best_y
