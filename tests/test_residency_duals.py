@@ -114,7 +114,8 @@ def test_the_lagrangians_multipliers_carry_its_value_into_the_model(case, seed):
     gaps = model.gaps
     if not len(gaps.tensor):
         return
-    lam = np.random.default_rng(seed).exponential(size=len(graph)) * np.random.default_rng(seed + 1).integers(0, 2, len(graph))
+    rng = np.random.default_rng(seed)
+    lam = rng.exponential(size=len(graph)) * rng.integers(0, 2, len(graph))  # some stages' zero
     # the Lagrangian's value at lam (lagrangian_bound's objective), recomputed here
     i, T = gaps.tensor, len(graph)
     per = np.bincount(i, minlength=T)
