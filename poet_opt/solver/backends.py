@@ -52,6 +52,9 @@ class SolveResult:
     # an LP's optimal basis, as (column statuses, row statuses) of BASIS_* codes: a warm start for a
     # model that extends this one (residency.py)
     basis: Optional[tuple] = None
+    # an LP's row multipliers as HiGHS left them (c - A'y its reduced costs), whatever its status:
+    # not a claim of optimality, only what dual_bound.py turns into a bound it proves itself
+    duals: Optional[np.ndarray] = None
 
     @property
     def gap(self) -> Optional[float]:
@@ -129,11 +132,13 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
                gap: float = 1e-3, threads: Optional[int] = None,
                progress: Optional[Callable[[Progress], None]] = None,
                start: Optional[np.ndarray] = None, settle: Optional["Settle"] = None,
-               basis: Optional[tuple] = None) -> SolveResult:
+               basis: Optional[tuple] = None, lp_solver: Optional[str] = None) -> SolveResult:
     """settle (HiGHS only): stop before ``gap`` once the search is within ``settle.gap`` and has
     stopped improving (see Settle); the status is then ``gap_limit``, as for the gap asked for.
     basis (HiGHS, an LP): a starting basis as SolveResult.basis gives one; an LP solved to optimality
-    returns its own there. Scaling the objective leaves a basis as it is."""
+    returns its own there. Scaling the objective leaves a basis as it is.
+    lp_solver (HiGHS, an LP): "ipm" or "pdlp", without crossover, for row multipliers (``duals``)
+    where the simplex would not finish; the objective of such a run is not a bound (dual_bound.py)."""
     if backend not in BACKENDS:
         raise PoetError(f"unknown solver {backend!r}; choose one of {', '.join(BACKENDS)}", field="--solver")
     # Energies in joules are tiny next to solver tolerances (HiGHS treats reduced costs under 1e-7
@@ -148,11 +153,13 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
             report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap, p.phase))
 
     if backend == "highs":
-        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle, basis)
+        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle, basis, lp_solver)
     else:
         result = _solve_pulp(scaled, backend, time_limit, gap, threads)
     result.objective = _unscale(result.objective, scale)
     result.bound = _unscale(result.bound, scale)
+    if result.duals is not None:
+        result.duals = result.duals / scale
     return result
 
 
@@ -249,9 +256,10 @@ def leave_now_if_abandoned(code: int, wait_s: float = 0.3) -> None:
         os._exit(code)
 
 
-def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None, basis=None) -> SolveResult:
+def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None, basis=None,
+                 lp_solver=None) -> SolveResult:
     try:
-        return _run_highs(milp, time_limit, gap, threads, progress, start, settle, basis)
+        return _run_highs(milp, time_limit, gap, threads, progress, start, settle, basis, lp_solver)
     except KeyboardInterrupt:
         # A signal anywhere in here, before the run starts too (handing the model over takes
         # seconds): a Highs object the traceback keeps until the interpreter shuts down aborts it
@@ -260,7 +268,8 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None, b
         raise
 
 
-def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None, basis=None) -> SolveResult:
+def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None, basis=None,
+               lp_solver=None) -> SolveResult:
     import highspy
 
     entered = time.perf_counter()
@@ -280,6 +289,9 @@ def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None, bas
         idx = np.arange(milp.num_vars, dtype=np.int32)
         h.setSolution(milp.num_vars, idx, np.asarray(start, dtype=float))
     lp = not np.any(milp.integrality)
+    if lp_solver is not None and lp:
+        h.setOptionValue("solver", lp_solver)
+        h.setOptionValue("run_crossover", "off")
     if basis is not None and lp:
         given = highspy.HighsBasis()
         given.col_status = [highspy.HighsBasisStatus(int(k)) for k in basis[0]]
@@ -434,7 +446,12 @@ def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None, bas
         if b.valid:
             found = (np.array([int(k) for k in b.col_status], dtype=np.int8),
                      np.array([int(k) for k in b.row_status], dtype=np.int8))
-    return SolveResult(name, x, objective, bound, solve_s, "highs", found)
+    duals = None
+    if lp and not interrupted:
+        row_dual = np.array(h.getSolution().row_dual, dtype=float)
+        if len(row_dual) == milp.num_rows and np.all(np.isfinite(row_dual)):
+            duals = row_dual
+    return SolveResult(name, x, objective, bound, solve_s, "highs", found, duals)
 
 
 def _satisfies(milp: Milp, x: np.ndarray, tol: float = 1e-6) -> bool:

@@ -108,6 +108,8 @@ class BoundResult:
     window: Optional[tuple[int, int]] = None
     solve_s: float = 0.0
     status: str = ""
+    # the residency Lagrangian's best multipliers (one per stage), a start for dual_bound.dual_ascent
+    multipliers: Optional[np.ndarray] = None
 
 
 class WindowModel:

@@ -47,6 +47,7 @@ from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, storage_limits
 from poet_opt.solver.backends import BASIS_BASIC, BASIS_LOWER, solve_milp
 from poet_opt.solver.bounds import BoundResult
+from poet_opt.solver.dual_bound import dual_ascent, dual_bound
 from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
 from poet_opt.solver.heuristics import read_gaps
 from poet_opt.solver.stream_bound import support_block
@@ -223,14 +224,54 @@ class ResidencyModel:
         return Milp(c=m.c, offset=m.offset, A=m.A, row_lb=m.row_lb, row_ub=m.row_ub, lb=m.lb, ub=m.ub,
                     integrality=np.zeros(m.num_vars, dtype=np.int8))
 
+    def lagrangian_duals(self, lam: np.ndarray, costs: NodeCosts) -> np.ndarray:
+        """Row multipliers of this model whose dual function (dual_bound.py) is the Lagrangian's value
+        at ``lam`` (lagrangian_bound): on the level chain's row ``s`` the sum of ``lam`` from ``s`` on
+        (so each level's reduced cost is ``-lam[s]``, and a gap's return's is its cost less the keep's
+        ``nb * lam`` over its span); on each gap's ``P <= O`` row minus its share of the page-out; on its
+        ``R + P <= 1`` row the least of 0 and its returns' reduced costs; zero on every other row."""
+        gaps, T, G = self.gaps, self.T, len(self.R)
+        i = gaps.tensor
+        y = np.zeros(self.milp.num_rows)
+        level = np.cumsum(lam[::-1])[::-1]
+        y[2 * G:2 * G + T] = level
+        per_tensor = np.bincount(i, minlength=T)
+        share = np.where(gaps.can_p, costs.page_out_j[i] / np.maximum(per_tensor[i], 1), 0.0)
+        y[G:2 * G] = -share
+        ahead = np.concatenate([level, [0.0]])
+        keep = gaps.nb[i] * (ahead[gaps.a + 1] - ahead[gaps.b])
+        d_r = np.where(gaps.can_r, costs.compute_j[i] - keep, 0.0)
+        d_p = np.where(gaps.can_p, costs.page_in_j[i] + share - keep, 0.0)
+        y[:G] = np.minimum(0.0, np.minimum(d_r, d_p))
+        return y
+
+    def boxed(self) -> Milp:
+        """The LP relaxation with every column boxed, for dual_bound.py: the levels ``L`` get the lower
+        bound 0, which every point meeting the rows has already. The level chain makes ``L[s]`` the sum
+        over the gaps spanning ``s`` of ``nb * (1 - R - P)`` (each at least 0, since ``R + P <= 1``
+        and ``nb >= 0``) plus the block's held bytes (``weight * V``, ``weight >= 0``, ``V >= 0``): the
+        same feasible set, the same optimum, and now any row multipliers give a finite bound."""
+        lp = self.relaxed()
+        lb = lp.lb.copy()
+        lb[self.L] = 0.0
+        return Milp(c=lp.c, offset=lp.offset, A=lp.A, row_lb=lp.row_lb, row_ub=lp.row_ub, lb=lb, ub=lp.ub,
+                    integrality=lp.integrality)
+
 
 # The Lagrangian's share of residency_bound's time: it answers in seconds at any size, the LP after
 # it is higher where it finishes (ResNet-18: 20.10 J against 19.75 J; bert-base's LP does not finish
 # in 500 s, its Lagrangian gives 277.5 J in 60 s).
 LAGRANGIAN_SHARE = 0.3
-# Past this many columns the LP is not tried and the Lagrangian has all the time (ResNet-18's model:
-# 45,000 columns, LP in 8.5 s; bert-base's: 321,000, no LP optimum in 500 s).
+# Past this many columns the simplex LP is not tried (ResNet-18's model: 45,000 columns, LP in 8.5 s;
+# bert-base's: 321,000, no LP optimum in 500 s): the Lagrangian has LARGE_LAGRANGIAN_SHARE of the time
+# (all of it without recomputation inputs), and the LP with recomputation inputs the rest, by dual
+# ascent from the Lagrangian's multipliers (dual_bound.py), each iterate's bound proven by its own
+# arithmetic. (HiGHS's interior point on bert-base's 973,000 columns takes 8-10 s an iteration on
+# this machine and had no answer after 420 s.)
 LP_MAX_COLUMNS = 150_000
+# bert-base's Lagrangian reaches its LP's optimum (277.5 J) in about 60 s of a lightly loaded core
+# (benchmarks/STREAMING.md, "Is bert-base's Lagrangian bound converged?")
+LARGE_LAGRANGIAN_SHARE = 0.3
 # The LP with recomputation inputs gets this share of what the plain LP left: the rest goes to the
 # dual bound of its MILP (ResNet-18: 112,000 columns, LP in about 60 s on a loaded 2-core machine).
 INPUTS_LP_SHARE = 0.8
@@ -261,11 +302,24 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
 
     best = None
     columns = 2 * len(read_gaps(graph, graph.users())[0]) + 2 * len(graph)
+    large = columns > LP_MAX_COLUMNS
+    widens = inputs and mode != "paging"
     if upper is not None and upper > floor:
-        share = LAGRANGIAN_SHARE if columns <= LP_MAX_COLUMNS else 1.0
+        share = LAGRANGIAN_SHARE if not large else LARGE_LAGRANGIAN_SHARE if widens else 1.0
         best = lagrangian_bound(graph, costs, budgets, mode, upper=upper, time_limit=share * time_limit,
-                                iterations=3000 if share < 1 else 100_000)
-    if left() <= 0.05 or done() or columns > LP_MAX_COLUMNS:
+                                iterations=3000 if not large else 100_000)
+    if left() <= 0.05 or done():
+        return _timed(best, started)
+    if large:
+        if widens and best is not None and best.multipliers is not None and \
+                left() > INPUTS_BUILD_S_PER_COLUMN * columns:
+            wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)
+            if wider.block.cost and left() > 1.0:
+                value, _ = dual_ascent(wider.boxed(), wider.lagrangian_duals(best.multipliers, costs),
+                                       target=upper, time_limit=left() - 0.5)  # (its last bound: 0.4 s on bert-base)
+                if value is not None and value > best.bound:
+                    best = BoundResult(bound=value, method="residency LP with recomputation inputs, dual ascent",
+                                       status="subgradient")
         return _timed(best, started)
     model = ResidencyModel(graph, costs, budgets, mode)
     if left() <= 0.05:
@@ -278,8 +332,10 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             best = BoundResult(bound=value, method="residency LP", status=result.status)
     elif result.status == "infeasible":
         return None
+    else:  # stopped short: its multipliers still bound (dual_bound.py)
+        best = _higher(best, _from_duals(model, result, floor, "residency LP"))
     named = "residency MILP"
-    if inputs and mode != "paging" and left() > INPUTS_BUILD_S_PER_COLUMN * columns and not done():
+    if widens and left() > INPUTS_BUILD_S_PER_COLUMN * columns and not done():
         # The same LP with what recomputations' inputs hold (stream_bound.py): a superset of its rows,
         # so at least as high where it finishes (ResNet-18: 20.35 J against 20.10 J)
         wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)
@@ -292,6 +348,8 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
                     best = BoundResult(bound=value, method="residency LP with recomputation inputs",
                                        status=result.status)
                 model, named = wider, "residency MILP with recomputation inputs"
+            elif result.status != "infeasible":  # a time-out keeps what its multipliers prove
+                best = _higher(best, _from_duals(wider, result, floor, "residency LP with recomputation inputs"))
     if not lp_only and left() > 0.2 and not done():
         result = solve_milp(model.milp, time_limit=left(), gap=1e-4, threads=threads)
         if result.bound is not None and math.isfinite(result.bound) and result.status != "infeasible":
@@ -299,6 +357,21 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             if value > floor and (best is None or value > best.bound):
                 best = BoundResult(bound=value, method=named, status=result.status)
     return _timed(best, started)
+
+
+def _from_duals(model: ResidencyModel, result, floor: float, method: str) -> Optional[BoundResult]:
+    """The bound the run's row multipliers prove on ``model``'s LP (dual_bound.py, on its boxed form),
+    whatever the run's status: None when it is not above ``floor``."""
+    if result.duals is None:
+        return None
+    value = dual_bound(model.boxed(), result.duals)
+    if value is None or not value > floor:
+        return None
+    return BoundResult(bound=value, method=f"{method}, dual bound", status=result.status)
+
+
+def _higher(best: Optional[BoundResult], other: Optional[BoundResult]) -> Optional[BoundResult]:
+    return other if other is not None and (best is None or other.bound > best.bound) else best
 
 
 def _timed(best: Optional[BoundResult], started: float) -> Optional[BoundResult]:
@@ -335,7 +408,7 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     floor = costs.plain_energy_j
     target = max(upper - floor, 1e-12)
     lam = np.zeros(T)
-    best, theta, stall = -np.inf, 1.0, 0
+    best, theta, stall, best_lam = -np.inf, 1.0, 0, lam
     for _ in range(iterations):
         prefix = np.concatenate([[0.0], np.cumsum(lam)])
         span = prefix[b] - prefix[a + 1]  # lam over stages a+1..b-1
@@ -343,7 +416,7 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
         keep = keep_cost < ret
         value = float(np.where(keep, keep_cost, ret).sum() - lam @ room)
         if value > best + 1e-12 * target:
-            best, stall = value, 0
+            best, stall, best_lam = value, 0, lam
         else:
             stall += 1
             if stall >= 50:
@@ -365,4 +438,4 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     if bound <= floor:
         return None
     return BoundResult(bound=bound, method="residency Lagrangian", solve_s=time.perf_counter() - started,
-                       status="subgradient")
+                       status="subgradient", multipliers=best_lam)
