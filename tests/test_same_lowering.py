@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from poet_opt import cli  # noqa: E402
 from poet_opt.device.profiles import load_profile  # noqa: E402
@@ -92,3 +92,27 @@ def test_a_transformer_no_backend_runs_whole_goes_to_row_tiles_in_every_command(
         refused = lowerings("bert", weights, strips)
         assert {o[0] for o in refused.values()} == {"refused"}, refused
         assert refused["solve"][1] == field and "in row tiles it runs" in refused["solve"][2]
+
+
+class _Scores(torch.nn.Module):
+    """Two projections multiplied, then a softmax over the last axis written as the function."""
+
+    def __init__(self, softmax):
+        super().__init__()
+        self.q, self.k, self.head, self.softmax = (torch.nn.Linear(6, 6), torch.nn.Linear(6, 6),
+                                                   torch.nn.Linear(36, 3), softmax)
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.softmax(torch.matmul(self.q(x), self.k(x))), 1))
+
+
+@pytest.mark.parametrize("views", [False, True])  # the firmware's lowering and the executor's
+def test_the_softmax_function_lowers_as_the_module(views):
+    from poet_opt.model.network import lower_network
+
+    def ops(softmax):
+        return [layer.op for layer in lower_network(_Scores(softmax), (1, 6, 6), views=views).layers.values()]
+
+    assert ops(lambda x: torch.softmax(x, -1)) == ops(torch.nn.Softmax(-1))
+    with pytest.raises(PoetError, match="a softmax over a dimension other than the last"):
+        ops(lambda x: torch.softmax(x, 1))

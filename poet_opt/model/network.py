@@ -464,7 +464,7 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             return make(pooling.name, x)
         raise _unsupported(name, f"module {type(m).__name__}")
     if fn in _ADD and chains is not None:  # a constant or a broadcast operand too: the executor replays it
-        return make("add", _executor_operands(n, registry.spec("add"), len(shape), producers, modules, name, chains))
+        return make("add", _traced_operands(n, registry.spec("add"), len(shape), producers, modules, name, chains))
     if fn in _ADD:
         operands = _tensor_args(n, producers, modules, name, chains)
         if len(operands) != 2 or n.kwargs.get("alpha", 1) != 1 or shapes[operands[0]] != shapes[operands[1]]:
@@ -493,7 +493,9 @@ def _layer(n, o, shapes, producers, modules, chains: list | None = None) -> Laye
             return make("global_avgpool", x)
     if chains is not None and spec is not None and (spec.name in ("softmax", "log_softmax", "avgpool") or
                                                     spec.split == "whole" and spec.arity == 2):
-        return make(spec.name, _executor_operands(n, spec, len(shape), producers, modules, name, chains))
+        return make(spec.name, _traced_operands(n, spec, len(shape), producers, modules, name, chains))
+    if spec is not None and spec.name == "softmax":  # the function, as nn.Softmax: over the last axis
+        return make("softmax", _traced_operands(n, spec, len(shape), producers, modules, name, chains))
     if fn == "scaled_dot_product_attention" and chains is not None and not n.kwargs and len(n.args) == 3:
         return make("attention", _tensor_args(n, producers, modules, name, chains))
     if o.op == "copy":
@@ -531,11 +533,11 @@ def _executor_module(m, xs, name: str) -> str | None:
     return None
 
 
-def _executor_operands(n, spec, rank: int, producers, modules, name: str, chains: list) -> list[str]:
-    """The tensor operands of a call the PyTorch executor replays as traced: a softmax or
-    log-softmax over the last axis, a mean or sum (avgpool: linear, differentiated as traced), or
-    sub, mul, div of tensors and constants (its ``_run`` passes the constants as the trace recorded
-    them)."""
+def _traced_operands(n, spec, rank: int, producers, modules, name: str, chains: list | None) -> list[str]:
+    """The tensor operands of a call as traced: a softmax (the firmware's too, ``chains`` None) or
+    log-softmax over the last axis; for the PyTorch executor, which replays the call, a mean or sum
+    (avgpool: linear, differentiated as traced), or sub, mul, div of tensors and constants (its
+    ``_run`` passes the constants as the trace recorded them)."""
     import torch.fx
 
     tensors = [a for a in n.args if isinstance(a, torch.fx.Node) and "poet_const" not in a.meta]
