@@ -116,3 +116,44 @@ def test_the_softmax_function_lowers_as_the_module(views):
     assert ops(lambda x: torch.softmax(x, -1)) == ops(torch.nn.Softmax(-1))
     with pytest.raises(PoetError, match="a softmax over a dimension other than the last"):
         ops(lambda x: torch.softmax(x, 1))
+
+
+class _Dropped(torch.nn.Module):
+    """The token transformer with dropout on its input: its trace drops dropout as a view."""
+
+    def __init__(self):
+        super().__init__()
+        from poet_opt.examples.torch_models import EncoderClassifier
+
+        self.drop, self.block = torch.nn.Dropout(0.1), EncoderClassifier(d=16, h=2, ff=32, classes=3)
+
+    def forward(self, x):
+        return self.block(self.drop(x))
+
+
+def dropped():
+    torch.manual_seed(0)
+    return _Dropped()
+
+
+def test_dropout_is_refused_by_every_command_in_every_tiling():
+    """No backend reproduces dropout's random mask (a recompute would draw another); the row
+    lowering used to drop it silently, so a default that tiles rows trained without it."""
+    import numpy as np
+
+    profile = load_profile("nrf52840")
+    for weights, strips in (("auto", "auto"), ("streamed", "2"), ("resident", "off")):
+        got = {
+            "solve": outcome(lambda: cli.load_graph(None, None, batch_size=1, bytes_per_element=4,
+                                                    input_shape="1,8,16", torch=f"{__file__}:dropped",
+                                                    weights=weights,
+                                                    profile=profile, ram=["64KiB"], strips=strips)[0]),
+            "run": outcome(lambda: lower_for_run(dropped(), "1,8,16", weights=weights, strips=strips,
+                                                 device_ram_bytes=profile.memory.ram_bytes,
+                                                 stack_reserve_bytes=profile.memory.stack_reserve_bytes,
+                                                 ram_bytes=64 * 1024, x=np.zeros((1, 8, 16), np.float32)).graph),
+            "emulate": outcome(lambda: Lowering(dropped(), (1, 8, 16), profile, 64 * 1024, weights=weights,
+                                                strips=strips)(64 * 1024).graph),
+        }
+        for command, (kind, field, message) in got.items():
+            assert kind == "refused" and "dropout" in message, (weights, strips, command, message)

@@ -116,8 +116,8 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
     if x is not None:  # features or token ids, as the model reads them: before a row graph is built
         check_x(x, resident.vocabulary if resident is not None else _vocabulary(module, input_shape))
     # a transformer no backend runs whole goes into row tiles under --strips auto, as solve plans it
-    rows_only = resident is None and _transformer(plain) and strips == "auto" and weights != "resident"
-    if weights == "resident" or weights == "auto" and not rows_only and not needs_streaming(
+    in_rows = resident is None and _transformer(plain) and strips == "auto" and weights != "resident"
+    if weights == "resident" or weights == "auto" and not in_rows and not needs_streaming(
             plain, device_ram_bytes, stack_reserve_bytes, ram_bytes):
         if resident is None and _transformer(plain) and strips != "off":
             raise PoetError(f"{unrunnable.message}; in row tiles it runs: give --weights auto or streamed",

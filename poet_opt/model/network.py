@@ -211,8 +211,10 @@ def rows_only(model, input_shape, graph: TrainingGraph, *, trainable="all",
     nodes = graph.nodes
     if not any(n.op == "matmul" for n in nodes) or any(n.op == "conv2d" for n in nodes):
         return None
+    module, _ = resolve_module(model)
+    refuse_dropout(module, lower_module(module, input_shape)[0])  # row tiles cannot run it either
     try:
-        lower_network(model, input_shape, trainable=trainable, views=not streamed,
+        lower_network(module, input_shape, trainable=trainable, views=not streamed,
                       weights="streamed" if streamed else "resident")
     except PoetError as exc:
         what = "no backend runs it whole" + (" with streamed weights" if streamed else "")
@@ -220,9 +222,22 @@ def rows_only(model, input_shape, graph: TrainingGraph, *, trainable="all",
     return None
 
 
+def refuse_dropout(module, ops) -> None:
+    """No backend reproduces dropout's random mask (a recompute would draw another). The whole
+    lowerings refuse it where they meet it; the trace drops it as a view, so a row tiling, built
+    from the trace, would train without it: refused here for every tiling."""
+    modules = dict(module.named_modules())
+    for n in _fx_nodes(ops):
+        m = modules.get(n.target) if n.op == "call_module" else None
+        if _fx_callable(n) == "dropout" or m is not None and type(m).__name__.startswith("Dropout"):
+            raise PoetError(f"node {n.name!r}: dropout, whose random mask no backend reproduces (recomputing a "
+                            "node would draw another); train the module without it", field=FIELD)
+
+
 def _row_network(name: str, module, ops, output: int, trainable, meta: dict, strips, budget) -> Network:
     """A transformer in row tiles: one layer per row operator (executor/rows.py replays it), each
     linear's and norm's weight and bias whole; the tiles are the graph's ``param:L#j.k`` nodes."""
+    refuse_dropout(module, ops)
     graph, kept = row_training_graph(name, module, ops, output, trainable, meta, strips, budget)
     batch = ops.ops[0].shape[0]
     modules = dict(module.named_modules())
