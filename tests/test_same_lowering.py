@@ -136,6 +136,26 @@ def dropped():
     return _Dropped()
 
 
+def dropped_cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(4 * 6 * 6, 3))
+
+
+def test_solve_refuses_a_cnn_with_dropout_as_both_backends_do():
+    profile = load_profile("nrf52840")
+    got = {
+        "solve": outcome(lambda: cli.load_graph(None, None, batch_size=1, bytes_per_element=4, input_shape="1,1,8,8",
+                                                torch=f"{__file__}:dropped_cnn", profile=profile, ram=["64KiB"])[0]),
+        "run": outcome(lambda: lower_for_run(dropped_cnn(), "1,1,8,8", device_ram_bytes=profile.memory.ram_bytes,
+                                             stack_reserve_bytes=profile.memory.stack_reserve_bytes,
+                                             ram_bytes=64 * 1024).graph),
+        "emulate": outcome(lambda: Lowering(dropped_cnn(), (1, 1, 8, 8), profile, 64 * 1024)(64 * 1024).graph),
+    }
+    for command, (kind, field, message) in got.items():
+        assert kind == "refused" and field == "--torch" and "dropout" in message, (command, message)
+
+
 def test_dropout_is_refused_by_every_command_in_every_tiling():
     """No backend reproduces dropout's random mask (a recompute would draw another); the row
     lowering used to drop it silently, so a default that tiles rows trained without it."""

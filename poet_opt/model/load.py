@@ -117,6 +117,10 @@ def load_training_graph(model: str | None = None, graph_file: str | None = None,
         graph = import_torch(torch, input_shape, bytes_per_element=bytes_per_element, trainable=trainable,
                              known_costs=known, **streaming)
         name = torch.rsplit(":", 1)[-1]
+        if graph.meta.get("dropout"):  # no backend runs it in any tiling: refused before it is planned
+            from poet_opt.model.torch_import import dropout_refusal
+
+            raise dropout_refusal(graph.meta["dropout"])
         whole = None
         if strips in ("auto", "off"):  # N: row tiles anyway
             from poet_opt.model.network import rows_only

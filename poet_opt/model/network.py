@@ -23,7 +23,7 @@ from poet_opt.model.graph import TrainingGraph
 from poet_opt.model.operators import finish
 from poet_opt.model.tiling import feature_ranges
 from poet_opt.model.tiling_records import WeightSlices
-from poet_opt.model.torch_import import lower_module, resolve_module
+from poet_opt.model.torch_import import dropout_node, dropout_refusal, lower_module, resolve_module
 from poet_opt.model.torch_rows import is_row_model, row_training_graph, token_vocabulary
 
 FIELD = "--torch"  # the layers come from a torch module, as that option names it
@@ -226,12 +226,9 @@ def refuse_dropout(module, ops) -> None:
     """No backend reproduces dropout's random mask (a recompute would draw another). The whole
     lowerings refuse it where they meet it; the trace drops it as a view, so a row tiling, built
     from the trace, would train without it: refused here for every tiling."""
-    modules = dict(module.named_modules())
-    for n in _fx_nodes(ops):
-        m = modules.get(n.target) if n.op == "call_module" else None
-        if _fx_callable(n) == "dropout" or m is not None and type(m).__name__.startswith("Dropout"):
-            raise PoetError(f"node {n.name!r}: dropout, whose random mask no backend reproduces (recomputing a "
-                            "node would draw another); train the module without it", field=FIELD)
+    dropped = dropout_node(module, ops)
+    if dropped is not None:
+        raise dropout_refusal(dropped)
 
 
 def _row_network(name: str, module, ops, output: int, trainable, meta: dict, strips, budget) -> Network:

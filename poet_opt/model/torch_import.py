@@ -110,6 +110,9 @@ def import_torch(model, input_shape, *, bytes_per_element: int = 4, trainable="a
     ops, output = _lower(torch, module, shape, frozenset(known_costs))
     meta = {"source": model if isinstance(model, str) else default_name, "format": "torch.fx",
             "input_shape": list(shape), "batch_size": shape[0]}
+    dropped = dropout_node(module, ops)
+    if dropped is not None:  # planned as a view, which no backend can train as torch does (model/load.py)
+        meta["dropout"] = dropped
     return finish(name or default_name, ops.ops, output, bytes_per_element=bytes_per_element,
                   trainable=trainable, meta=meta, field=FIELD, weights=weights, optimizer=optimizer,
                   tile_bytes=tile_bytes)
@@ -305,6 +308,25 @@ def _attr_params(module, n) -> list:
 _VIEW_METHODS = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
                  "unsqueeze", "expand", "expand_as", "view_as", "reshape_as", "narrow", "chunk", "split", "unbind",
                  "detach", "clone", "float", "type_as", "to", "__getitem__", "getitem", "movedim", "swapaxes"}
+
+
+def dropout_node(module, ops) -> str | None:
+    """The first dropout of a traced module, which the graph takes as a view (its random mask has
+    no FLOPs worth counting), or None. No backend trains through it as torch does: a recompute
+    would draw another mask."""
+    modules = dict(module.named_modules())
+    origin = next(iter(ops.origins.values()), None)
+    for n in origin.graph.nodes if origin is not None else ():
+        m = modules.get(n.target) if n.op == "call_module" else None
+        if n.op in ("call_function", "call_method") and _callable_name(n) == "dropout" or \
+                m is not None and type(m).__name__.startswith("Dropout"):
+            return n.name
+    return None
+
+
+def dropout_refusal(node: str) -> PoetError:
+    return PoetError(f"node {node!r}: dropout, whose random mask no backend reproduces (recomputing a node would "
+                     "draw another); train the module without it", field=FIELD)
 
 
 def _callable_name(n) -> str:
