@@ -30,13 +30,18 @@ def _budgets(graph, costs, share, slow, storage):
                    storage_bytes=storage)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, print_blob=True)
-@given(streamed_cases(), st.integers(0, 2**32 - 1))
-def test_multipliers_on_the_boxed_model_never_bound_above_the_exhaustive_optimum(case, seed):
+def _solved(case):
+    """(graph, mode, costs, budgets, the exhaustive optimum or None when no plan fits) of a case."""
     graph, mode, share, slow, storage = case
     costs = node_costs(graph, DEVICE)
     budgets = _budgets(graph, costs, share, slow, storage)
-    optimum = _optimum(graph, costs, budgets, mode)
+    return graph, mode, costs, budgets, _optimum(graph, costs, budgets, mode)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, print_blob=True)
+@given(streamed_cases(), st.integers(0, 2**32 - 1))
+def test_multipliers_on_the_boxed_model_never_bound_above_the_exhaustive_optimum(case, seed):
+    graph, mode, costs, budgets, optimum = _solved(case)
     if optimum is None:
         return
     model = ResidencyModel(graph, costs, budgets, mode, inputs=mode != "paging")
@@ -60,10 +65,7 @@ def test_multipliers_on_the_boxed_model_never_bound_above_the_exhaustive_optimum
 @settings(max_examples=20, deadline=None, derandomize=True, print_blob=True)
 @given(streamed_cases())
 def test_past_the_lp_size_the_bound_stays_below_the_exhaustive_optimum(case):
-    graph, mode, share, slow, storage = case
-    costs = node_costs(graph, DEVICE)
-    budgets = _budgets(graph, costs, share, slow, storage)
-    optimum = _optimum(graph, costs, budgets, mode)
+    graph, mode, costs, budgets, optimum = _solved(case)
     if optimum is None:
         return
     saved = residency.LP_MAX_COLUMNS, residency.INPUTS_BUILD_S_PER_COLUMN
