@@ -17,24 +17,35 @@ from poet_opt.model.zoo import build_model
 pytest.importorskip("torch")  # skipped without torch, as these tests were in test_strips.py
 
 
-def test_resnet18_plans_on_the_nrf52840_in_strips():
+@pytest.fixture(scope="module")
+def resnet18_200k():
     """The graph `poet-opt solve --model resnet18-cifar --device nrf52840 --ram 200KiB` plans (auto
-    strips) holds every node within 200 KiB, and the start the solver keeps at that size (the
-    farthest-use paging plan) replays through the independent validator within the budget and the
-    device's RAM. The full command (3 minutes) is in docs/streaming.md, run by benchmarks/docs_check.py."""
-    from poet_opt.device.costs import node_costs
+    strips, weight slices of a quarter of the budget), built once: both tests below only read it
+    (planning, costing and replaying leave it as built)."""
     from poet_opt.device.profiles import load_profile
     from poet_opt.model.load import load_training_graph
-    from poet_opt.schedule import validator
-    from poet_opt.schedule.decisions import Budgets, build_steps, stored_param_bytes, totals_of
-    from poet_opt.schedule.document import Schedule
-    from poet_opt.solver.heuristics import farthest_use_paging
 
     profile = load_profile("nrf52840")
     budget = 200 * 1024
     graph, _ = load_training_graph("resnet18-cifar", weights="auto", device_ram_bytes=profile.memory.ram_bytes,
                                    stack_reserve_bytes=profile.memory.stack_reserve_bytes, tile_bytes=budget // 4,
                                    ram_bytes=budget)
+    return profile, graph
+
+
+def test_resnet18_plans_on_the_nrf52840_in_strips(resnet18_200k):
+    """The graph `poet-opt solve --model resnet18-cifar --device nrf52840 --ram 200KiB` plans (auto
+    strips) holds every node within 200 KiB, and the start the solver keeps at that size (the
+    farthest-use paging plan) replays through the independent validator within the budget and the
+    device's RAM. The full command (3 minutes) is in docs/streaming.md, run by benchmarks/docs_check.py."""
+    from poet_opt.device.costs import node_costs
+    from poet_opt.schedule import validator
+    from poet_opt.schedule.decisions import Budgets, build_steps, stored_param_bytes, totals_of
+    from poet_opt.schedule.document import Schedule
+    from poet_opt.solver.heuristics import farthest_use_paging
+
+    profile, graph = resnet18_200k
+    budget = 200 * 1024
     assert graph.streams_weights and graph.largest_working_set()[0] <= budget
     assert graph.meta["strips"].per_height == {"8": 4, "16": 8, "32": 16}
     costs = node_costs(graph, profile)
@@ -50,14 +61,12 @@ def test_resnet18_plans_on_the_nrf52840_in_strips():
     assert memory["fits_device"] and memory["fits_storage"] and memory["total_bytes"] <= profile.memory.ram_bytes
 
 
-def test_resnet18_slice_blocks_start_reads_fewer_weights_than_the_greedy_order():
+def test_resnet18_slice_blocks_start_reads_fewer_weights_than_the_greedy_order(resnet18_200k):
     """ResNet-18 at 200 KiB on the nRF52840 (8,223 nodes): in the order the loader gives it, each
     weight slice runs over a block of strips (model/strip_order.py). The spill plan, the start that
     stands at this size, is still found there, passes the validator's replay, and reads fewer bytes
     for less energy than in the greedy low-memory order, which reads a slice again for each strip."""
     from poet_opt.device.costs import node_costs
-    from poet_opt.device.profiles import load_profile
-    from poet_opt.model.load import load_training_graph
     from poet_opt.model.strips import low_memory
     from poet_opt.schedule import validator
     from poet_opt.schedule.decisions import build_steps, totals_of
@@ -65,11 +74,8 @@ def test_resnet18_slice_blocks_start_reads_fewer_weights_than_the_greedy_order()
     from poet_opt.solver.driver import resolve_budgets
     from poet_opt.solver.heuristics import spill_plan
 
-    profile = load_profile("nrf52840")
+    profile, graph = resnet18_200k
     budget = 200 * 1024
-    graph, _ = load_training_graph("resnet18-cifar", weights="auto", device_ram_bytes=profile.memory.ram_bytes,
-                                   stack_reserve_bytes=profile.memory.stack_reserve_bytes, tile_bytes=budget // 4,
-                                   ram_bytes=budget)
     counts = {int(h): k for h, k in graph.meta["strips"].per_height.items()}
     greedy = low_memory(build_model("resnet18-cifar", weights="streamed", tile_bytes=budget // 4, strips=counts))
     assert sorted(n.name for n in greedy.nodes) == sorted(n.name for n in graph.nodes)
