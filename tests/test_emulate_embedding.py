@@ -3,7 +3,8 @@ table rows by int32 id and update the rows of the ids seen, whole (resident or s
 row tiles (tables cut into tiles of vocabulary rows; a position table indexed by position), and
 the step on the emulated core equals one torch.optim.SGD step on the module. A batch that does
 not fit the model's input is refused as `run` refuses it (model/batch.py's check_x): one line
-naming --data, exit 2."""
+naming --data, exit 2. The library's own main() on token ids and `measure` are
+tests/test_token_ids_firmware.py."""
 
 from __future__ import annotations
 
@@ -148,69 +149,3 @@ def test_the_commands_of_docs_firmware_md_on_token_ids_run(tmp_path):
     assert_trained_like_torch(tmp_path / "ids_after.npz", summary, small_token_classifier(), tmp_path / "ids_batch.npz",
                               steps=2, lr=LR)
     print("instructions per step", summary["instructions"] / 2)
-
-
-TOKEN_HARNESS = """
-#include <stdint.h>
-#include "poet_train.h"
-
-static int32_t ids[POET_INPUT_IDS];
-static int32_t labels[POET_BATCH];
-static float logits[POET_LOGITS_FLOATS];
-__attribute__((used)) volatile int32_t test_status[4];
-
-int main(void)
-{
-    uint32_t i;
-    float loss = 0.0f;
-    poet_init();
-    for (i = 0u; i < POET_INPUT_IDS; ++i)
-        ids[i] = (int32_t)(i % POET_VOCABULARY);
-    for (i = 0u; i < POET_BATCH; ++i)
-        labels[i] = 0;
-    test_status[0] = poet_train_step(ids, labels, 0.05f, &loss);
-    ids[3] = (int32_t)POET_VOCABULARY;
-    test_status[1] = poet_train_step(ids, labels, 0.05f, &loss);
-    ids[3] = -1;
-    test_status[2] = poet_predict(ids, logits);
-    ids[3] = 0;
-    test_status[3] = poet_predict(ids, logits);
-    return 0;
-}
-"""
-
-
-def test_the_library_takes_int32_ids_and_refuses_one_outside_the_table(tmp_path):
-    """An application's own main() against poet_train.h alone: train_step and predict take
-    const int32_t *, and an id outside [0, VOCABULARY) returns E_TOKEN before anything runs."""
-    from test_firmware_library import LIBRARY, _generate
-
-    from poet_opt.firmware.build import BOARD_DIR, build_firmware
-    from poet_opt.firmware.emulator import Emulator
-    from poet_opt.firmware.trainer import KERNEL_DIR
-
-    _, _, gen, target = _generate(bag_of_words(), "nrf52840", "64KiB", tmp_path, shape=(2, 16))
-    (tmp_path / "test_harness.c").write_text(TOKEN_HARNESS)
-    firmware = build_firmware([tmp_path / "poet_train.c", tmp_path / "test_harness.c", *LIBRARY], target, tmp_path,
-                              name="ids_test", include_dirs=[tmp_path, KERNEL_DIR, BOARD_DIR],
-                              defines=target.storage_defines(), min_stack_bytes=4096)
-    emulator = Emulator(firmware)
-    try:
-        assert emulator.run().exit_code == 0
-        status = emulator.read_symbol("test_status", np.int32).tolist()
-    finally:
-        emulator.close()
-    values = {name: int(gen.header.split(f"POET_{name} = ")[1].split(",")[0].split(" ")[0])
-              for name in ("OK", "E_TOKEN")}
-    assert status == [values["OK"], values["E_TOKEN"], values["E_TOKEN"], values["OK"]]
-
-
-def test_measure_device_profiles_a_model_of_token_ids(tmp_path):
-    """`measure --device` runs one profiled step of the firmware on random ids below the table (the
-    library would refuse floats with E_TOKEN) and writes a cost per node."""
-    out = tmp_path / "costs.csv"
-    ran = cli("measure", "--device", "nrf52840", "--torch", "poet_opt.examples.torch_models:small_token_classifier",
-              "--input-shape", "1,16", "--ram", "48KiB", "--strips", "2", "-o", out)
-    assert ran.exit_code == 0, ran.stderr
-    rows = out.read_text().splitlines()
-    assert rows[0] == "name,time_s,energy_j" and any(r.startswith("embed@r0@c0") for r in rows)

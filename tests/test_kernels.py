@@ -4,9 +4,10 @@ The kernels are built for the host with zig cc under the strict flags they promi
 (-std=c99 -Wall -Wextra -Werror -pedantic), loaded with ctypes, and every forward and every
 backward is compared with torch in float64 on the same float32 inputs, so the reference carries no
 rounding of its own: the error measured is the kernel's. Backward kernels accumulate, so each
-gradient buffer starts out holding random values and must end at those plus the gradient. The same
-sources must also compile for Cortex-M4F, M7F and M0+ and reference no library the firmware link
-lacks. The largest error per operator is printed at the end of the module.
+gradient buffer starts out holding random values and must end at those plus the gradient. That the
+same sources cross-compile for every Cortex-M and reference no library the firmware link lacks is
+tests/test_kernels_cross_compile.py. The largest error per operator is printed at the end of the
+module.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from elftools.elf.elffile import ELFFile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_host import (
@@ -30,7 +30,6 @@ from kernel_host import (
 )
 from scipy import special
 
-from poet_opt.errors import PoetError
 from poet_opt.firmware import toolchain
 
 torch = pytest.importorskip("torch")
@@ -745,42 +744,3 @@ def test_adam(k):
         check("adam step weight", w, tw)
         check("adam step exp_avg", m, opt.state[tw]["exp_avg"])
         check("adam step exp_avg_sq", v, opt.state[tw]["exp_avg_sq"])
-
-
-# ---- toolchain and cross-compilation ----
-
-def symbols(obj) -> tuple[set[str], set[str]]:
-    with open(obj, "rb") as f:
-        elf = ELFFile(f)
-        assert elf["e_machine"] == "EM_ARM"
-        table = elf.get_section_by_name(".symtab")
-        names = [(s.name, s["st_shndx"]) for s in table.iter_symbols() if s.name]
-    return {n for n, ndx in names if ndx != "SHN_UNDEF"}, {n for n, ndx in names if ndx == "SHN_UNDEF"}
-
-
-@pytest.mark.parametrize("cpu", sorted(toolchain.CPU_FLAGS))
-def test_kernels_cross_compile_without_libraries(tmp_path, cpu):
-    """With an FPU, the kernels need nothing at link time: no libm, no libc (no memset/memcpy a
-    loop could have become), no double-precision helpers. Without one (M0, M0+, and the M3, M4
-    and M7 built soft-float) every float operation is a compiler-rt __aeabi_* call, which zig
-    links into any image; nothing else may be missing."""
-    defined, undefined = set(), set()
-    for obj in toolchain.compile_objects(cpu, tmp_path):
-        d, u = symbols(obj)
-        defined |= d
-        undefined |= u
-    missing = undefined - defined
-    assert "poet_conv2d_forward" in defined and "poet_adam_step" in defined
-    if not toolchain.hard_float(cpu):
-        assert all(s.startswith("__aeabi_") for s in missing), sorted(missing)
-        assert not [s for s in missing if s.startswith("__aeabi_d")], "double arithmetic crept in"
-    else:
-        assert not missing, sorted(missing)
-
-
-def test_toolchain_errors(monkeypatch):
-    with pytest.raises(PoetError, match="cortex-m4f"):
-        toolchain.cpu_flags("cortex-a53")
-    monkeypatch.setattr(toolchain.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(PoetError, match="ziglang"):
-        toolchain.zig_cc()

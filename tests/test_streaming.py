@@ -157,7 +157,7 @@ def test_the_summary_reports_traffic_and_lifetime():
     (["--model", "bert-base", "--device", "stm32f746", "--ram", "300KiB", "--weights", "streamed"],
      "MiB on storage (each slice's in whole erase blocks of 64 KiB), more than stm32f746's 16 MiB"),
     # sliced weights fit; the 32x32x64 activations of layer1 do not unless split into strips
-    # (tests/test_strips.py plans them with the default --strips auto)
+    # (tests/test_strips_resnet18.py plans them with the default --strips auto)
     (["--model", "resnet18-cifar", "--device", "nrf52840", "--ram", "200KiB", "--weights", "streamed", "--strips",
       "off"], "computing grad:layer1.0.relu2 holds its inputs, weights and output, 1.13 MiB"),
     (["--model", "resnet18-cifar", "--device", "nrf52840", "--ram", "200KiB", "--strips", "off"],

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from poet_opt.model.strips import fit_strips, partition
+from poet_opt.model.strips import partition
 from poet_opt.model.tiling_records import receptive, touching
 from poet_opt.model.zoo import _Net, build_model, training_graph
 
@@ -327,78 +327,6 @@ def test_executors_refuse_a_strip_plan_in_one_line(vww_strip_plan, tmp_path):
         codegen.generate(network, doc, None, None, steps=1, lr=0.1, x=None, y=None)
 
 
-def test_resnet18_plans_on_the_nrf52840_in_strips():
-    """The graph `poet-opt solve --model resnet18-cifar --device nrf52840 --ram 200KiB` plans (auto
-    strips) holds every node within 200 KiB, and the start the solver keeps at that size (the
-    farthest-use paging plan) replays through the independent validator within the budget and the
-    device's RAM. The full command (3 minutes) is in docs/streaming.md, run by benchmarks/docs_check.py."""
-    from poet_opt.device.costs import node_costs
-    from poet_opt.device.profiles import load_profile
-    from poet_opt.model.load import load_training_graph
-    from poet_opt.schedule import validator
-    from poet_opt.schedule.decisions import Budgets, build_steps, stored_param_bytes, totals_of
-    from poet_opt.schedule.document import Schedule
-    from poet_opt.solver.heuristics import farthest_use_paging
-
-    profile = load_profile("nrf52840")
-    budget = 200 * 1024
-    graph, _ = load_training_graph("resnet18-cifar", weights="auto", device_ram_bytes=profile.memory.ram_bytes,
-                                   stack_reserve_bytes=profile.memory.stack_reserve_bytes, tile_bytes=budget // 4,
-                                   ram_bytes=budget)
-    assert graph.streams_weights and graph.largest_working_set()[0] <= budget
-    assert graph.meta["strips"].per_height == {"8": 4, "16": 8, "32": 16}
-    costs = node_costs(graph, profile)
-    budgets = Budgets(budget, float("inf"), profile.storage.capacity_bytes - stored_param_bytes(graph, profile.storage))
-    decisions = farthest_use_paging(graph, budgets)
-    steps = build_steps(graph, decisions)
-    plan = Schedule(model=graph.name, mode="joint", graph=graph, profile=profile, costs=costs, budgets=budgets,
-                    decisions=decisions, steps=steps, totals=totals_of(graph, costs, steps), plain={}, solver={})
-    doc = plan.to_dict()
-    validator.replay(doc)
-    memory = plan.memory()
-    assert doc["totals"]["peak_ram_bytes"] <= budget
-    assert memory["fits_device"] and memory["fits_storage"] and memory["total_bytes"] <= profile.memory.ram_bytes
-
-
-def test_resnet18_slice_blocks_start_reads_fewer_weights_than_the_greedy_order():
-    """ResNet-18 at 200 KiB on the nRF52840 (8,223 nodes): in the order the loader gives it, each
-    weight slice runs over a block of strips (model/strip_order.py). The spill plan, the start that
-    stands at this size, is still found there, passes the validator's replay, and reads fewer bytes
-    for less energy than in the greedy low-memory order, which reads a slice again for each strip."""
-    from poet_opt.device.costs import node_costs
-    from poet_opt.device.profiles import load_profile
-    from poet_opt.model.load import load_training_graph
-    from poet_opt.model.strips import low_memory
-    from poet_opt.schedule import validator
-    from poet_opt.schedule.decisions import build_steps, totals_of
-    from poet_opt.schedule.document import Schedule
-    from poet_opt.solver.driver import resolve_budgets
-    from poet_opt.solver.heuristics import spill_plan
-
-    profile = load_profile("nrf52840")
-    budget = 200 * 1024
-    graph, _ = load_training_graph("resnet18-cifar", weights="auto", device_ram_bytes=profile.memory.ram_bytes,
-                                   stack_reserve_bytes=profile.memory.stack_reserve_bytes, tile_bytes=budget // 4,
-                                   ram_bytes=budget)
-    counts = {int(h): k for h, k in graph.meta["strips"].per_height.items()}
-    greedy = low_memory(build_model("resnet18-cifar", weights="streamed", tile_bytes=budget // 4, strips=counts))
-    assert sorted(n.name for n in greedy.nodes) == sorted(n.name for n in graph.nodes)
-    totals = {}
-    for label, g in (("greedy", greedy), ("blocks", graph)):
-        costs = node_costs(g, profile)
-        budgets = resolve_budgets(g, profile, costs, budget)
-        decisions = spill_plan(g, costs, budgets)
-        assert decisions is not None, label
-        steps = build_steps(g, decisions)
-        totals[label] = totals_of(g, costs, steps)
-    plan = Schedule(model=graph.name, mode="joint", graph=graph, profile=profile, costs=costs, budgets=budgets,
-                    decisions=decisions, steps=steps, totals=totals["blocks"], plain={}, solver={})
-    validator.replay(plan.to_dict())
-    assert totals["blocks"]["peak_ram_bytes"] <= budget
-    assert totals["blocks"]["storage_read_bytes"] < totals["greedy"]["storage_read_bytes"]
-    assert totals["blocks"]["energy_j"] < totals["greedy"]["energy_j"]
-
-
 def test_the_strip_plan_trains_as_pytorch_sgd(vww_strip_plan):
     """The PyTorch execution of the solved plan itself (its recomputes, page-outs, page-ins and
     frees, each compute on resident tensors only) trains mcu-vww in strips for two SGD steps with
@@ -427,21 +355,6 @@ def test_the_strip_plan_trains_as_pytorch_sgd(vww_strip_plan):
     for name, layer in params.items():
         for role, p in layer.items():
             _close(mine[name][role], p.detach(), f"{name}.{role} after two steps")
-
-
-def test_a_budget_no_strips_reach_is_refused_after_one_finest_build():
-    """resnet18-cifar at 40 KiB: even one-row strips leave a node over the budget, which one build
-    of the finest strips shows; the doubling search built the graph 15 times (20 s) to find that."""
-    budget = 40 * 1024
-    built = []
-
-    def build(counts):
-        built.append(dict(counts))
-        return build_model("resnet18-cifar", weights="streamed", tile_bytes=budget // 4, strips=counts)
-
-    graph = fit_strips(build, budget)
-    assert graph.largest_working_set()[0] > budget
-    assert built == [{}, {32: 32, 16: 16, 8: 8, 4: 4}]
 
 
 def test_solve_splits_a_torch_cnn_into_the_strips_emulate_trains(tmp_path):
