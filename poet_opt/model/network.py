@@ -211,10 +211,10 @@ def rows_only(model, input_shape, graph: TrainingGraph, *, trainable="all",
     nodes = graph.nodes
     if not any(n.op == "matmul" for n in nodes) or any(n.op == "conv2d" for n in nodes):
         return None
-    module, _ = resolve_module(model)
-    refuse_dropout(module, lower_module(module, input_shape)[0])  # row tiles cannot run it either
+    if graph.meta.get("dropout"):  # recorded by the import: row tiles cannot run it either
+        raise dropout_refusal(graph.meta["dropout"])
     try:
-        lower_network(module, input_shape, trainable=trainable, views=not streamed,
+        lower_network(model, input_shape, trainable=trainable, views=not streamed,
                       weights="streamed" if streamed else "resident")
     except PoetError as exc:
         what = "no backend runs it whole" + (" with streamed weights" if streamed else "")
