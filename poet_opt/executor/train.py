@@ -21,6 +21,7 @@ from poet_opt.model.batch import check_batch, check_x, divergence, finite_or_non
 from poet_opt.model.load import strips_value
 from poet_opt.model.network import NO_KERNEL, Network, lower_network, rows_only
 from poet_opt.model.operators import parse_full_shape
+from poet_opt.model.torch_rows import tokens_in_rows
 from poet_opt.schedule.fit import check_ram_within_device
 
 
@@ -116,10 +117,10 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
     if x is not None:  # features or token ids, as the model reads them: before a row graph is built
         check_x(x, resident.vocabulary if resident is not None else _vocabulary(module, input_shape))
     # a transformer no backend runs whole goes into row tiles under --strips auto, as solve plans it
-    in_rows = resident is None and _transformer(plain) and strips == "auto" and weights != "resident"
+    in_rows = resident is None and tokens_in_rows(plain.nodes) and strips == "auto" and weights != "resident"
     if weights == "resident" or weights == "auto" and not in_rows and not needs_streaming(
             plain, device_ram_bytes, stack_reserve_bytes, ram_bytes):
-        if resident is None and _transformer(plain) and strips != "off":
+        if resident is None and tokens_in_rows(plain.nodes) and strips != "off":
             raise PoetError(f"{unrunnable.message}; in row tiles it runs: give --weights auto or streamed",
                             field="--weights") from None
         if resident is None:
@@ -131,7 +132,7 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
         room = device_ram_bytes - stack_reserve_bytes
         budget = room if budget is None else min(budget, room)
     shape = parse_full_shape(input_shape)
-    if _transformer(plain):
+    if tokens_in_rows(plain.nodes):
         return _row_network(module, shape, resident, name=name, trainable=trainable, weights=weights, strips=strips,
                             tile=tile, budget=budget, device_ram_bytes=device_ram_bytes,
                             stack_reserve_bytes=stack_reserve_bytes)
@@ -172,11 +173,6 @@ def lower_for_run(torch_model, input_shape, *, trainable="all", weights="auto", 
 
     check_runnable(streamed)  # before a solve: a layer the strip replay cannot run
     return streamed
-
-
-def _transformer(graph) -> bool:
-    """A graph the row builder tiles by tokens: attention products and no convolution (model/load.py)."""
-    return any(n.op == "matmul" for n in graph.nodes) and not any(n.op == "conv2d" for n in graph.nodes)
 
 
 def _vocabulary(module, input_shape) -> int | None:

@@ -17,6 +17,7 @@ from dataclasses import replace
 from poet_opt.errors import PoetError
 from poet_opt.model.load import default_tile_bytes, needs_streaming, strips_value, weights_for_strips
 from poet_opt.model.network import Network, lower_network, rows_only
+from poet_opt.model.torch_rows import tokens_in_rows
 from poet_opt.units import parse_size
 
 STACK_BYTES = 4096  # the kernels keep a few words each; the emulator measures the real depth
@@ -105,8 +106,7 @@ def _wants_rows(graph, profile, strips) -> bool:
     node too large for the device whole."""
     nodes = graph.nodes
     too_big = graph.largest_working_set()[0] + STACK_BYTES > profile.memory.ram_bytes
-    return strips != "off" and (too_big or strips != "auto") and not any(n.op == "conv2d" for n in nodes) and \
-        any(n.op == "matmul" for n in nodes)
+    return strips != "off" and (too_big or strips != "auto") and tokens_in_rows(nodes)
 
 
 def _with_rows(module, shape, profile, ram, strips, *, trainable, name, weights) -> Network:

@@ -220,9 +220,11 @@ def _torch_striped(graph: TrainingGraph, spec: str, input_shape, trainable, stri
     goes into row blocks under "auto" whatever its size). A torch transformer's tokens go into row blocks
     the same way, as `poet-opt run` lowers it. Unchanged when neither can help, so that the
     working-set check says what does not fit."""
+    from poet_opt.model.torch_rows import tokens_in_rows
+
     too_big = device_ram_bytes is not None and graph.largest_working_set()[0] + stack_reserve_bytes > device_ram_bytes
     convolutions = any(n.op == "conv2d" for n in graph.nodes)
-    transformer = not convolutions and any(n.op == "matmul" for n in graph.nodes)  # row tiles (model/torch_rows.py)
+    transformer = tokens_in_rows(graph.nodes)  # row tiles (model/torch_rows.py)
     if strips == "auto" and not (too_big or rows) or not (convolutions or transformer):
         return graph
     if bytes_per_element != 4:

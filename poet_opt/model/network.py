@@ -24,7 +24,7 @@ from poet_opt.model.operators import finish
 from poet_opt.model.tiling import feature_ranges
 from poet_opt.model.tiling_records import WeightSlices
 from poet_opt.model.torch_import import dropout_node, dropout_refusal, lower_module, resolve_module
-from poet_opt.model.torch_rows import is_row_model, row_training_graph, token_vocabulary
+from poet_opt.model.torch_rows import is_row_model, row_training_graph, token_vocabulary, tokens_in_rows
 
 FIELD = "--torch"  # the layers come from a torch module, as that option names it
 
@@ -208,8 +208,7 @@ def rows_only(model, input_shape, graph: TrainingGraph, *, trainable="all",
     command then tiles its tokens under --strips auto (model/load.py, executor/train.py,
     firmware/lowering.py). None for a module that runs whole, or whose ``graph`` (its import) is no
     transformer."""
-    nodes = graph.nodes
-    if not any(n.op == "matmul" for n in nodes) or any(n.op == "conv2d" for n in nodes):
+    if not tokens_in_rows(graph.nodes):
         return None
     if graph.meta.get("dropout"):  # recorded by the import: row tiles cannot run it either
         raise dropout_refusal(graph.meta["dropout"])

@@ -26,7 +26,13 @@ FIELD = "--strips"
 
 def is_row_model(ops) -> bool:
     """A traced module that row tiles are for: attention by matrix products, no convolution."""
-    return any(o.op == "matmul" for o in ops.ops) and not any(o.op == "conv2d" for o in ops.ops)
+    return tokens_in_rows(ops.ops)
+
+
+def tokens_in_rows(nodes) -> bool:
+    """Operators (traced ops or a graph's nodes) that row tiles are for: attention by matrix
+    products, no convolution. Every command asks this of a --torch module the same way."""
+    return any(o.op == "matmul" for o in nodes) and not any(o.op == "conv2d" for o in nodes)
 
 
 def row_ops(module, ops, output: int):
