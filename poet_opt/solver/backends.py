@@ -545,17 +545,22 @@ class Heartbeat:
     call nothing back (heuristics, building a MILP, a restricted MILP) still show that the solve is
     alive, and a solve that ends within its first seconds says nothing (an error stays one line).
     A solver that reports for itself reports through ``relay()``: on the same clock, and the
-    heartbeat keeps quiet while it speaks (HiGHS's presolve can call nothing back for minutes)."""
+    heartbeat keeps quiet while it speaks (HiGHS's presolve can call nothing back for minutes).
+    It shows the least energy of the plans a phase was given (a plan of any order is a plan); never
+    a bound, which holds for one execution order and is said with it in the summary."""
 
     def __init__(self, progress: Optional[Callable[[Progress], None]]):
         self._progress = progress
         self._name: Optional[str] = None
+        self._incumbent: Optional[float] = None
         self._began = self._said = time.perf_counter()
         self._done = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    def phase(self, name: Optional[str]) -> None:
+    def phase(self, name: Optional[str], incumbent: Optional[float] = None) -> None:
         self._name = name
+        if incumbent is not None and (self._incumbent is None or incumbent < self._incumbent):
+            self._incumbent = incumbent
 
     def relay(self) -> Optional[Callable[[Progress], None]]:
         """A progress callback for a solver that counts from its own start, from now on."""
@@ -573,7 +578,7 @@ class Heartbeat:
             now, name = time.perf_counter(), self._name
             if name is not None and now - self._said >= HEARTBEAT_S:
                 self._said = now
-                self._progress(Progress(now - self._began, None, None, None, name))
+                self._progress(Progress(now - self._began, self._incumbent, None, None, name))
 
     def __enter__(self) -> "Heartbeat":
         if self._progress is not None:

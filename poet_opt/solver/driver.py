@@ -389,7 +389,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
             limit = min(time_limit * (0.3 if graph.streams_weights else 0.65), 0.7 * left)
         if time_limit is not None:  # what the heuristics left
             limit = max(0.05, min(limit, 0.9 * left))
-        phase("restricted (gap) MILP")
+        phase("restricted (gap) MILP", cheapest)
         search = searched_plan if skip_full and not graph.streams_weights else gap_milp_plan
         best = search(graph, costs, budgets, mode, time_limit=limit, threads=threads, first_share=first)
         if best is not None and not candidates:
@@ -415,7 +415,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
     early = skip_full and bool(candidates) and backend == "highs" and time_limit is not None and mode != "none" \
         and graph.streams_weights and len(graph) > BOUND_FIRST_MAX_NODES and not proven_by_floor
     if early and not interrupted():  # the window search first: the bound needs what it leaves (solver/lns.py)
-        phase("window search")
+        phase("window search", _energy(graph, costs, candidates[0]))
         candidates, note = window_search(graph, costs, budgets, mode, candidates, share=EARLY_SHARE,
                                          deadline=began + time_limit - 2 * reserve, settle=True, fits=fits,
                                          threads=threads, progress=phase, stop_at=floor * (1 + gap))
@@ -436,13 +436,13 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
             limit = share * left if skip_full else min(WINDOW_BOUND_SHARE * time_limit, 0.9 * left)
         residency, started = None, time.perf_counter()
         if limit > 0.1 and graph.streams_weights:
-            phase("residency bound")  # streamed weights: every stage's reads and returns (residency.py)
+            phase("residency bound", best_start)  # streamed weights: each stage's reads and returns (residency.py)
             share = RESIDENCY_SHARE if len(graph) <= BOUND_FIRST_MAX_NODES else RESIDENCY_SHARE_LARGE
             residency = residency_bound(graph, costs, budgets, mode, time_limit=share * limit,
                                         threads=threads, stop_at=best_start * (1 - gap), upper=best_start)
             limit -= time.perf_counter() - started
         if limit > 0.1 and (residency is None or residency.bound < best_start * (1 - gap)):
-            phase("window bound")
+            phase("window bound", best_start)
             until, chained = time.perf_counter() + limit, skip_full and not graph.streams_weights
             window = window_bound(graph, costs, budgets, mode, time_limit=limit * (0.1 if chained else 1),
                                   threads=threads, stop_at=best_start * (1 - gap))
@@ -456,7 +456,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
             skip_full, full_note = True, "not needed: the best start is within the gap of the window bound"
     if skip_full and candidates and backend == "highs" and time_limit is not None and not early and \
             not full_note.startswith("not needed") and not interrupted():  # exact windows, the rest fixed (lns.py)
-        phase("window search")
+        phase("window search", _energy(graph, costs, candidates[0]))
         candidates, note = window_search(graph, costs, budgets, mode, candidates, fits=fits, threads=threads,
                                          deadline=began + time_limit - 2 * reserve, progress=phase,
                                          stop_at=(floor if window is None else window.bound) * (1 + gap))
@@ -491,7 +491,7 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                 not _builds_in_time(full_decisions, time_limit - (time.perf_counter() - began)):
             break  # no time to build the tightened MILP: the heuristic plans below stand
         started = time.perf_counter()
-        phase("building the full MILP")
+        phase("building the full MILP", head)
         form = Formulation(graph, costs, budgets, mode, runtime_margin=margin, cost_cap=cost_cap)
         build_s = time.perf_counter() - started
         mip_start = next((x for x in map(form.encode, candidates) if x is not None), None)

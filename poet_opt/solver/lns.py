@@ -139,7 +139,7 @@ def window_tensors(graph: TrainingGraph, plan: Decisions, a: int, b: int, *, dep
 
 def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, plan: Decisions, *,
             deadline: float, threads: Optional[int] = None, stop_at: float = 0.0, settle: bool = False,
-            progress: Optional[Callable[[str], None]] = None) -> tuple[Decisions, dict]:
+            progress: Optional[Callable[..., None]] = None) -> tuple[Decisions, dict]:
     """The plan, improved by window re-optimisation until ``deadline`` (time.perf_counter()) or until
     its energy reaches ``stop_at`` (or with ``settle``, until no window has improved it for half the
     time spent, at least SETTLE_S); and what the search did (windows solved, improved, joules saved)."""
@@ -194,7 +194,7 @@ def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
                 plan, energy, found, last_gain = candidate, new, True, time.perf_counter()
                 stats["improved"] += 1
                 if progress:
-                    progress(f"window search: stages {a}-{b}, {energy:.6g} J")
+                    progress(f"window search: stages {a}-{b}", energy)
         if not found:
             if too_large == len(tried) and width > 2:
                 width //= 2  # every window too large to build: narrower ones
@@ -209,7 +209,7 @@ def improve(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str,
 def search(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, candidates: list[Decisions], *,
            deadline: float, fits: Callable[[Decisions], bool], share: float = 1.0, threads: Optional[int] = None,
            stop_at: float = 0.0, settle: bool = False,
-           progress: Optional[Callable[[str], None]] = None) -> tuple[list[Decisions], str]:
+           progress: Optional[Callable[..., None]] = None) -> tuple[list[Decisions], str]:
     """improve() on the best of the candidates (cheapest first), for ``share`` of the time up to
     ``deadline``: the candidates with its plan in front when it is cheaper and ``fits`` (the caller's
     replay of the whole plan) accepts it, and what the search did, for the solver's note."""
