@@ -75,6 +75,7 @@ PROTOTYPES = {
     "poet_conv2d_shape_ok": (C.c_int, [CONV]),
     "poet_conv2d_forward": (None, [F, F, F, F, CONV]),
     "poet_conv2d_backward_input": (None, [F, F, F, CONV]),
+    "poet_conv2d_backward_input_set": (None, [F, F, F, CONV]),
     "poet_conv2d_backward_params": (None, [F, F, F, F, CONV]),
     "poet_pool2d_shape_ok": (C.c_int, [POOL]),
     "poet_maxpool2d_forward": (None, [F, F, POOL]),
