@@ -7,9 +7,10 @@ mcu-vww's layers, ResNet-18 (CIFAR) strip convolutions as poet-opt's strips cut 
 stage plus their halo, padded along W only), and a transformer block's linear layers at d=256,
 FFN 1024. "before" builds the same harness against the kernels of ``--before REV``
 (``git show REV:poet_opt/firmware/kernels/...``); the kernels' C signatures are the same in both.
-``backward_input_set`` (depthwise shapes) is a gradient buffer's first contribution, dx = the data
-gradient: ``poet_conv2d_backward_input_set`` where the kernels have it, else what the generator
-emitted before it, ``poet_zero`` and the accumulating kernel.
+``backward_input_set`` (depthwise shapes, the one-row head) is a gradient buffer's first
+contribution, dx = the data gradient: ``poet_conv2d_backward_input_set`` (``poet_linear_...``)
+where the kernels have it, else what the generator emitted before it, ``poet_zero`` and the
+accumulating kernel.
 
     python benchmarks/kernels.py                         # M4F, before = main, the markdown table
     python benchmarks/kernels.py --cores cortex-m4f cortex-m7f --before main --only linear
@@ -71,6 +72,11 @@ int main(void)
         case 11: poet_linear_backward_input(g, y, w, rows, in, out); break;
         case 12: poet_linear_backward_params(g, gb, y, x, rows, in, out); break;
         case 13: poet_linear_backward_params_sgd(w, b, y, x, rows, in, out, 1e-3f); break;
+#ifdef POET_LINEAR_BACKWARD_INPUT_SET
+        case 14: poet_linear_backward_input_set(g, y, w, rows, in, out); break;
+#else
+        case 14: poet_zero(g, nx); poet_linear_backward_input(g, y, w, rows, in, out); break;
+#endif
         default: return 1;
         }
     return 0;
@@ -222,8 +228,9 @@ def main() -> None:
                 if args.only not in shape.name:
                     continue
                 for kernel in args.kernels:
-                    if kernel == "backward_input_set" and not (isinstance(shape, Conv) and shape.depthwise()):
-                        continue  # a depthwise layer's own walk; the others zero dx and add (dx +=)
+                    if kernel == "backward_input_set" and not (shape.depthwise() if isinstance(shape, Conv)
+                                                               else shape.rows == 1 and shape.d_out <= 4):
+                        continue  # a depthwise layer's, a head's own; the others zero dx and add (dx +=)
                     row = {}
                     for when in ("before", "after"):
                         if (when, core) not in builds:

@@ -59,6 +59,7 @@ PROTOTYPES = {
     "poet_tanh_backward": (None, [F, F, F, U]),
     "poet_linear_forward": (None, [F, F, F, F, U, U, U]),
     "poet_linear_backward_input": (None, [F, F, F, U, U, U]),
+    "poet_linear_backward_input_set": (None, [F, F, F, U, U, U]),
     "poet_linear_backward_params": (None, [F, F, F, F, U, U, U]),
     "poet_matmul_forward": (None, [F, F, F, U, U, U, U]),
     "poet_matmul_backward_a": (None, [F, F, F, U, U, U, U]),

@@ -529,7 +529,8 @@ def test_layernorm(k, shape, affine):
 @pytest.mark.parametrize("x_shape,out,bias", [((5, 7), 3, True), ((2, 3, 8), 6, False), ((1, 33), 10, True),
                                               ((9, 13), 11, True), ((8, 16), 8, False), ((3, 2, 6), 5, True),
                                               ((1, 7), 3, False), ((1, 9), 1, True), ((1, 6), 2, True),
-                                              ((1, 13), 4, False)])
+                                              ((1, 13), 4, False), ((1, 64), 2, True), ((1, 1), 2, False),
+                                              ((1, 3), 5, True)])
 def test_linear(k, x_shape, out, bias):
     rng = np.random.default_rng(12)
     d_in = x_shape[-1]
@@ -548,6 +549,9 @@ def test_linear(k, x_shape, out, bias):
     dx = dx0.copy()
     k.linear_backward_input(ptr(dx), ptr(dy), ptr(w), rows, d_in, out)
     check("linear backward input", dx, dx0 + grad_of(tx))
+    dx = np.full(x.shape, np.nan, np.float32)  # written (dx =): an element left unwritten shows
+    k.linear_backward_input_set(ptr(dx), ptr(dy), ptr(w), rows, d_in, out)
+    check("linear backward input (dx =)", dx, grad_of(tx))
     gw0, gb0 = rand(rng, out, d_in), rand(rng, out)
     gw, gb = gw0.copy(), gb0.copy()
     k.linear_backward_params(ptr(gw), ptr(gb) if bias else None, ptr(dy), ptr(x), rows, d_in, out)

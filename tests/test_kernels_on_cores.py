@@ -38,6 +38,7 @@ int main(void)
     } else {
         poet_linear_forward(y, x, w, b, dims[0], dims[1], dims[2]);
         poet_linear_backward_input(dx, dy, w, dims[0], dims[1], dims[2]);
+        poet_linear_backward_input_set(dx_set, dy, w, dims[0], dims[1], dims[2]);
         poet_linear_backward_params(gw, gb, dy, x, dims[0], dims[1], dims[2]);
     }
     return 0;
@@ -161,9 +162,11 @@ def test_linear_on_the_core_equals_torch(builds, core, rows, d_in, d_out):
     out = run(builds(core), 1, {"x": x.detach().numpy().astype(np.float32).ravel(),
                                 "w": w.detach().numpy().astype(np.float32).ravel(),
                                 "b": b.detach().numpy().astype(np.float32), "dy": dy.numpy().astype(np.float32).ravel(),
-                                "dx": zeros, "gw": zeros, "gb": zeros[:64]},
+                                "dx": zeros, "gw": zeros, "gb": zeros[:64],
+                                "dx_set": np.full(2048, np.nan, np.float32)},
               dims=np.array([rows, d_in, d_out], np.uint32))
     close(out["y"], y)
     close(out["dx"], x.grad)
+    close(out["dx_set"], x.grad)
     close(out["gw"], w.grad)
     close(out["gb"], b.grad)

@@ -6,7 +6,8 @@ The training graph's semantics (poet_opt.model.zoo) decide what a node computes:
 
 - a forward node runs its layer's kernel;
 - ``grad:f`` is the gradient of the loss with respect to f's output: zeroed, then one contribution
-  per user u of f (a convolution's first contribution writes the buffer instead, with no zeroing) (the data gradient back through u, which reads grad:u and what u saved), plus the
+  per user u of f (a convolution's or linear layer's first contribution writes the buffer instead,
+  with no zeroing) (the data gradient back through u, which reads grad:u and what u saved), plus the
   softmax cross-entropy gradient when f is the logits; and when f has trainable weights, their
   gradients, which read f's inputs.
 
@@ -512,12 +513,12 @@ class StepWriter:
             if partial:  # the sum so far, from the partial node before this one
                 lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
                              f"{layer.elements}u);")
-            elif not loss and terms and terms[0][0].op == "conv2d":
+            elif not loss and terms and terms[0][0].op in ("conv2d", "linear"):
                 # the first term writes the buffer (dx =): no zeroing, and a depthwise layer's walk
-                # neither loads nor zeroes dx
+                # or a classifier head's row neither loads nor zeroes dx
                 user, which = terms.pop(0)
-                lines.append(self.data_gradient(user, which, out, ops, f).replace(
-                    "poet_conv2d_backward_input(", "poet_conv2d_backward_input_set(", 1))
+                kernel = f"poet_{user.op}_backward_input("
+                lines.append(self.data_gradient(user, which, out, ops, f).replace(kernel, kernel[:-1] + "_set(", 1))
             else:
                 lines.append(f"poet_zero({out}, {layer.elements}u);")
             if loss:
