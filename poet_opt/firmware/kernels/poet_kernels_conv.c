@@ -1017,24 +1017,6 @@ POET_OUTLINE void depthwise3_grad_s2(float *g, const float *dy, const float *x, 
     depthwise3_grad(g, dy, x, s, co, 2, 1);
 }
 
-/* A whole depthwise layer at stride 1 in one call: its planes are small (mcu-vww's 6x6 and 3x3),
- * and two calls a channel cost a tenth of their multiply-adds. gw += g (sgd 0), or w -= lr g. */
-POET_OUTLINE void depthwise3_grad_layer_s1(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
-                                           float lr, int sgd)
-{
-    uint32_t c, k;
-    for (c = 0; c < s->c_out; ++c) {
-        float g[9], *at = gw + c * 9;
-        depthwise3_grad(g, dy, x, s, c, 1, 1);
-        for (k = 0; k < 9; ++k) {
-            if (sgd)
-                at[k] -= lr * g[k];
-            else
-                at[k] += g[k];
-        }
-    }
-}
-
 POET_OUTLINE void depthwise3_grad_s1_x2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
                                         uint32_t co)
 {
@@ -1060,12 +1042,6 @@ POET_INLINE void forward_channel3(float *y, const float *x, const float *w, cons
         /* one input channel a group: channel co reads input channel co / (c_out / groups) */
         depthwise3_rows(y + (n * s->c_out + co) * out_plane, x + (n * s->c_in + co / cout_g) * in_plane, w + co * 9,
                         b ? b + co : b, s, SW, 0, CO);
-}
-
-POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
-                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co, uint32_t count)
-{
-    forward_channel3(y, x, w, b, s, n, co, count, 1, 1);
 }
 
 /* at stride 2 a call a channel: the planes are larger, and the loop over channels costs the row
@@ -1313,10 +1289,6 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
     const uint32_t cout_g = s->c_out / s->groups, cin_g = s->c_in / s->groups;
     uint32_t n, g, co;
     for (n = 0; n < s->n; ++n) {
-        if (KH == 3 && SW == 1 && cin_g == 1 && cout_g == 1) { /* depthwise: the layer in one call */
-            forward_channel3_s1(y, x, w, b, s, n, 0, s->c_out);
-            continue;
-        }
         for (g = 0; g < s->groups; ++g) {
             co = 0;
 #ifndef POET_KERNELS_SMALL
@@ -1335,9 +1307,9 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
                 else
                     forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
-                if (KH == 3 && SW == 1 && cin_g == 1) /* one input channel: the depthwise walk */
-                    forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co, 1);
-                else if (KH == 3 && SW == 2 && cin_g == 1)
+                /* (a depthwise layer at stride 1 takes the column strips, dwc_layer_ok: the shapes
+                 * they leave, no zoo layer's, the general tile) */
+                if (KH == 3 && SW == 2 && cin_g == 1)
                     forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
                 else /* the odd channel left over after tiles of 4 */
                     forward_one_channel(y, x, w, b, s, n, g * cout_g + co);
@@ -1985,7 +1957,7 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
 #ifndef POET_KERNELS_SMALL
-    /* (stride 1 takes depthwise3_grad_layer_s1, the whole layer in one call) */
+    /* (stride 1 takes the column strips, dwc_layer_ok; the shapes they leave, this) */
     if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && sw == 2) {
         float g[9], *at = gw + co * 9; /* one input channel, 3x3: channel co's nine weights */
         depthwise3_grad_s2(g, dy, x, s, co);
@@ -2055,11 +2027,6 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
             dwc_grad_s2(gw, dy, x, s, lr, sgd);
         else
             dwc_grad_s2_p0(gw, dy, x, s, lr, sgd);
-        return;
-    }
-    if (cin_g == 1 && cout_g == 1 && s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->w_in >= 3 &&
-        s->stride_w == 1) {
-        depthwise3_grad_layer_s1(gw, dy, x, s, lr, sgd);
         return;
     }
 #endif
