@@ -7,6 +7,10 @@ mcu-vww's layers, ResNet-18 (CIFAR) strip convolutions as poet-opt's strips cut 
 stage plus their halo, padded along W only), and a transformer block's linear layers at d=256,
 FFN 1024. "before" builds the same harness against the kernels of ``--before REV``
 (``git show REV:poet_opt/firmware/kernels/...``); the kernels' C signatures are the same in both.
+``backward_input_set`` (depthwise shapes, the one-row head) is a gradient buffer's first
+contribution, dx = the data gradient: ``poet_conv2d_backward_input_set`` (``poet_linear_...``)
+where the kernels have it, else what the generator emitted before it, ``poet_zero`` and the
+accumulating kernel.
 
     python benchmarks/kernels.py                         # M4F, before = main, the markdown table
     python benchmarks/kernels.py --cores cortex-m4f cortex-m7f --before main --only linear
@@ -57,17 +61,29 @@ int main(void)
         case 1: poet_conv2d_backward_input(g, y, w, &cs); break;
         case 2: poet_conv2d_backward_params(g, NULL, y, x, &cs); break;
         case 3: poet_conv2d_backward_params_sgd(w, NULL, y, x, &cs, 1e-3f); break;
+        /* a gradient buffer's first contribution: dx = the data gradient. Kernels without
+         * poet_conv2d_backward_input_set (before it) take what the generator emitted then. */
+#ifdef POET_CONV2D_BACKWARD_INPUT_SET
+        case 4: poet_conv2d_backward_input_set(g, y, w, &cs); break;
+#else
+        case 4: poet_zero(g, nx); poet_conv2d_backward_input(g, y, w, &cs); break;
+#endif
         case 10: poet_linear_forward(y, x, w, b, rows, in, out); break;
         case 11: poet_linear_backward_input(g, y, w, rows, in, out); break;
         case 12: poet_linear_backward_params(g, gb, y, x, rows, in, out); break;
         case 13: poet_linear_backward_params_sgd(w, b, y, x, rows, in, out, 1e-3f); break;
+#ifdef POET_LINEAR_BACKWARD_INPUT_SET
+        case 14: poet_linear_backward_input_set(g, y, w, rows, in, out); break;
+#else
+        case 14: poet_zero(g, nx); poet_linear_backward_input(g, y, w, rows, in, out); break;
+#endif
         default: return 1;
         }
     return 0;
 }
 """
 
-KERNELS = {"forward": 0, "backward_input": 1, "backward_params": 2, "backward_params_sgd": 3}
+KERNELS = {"forward": 0, "backward_input": 1, "backward_input_set": 4, "backward_params": 2, "backward_params_sgd": 3}
 KERNEL_FILES = ("poet_kernels.h", "poet_kernels_basic.c", "poet_kernels_conv.c", "poet_kernels_norm.c",
                 "poet_kernels_strips.c", "poet_math.c")
 POOL_FLOATS = 1_400_000
@@ -95,6 +111,9 @@ class Conv:
         return [self.n, self.c_in, self.h, self.w, self.c_out, ho, wo, self.k, self.k, self.stride, self.stride,
                 self.pad_h, self.pad_w, self.groups]
 
+    def depthwise(self) -> bool:
+        return self.groups == self.c_in == self.c_out
+
     def macs(self) -> int:
         f = self.fields()
         return f[0] * f[4] * f[5] * f[6] * (self.c_in // self.groups) * self.k * self.k
@@ -112,7 +131,8 @@ class Linear:
 
 
 # mcu-vww (poet_opt/model/zoo.py, 1x96x96, batch 1): the stem, the pointwise and depthwise layers
-# of the first and middle blocks, the last depthwise (a 3x3 plane), and the head.
+# of the first and middle blocks, the last depthwise (a 3x3 plane), and the head; the depthwise
+# layers' strip windows.
 # ResNet-18-CIFAR strips: a stage's 3x3 conv over a strip of rows with their one-row halo on each
 # side (pad along H is 0 inside a strip, 1 along W), and the 1x1 stride-2 downsample.
 # Transformer block at d=256, FFN 1024, 32 tokens (a row tile of the sequence).
@@ -124,6 +144,11 @@ SHAPES: list[Conv | Linear] = [
     Conv("vww ds4.dw 32 3x3 6x6", 1, 32, 6, 6, 32, 3, 1, 1, 1, groups=32),
     Conv("vww ds6.pw 64->64 1x1 3x3", 1, 64, 3, 3, 64, 1, 1, 0, 0),
     Linear("vww fc 64->2", 1, 64, 2),
+    # mcu-vww's depthwise layers as the strip executor runs them: a window of output rows with
+    # their input rows (halo included, padding 0 along H, 1 along W), as chunk_rows cuts them
+    Conv("vww ds1.dw 4 3x3/2 strip 4x24", 1, 4, 9, 48, 4, 3, 2, 0, 1, groups=4),
+    Conv("vww ds2.dw 8 3x3/2 strip 4x12", 1, 8, 9, 24, 8, 3, 2, 0, 1, groups=8),
+    Conv("vww ds4.dw 32 3x3 strip 3x6", 1, 32, 5, 6, 32, 3, 1, 0, 1, groups=32),
     Conv("r18 layer1 64->64 3x3 strip 8x32", 1, 64, 10, 32, 64, 3, 1, 0, 1),
     Conv("r18 layer2 128->128 3x3 strip 4x16", 1, 128, 6, 16, 128, 3, 1, 0, 1),
     Conv("r18 layer3.ds 128->256 1x1/2 16x16", 1, 128, 16, 16, 256, 1, 2, 0, 0),
@@ -203,6 +228,9 @@ def main() -> None:
                 if args.only not in shape.name:
                     continue
                 for kernel in args.kernels:
+                    if kernel == "backward_input_set" and not (shape.depthwise() if isinstance(shape, Conv)
+                                                               else shape.rows == 1 and shape.d_out <= 4):
+                        continue  # a depthwise layer's, a head's own; the others zero dx and add (dx +=)
                     row = {}
                     for when in ("before", "after"):
                         if (when, core) not in builds:

@@ -167,6 +167,9 @@ def test_generated_sources_compile_strictly_for_the_host(cnn_batch, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "step.o").stat().st_size > 0
+    # a convolution that makes a gradient's first contribution writes it (dx =), with no poet_zero
+    # before it: the depthwise layer's input gradient, and the stem's (a network input: none)
+    assert "poet_conv2d_backward_input_set(" in (out / "poet_train.c").read_text()
 
 
 # ---------------------------------------------------------------- bad input

@@ -193,6 +193,10 @@ def run_conv(k, rng, n, c_in, h, w, c_out, kernel, stride, pad, groups, bias, la
     dx = dx0.copy()
     k.conv2d_backward_input(ptr(dx), ptr(dy), ptr(wt), C.byref(s))
     check(f"{label} backward input", dx, dx0 + grad_of(tx))
+    # the first contribution, written (dx =): over NaN, so an element it does not write shows
+    dx = np.full(x.shape, np.nan, np.float32)
+    k.conv2d_backward_input_set(ptr(dx), ptr(dy), ptr(wt), C.byref(s))
+    check(f"{label} backward input (dx =)", dx, grad_of(tx))
 
     gw0, gb0 = rand(rng, *wt.shape), rand(rng, c_out)
     gw, gb = gw0.copy(), gb0.copy()
@@ -279,6 +283,23 @@ DEPTHWISE_STRIPS = [(h, w, 1) for h, w in [(2, 3), (3, 4), (4, 5), (5, 6), (6, 7
 def test_depthwise_column_strips(k, h, w, stride):
     run_conv(k, np.random.default_rng(h * 100 + w * 10 + stride), 2, 3, h, w, 3, (3, 3), (stride, stride), (1, 1), 3,
              bias=(h + w) % 2 == 0, label=f"depthwise {h}x{w}/{stride}")
+
+
+# The strip executor's windows: a strip of rows with its halo given, padding 0 along H and 1 along
+# W. The column strips walk them too (forward, weight gradient, and the written data gradient,
+# whose geometry turned around has padding 2 along H at stride 1): at stride 1 the h - 2 rows in
+# steps of 3 and 0 to 2 left, and the data gradient's two rows each end with rows in the padding;
+# at stride 2 an even and an odd number of output rows, and an even height (its last row read by
+# no window). Heights 3 to 12; heights 1 and 2 are too short for a 3-row window.
+DEPTHWISE_STRIP_ROWS = [(h, w, 1) for h, w in [(3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 14), (9, 8), (3, 2)]] + \
+                       [(h, w, 2) for h, w in [(3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 13), (10, 3),
+                                               (11, 14), (12, 1)]]
+
+
+@pytest.mark.parametrize("h,w,stride", DEPTHWISE_STRIP_ROWS)
+def test_depthwise_column_strips_on_a_strip_of_rows(k, h, w, stride):
+    run_conv(k, np.random.default_rng(h * 100 + w * 10 + stride + 5), 2, 3, h, w, 3, (3, 3), (stride, stride),
+             (0, 1), 3, bias=(h + w) % 2 == 1, label=f"depthwise strip rows {h}x{w}/{stride}")
 
 
 @pytest.fixture(scope="session")
@@ -508,7 +529,8 @@ def test_layernorm(k, shape, affine):
 @pytest.mark.parametrize("x_shape,out,bias", [((5, 7), 3, True), ((2, 3, 8), 6, False), ((1, 33), 10, True),
                                               ((9, 13), 11, True), ((8, 16), 8, False), ((3, 2, 6), 5, True),
                                               ((1, 7), 3, False), ((1, 9), 1, True), ((1, 6), 2, True),
-                                              ((1, 13), 4, False)])
+                                              ((1, 13), 4, False), ((1, 64), 2, True), ((1, 1), 2, False),
+                                              ((1, 3), 5, True)])
 def test_linear(k, x_shape, out, bias):
     rng = np.random.default_rng(12)
     d_in = x_shape[-1]
@@ -527,6 +549,9 @@ def test_linear(k, x_shape, out, bias):
     dx = dx0.copy()
     k.linear_backward_input(ptr(dx), ptr(dy), ptr(w), rows, d_in, out)
     check("linear backward input", dx, dx0 + grad_of(tx))
+    dx = np.full(x.shape, np.nan, np.float32)  # written (dx =): an element left unwritten shows
+    k.linear_backward_input_set(ptr(dx), ptr(dy), ptr(w), rows, d_in, out)
+    check("linear backward input (dx =)", dx, grad_of(tx))
     gw0, gb0 = rand(rng, out, d_in), rand(rng, out)
     gw, gb = gw0.copy(), gb0.copy()
     k.linear_backward_params(ptr(gw), ptr(gb) if bias else None, ptr(dy), ptr(x), rows, d_in, out)

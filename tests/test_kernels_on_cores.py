@@ -27,16 +27,18 @@ volatile int32_t op;
 poet_conv2d_shape cs;
 uint32_t dims[3];
 float x[2048], w[2048], b[64], dy[2048];
-float y[2048], dx[2048], gw[2048], gb[64];
+float y[2048], dx[2048], gw[2048], gb[64], dx_set[2048];
 int main(void)
 {
     if (op == 0) {
         poet_conv2d_forward(y, x, w, b, &cs);
         poet_conv2d_backward_input(dx, dy, w, &cs);
+        poet_conv2d_backward_input_set(dx_set, dy, w, &cs); /* over NaN from the host */
         poet_conv2d_backward_params(gw, gb, dy, x, &cs);
     } else {
         poet_linear_forward(y, x, w, b, dims[0], dims[1], dims[2]);
         poet_linear_backward_input(dx, dy, w, dims[0], dims[1], dims[2]);
+        poet_linear_backward_input_set(dx_set, dy, w, dims[0], dims[1], dims[2]);
         poet_linear_backward_params(gw, gb, dy, x, dims[0], dims[1], dims[2]);
     }
     return 0;
@@ -70,6 +72,12 @@ CONV = [
     (1, 2, 4, 3, 2, 3, 1, (1, 1), 2),
     (1, 2, 8, 7, 2, 3, 2, (1, 1), 2),
     (1, 2, 9, 13, 2, 3, 2, (1, 1), 2),
+    # depthwise strips of rows (the strip executor's windows: padding 0 along H, 1 along W): the
+    # column strips at stride 1 (the written data gradient with padding 2 turned around) and 2
+    # (an odd and an even height: dx row 0 alone, a last row read by no window)
+    (1, 4, 5, 6, 4, 3, 1, (0, 1), 4),
+    (1, 3, 7, 8, 3, 3, 2, (0, 1), 3),
+    (1, 2, 8, 9, 2, 3, 2, (0, 1), 2),
     # one input channel to several outputs (the stem): two output channels a walk, and one left
     (1, 1, 9, 10, 5, 3, 2, (1, 1), 1),
     (2, 2, 6, 7, 6, 3, 1, (1, 1), 2),
@@ -99,7 +107,7 @@ def run(fw, op, arrays, **symbols):
     for name, value in {**arrays, **symbols}.items():
         emu.write_symbol(name, value)
     assert emu.run(max_instructions=200_000_000).exit_code == 0
-    out = {name: emu.read_symbol(name, np.float32) for name in ("y", "dx", "gw", "gb")}
+    out = {name: emu.read_symbol(name, np.float32) for name in ("y", "dx", "gw", "gb", "dx_set")}
     emu.close()
     return out
 
@@ -129,9 +137,11 @@ def test_conv_on_the_core_equals_torch(builds, core, case):
     out = run(builds(core), 0, {"x": x32.detach().numpy().astype(np.float32).ravel(),
                                 "w": w32.detach().numpy().astype(np.float32).ravel(),
                                 "b": b32.detach().numpy().astype(np.float32), "dy": dy.numpy().astype(np.float32).ravel(),
-                                "dx": zeros, "gw": zeros, "gb": zeros[:64]}, cs=shape)
+                                "dx": zeros, "gw": zeros, "gb": zeros[:64],
+                                "dx_set": np.full(2048, np.nan, np.float32)}, cs=shape)
     close(out["y"], y)
     close(out["dx"], x32.grad)
+    close(out["dx_set"], x32.grad)  # dx = (every element written), not dx +=
     close(out["gw"], w32.grad)
     close(out["gb"], b32.grad)
 
@@ -152,9 +162,11 @@ def test_linear_on_the_core_equals_torch(builds, core, rows, d_in, d_out):
     out = run(builds(core), 1, {"x": x.detach().numpy().astype(np.float32).ravel(),
                                 "w": w.detach().numpy().astype(np.float32).ravel(),
                                 "b": b.detach().numpy().astype(np.float32), "dy": dy.numpy().astype(np.float32).ravel(),
-                                "dx": zeros, "gw": zeros, "gb": zeros[:64]},
+                                "dx": zeros, "gw": zeros, "gb": zeros[:64],
+                                "dx_set": np.full(2048, np.nan, np.float32)},
               dims=np.array([rows, d_in, d_out], np.uint32))
     close(out["y"], y)
     close(out["dx"], x.grad)
+    close(out["dx_set"], x.grad)
     close(out["gw"], w.grad)
     close(out["gb"], b.grad)

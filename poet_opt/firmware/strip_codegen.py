@@ -354,14 +354,16 @@ class StripWriter(StepWriter):
             x = f"(poet_scratch + {local + n * cu * (c1 - c0) * wu}u)"
             self.scratch(floats(c1 - c0))
             lines += self.gather(gy, c0, c1 - c0, u, c0, c1, ops, "grad:", None)
-            lines.append(f"poet_zero({dx}, {local}u);")
             shape = self.window_shape(user, rows_in, c1 - c0)
-            if user.op == "conv2d":
-                lines.append(f"poet_conv2d_backward_input({dx}, {gy}, {self.param(user, 'weight', ops)}, {shape});")
+            if user.op == "conv2d":  # writes the window's dx (dx =): no zeroing
+                lines.append(f"poet_conv2d_backward_input_set({dx}, {gy}, {self.param(user, 'weight', ops)}, "
+                             f"{shape});")
             elif user.op == "maxpool":  # where the maximum of every touched window is
+                lines.append(f"poet_zero({dx}, {local}u);")
                 lines += self.gather(x, r0, rows_in, f, r0, r0 + rows_in, ops, fill=NEG_INF)
                 lines.append(f"poet_maxpool2d_backward({dx}, {gy}, {x}, {shape});")
             else:
+                lines.append(f"poet_zero({dx}, {local}u);")
                 lines.append(f"poet_avgpool2d_backward({dx}, {gy}, {shape});")
             a, b = max(lo, r0), min(hi, r0 + rows_in)
             if a < b:

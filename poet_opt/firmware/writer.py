@@ -6,7 +6,8 @@ The training graph's semantics (poet_opt.model.zoo) decide what a node computes:
 
 - a forward node runs its layer's kernel;
 - ``grad:f`` is the gradient of the loss with respect to f's output: zeroed, then one contribution
-  per user u of f (the data gradient back through u, which reads grad:u and what u saved), plus the
+  per user u of f (a convolution's or linear layer's first contribution writes the buffer instead,
+  with no zeroing) (the data gradient back through u, which reads grad:u and what u saved), plus the
   softmax cross-entropy gradient when f is the logits; and when f has trainable weights, their
   gradients, which read f's inputs.
 
@@ -503,22 +504,28 @@ class StepWriter:
             users = self.users[f]
             partial = [d for d in info["deps"] if self.gradient_of(str(self.nodes[d]["name"])) == f
                        and self.nodes[d]["name"] != "grad:" + f]
-            if partial:  # the sum so far, from the partial node before this one
-                lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
-                             f"{layer.elements}u);")
-            else:
-                lines.append(f"poet_zero({out}, {layer.elements}u);")
             if self.streamed:
                 # streamed weights may split the sum over the users into a chain of nodes (one
                 # user's weights in RAM at a time): this node adds the users whose gradient it reads
                 users = [u for u in users if self.by_name.get("grad:" + u.name) in info["deps"]]
-            if f == logits and name == "grad:" + f:  # once: not again in a partial sum
+            loss = f == logits and name == "grad:" + f  # once: not again in a partial sum
+            terms = [(user, which) for user in users for which, operand in enumerate(user.operands) if operand == f]
+            if partial:  # the sum so far, from the partial node before this one
+                lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
+                             f"{layer.elements}u);")
+            elif not loss and terms and terms[0][0].op in ("conv2d", "linear"):
+                # the first term writes the buffer (dx =): no zeroing, and a depthwise layer's walk
+                # or a classifier head's row neither loads nor zeroes dx
+                user, which = terms.pop(0)
+                kernel = f"poet_{user.op}_backward_input("
+                lines.append(self.data_gradient(user, which, out, ops, f).replace(kernel, kernel[:-1] + "_set(", 1))
+            else:
+                lines.append(f"poet_zero({out}, {layer.elements}u);")
+            if loss:
                 lines.append(f"poet_cross_entropy_backward({out}, {self.at(ops, logits, 'the loss gradient')}, "
                              f"poet_labels, {batch}u, {classes}u);")
-            for user in users:
-                for which, operand in enumerate(user.operands):
-                    if operand == f:
-                        lines.append(self.data_gradient(user, which, out, ops, f))
+            for user, which in terms:
+                lines.append(self.data_gradient(user, which, out, ops, f))
             if layer.trainable and first and not self.streamed:
                 lines += self.weight_gradient(layer, out, ops)
         for p in info.get("updates", ()):  # after the data gradients, which read the old weights

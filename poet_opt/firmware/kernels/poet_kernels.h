@@ -15,9 +15,11 @@
  *   - an activation used by several operators (a residual branch, x + x) receives one contribution
  *     per user, and the sum is its gradient without a separate add node;
  *   - weight and bias gradients can be built up over tiles or micro-batches.
- * The caller zeroes each gradient buffer once (poet_zero) before its first contribution. Where one
- * kernel yields several gradients (weight and bias, a norm's dx, dgamma and dbeta, add's two
- * inputs), a NULL pointer skips the one not needed: a layer without bias, a network input's dx.
+ * The caller zeroes each gradient buffer once (poet_zero) before its first contribution, or makes
+ * that contribution with a kernel that writes instead (poet_conv2d_backward_input_set,
+ * poet_linear_backward_input_set). Where one kernel yields several gradients (weight and bias, a
+ * norm's dx, dgamma and dbeta, add's two inputs), a NULL pointer skips the one not needed: a layer
+ * without bias, a network input's dx.
  *
  * Aliasing. Elementwise forwards (copy, add, relu, relu6, gelu, softmax) may write in place
  * (y == x, or y == a or b for add); every other kernel needs its outputs disjoint from its inputs.
@@ -93,6 +95,10 @@ void poet_linear_forward(float *y, const float *x, const float *w, const float *
 /* dx += dy W */
 void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
                                 uint32_t out);
+/* dx = the same: the first contribution to dx, which then needs no poet_zero */
+#define POET_LINEAR_BACKWARD_INPUT_SET 1
+void poet_linear_backward_input_set(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
+                                    uint32_t out);
 /* gw += dy^T x, gb += column sums of dy (gb may be NULL) */
 void poet_linear_backward_params(float *gw, float *gb, const float *dy, const float *x, uint32_t rows,
                                  uint32_t in, uint32_t out);
@@ -190,6 +196,10 @@ int poet_conv2d_shape_ok(const poet_conv2d_shape *s);
 void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s);
 /* dx += conv2d's transpose of dy */
 void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s);
+/* dx = conv2d's transpose of dy: the first contribution to dx, which then needs no poet_zero (where
+ * a layer has its own walk, dx is written and never read; else it is zeroed here and added to) */
+#define POET_CONV2D_BACKWARD_INPUT_SET 1
+void poet_conv2d_backward_input_set(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s);
 /* gw += correlation of x with dy; gb += per-channel sums of dy (gb may be NULL) */
 void poet_conv2d_backward_params(float *gw, float *gb, const float *dy, const float *x,
                                  const poet_conv2d_shape *s);

@@ -268,9 +268,10 @@ static void linear_row_forward(float *y, const float *x, const float *w, const f
 }
 
 /* The same for at most four outputs (a classifier head): every dy in a register and one pass over
- * the rows of w side by side, so that no input pays a loop over the outputs of its own */
+ * the rows of w side by side, so that no input pays a loop over the outputs of its own. SET: dx =
+ * the sums (a gradient's first contribution: dx neither loaded nor zeroed), else dx +=. */
 POET_INLINE void linear_row_backward_input_few(float *dx, const float *dy, const float *w, uint32_t in,
-                                               const uint32_t OUT)
+                                               const uint32_t OUT, const int SET)
 {
     const float d0 = dy[0], d1 = OUT > 1 ? dy[1] : 0.0f, d2 = OUT > 2 ? dy[2] : 0.0f, d3 = OUT > 3 ? dy[3] : 0.0f;
     const float *w0 = w, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
@@ -284,7 +285,10 @@ POET_INLINE void linear_row_backward_input_few(float *dx, const float *dy, const
                 s0 += d2 * w2[j];
             if (OUT > 3)
                 s0 += d3 * w3[j];
-            dx[j] += s0;
+            if (SET)
+                dx[j] = s0;
+            else
+                dx[j] += s0;
         }
     for (k = in % 4; k > 0; --k, ++dx, ++w0, ++w1, ++w2, ++w3) {
         float s0 = d0 * w0[0];
@@ -294,7 +298,10 @@ POET_INLINE void linear_row_backward_input_few(float *dx, const float *dy, const
             s0 += d2 * w2[0];
         if (OUT > 3)
             s0 += d3 * w3[0];
-        dx[0] += s0;
+        if (SET)
+            dx[0] = s0;
+        else
+            dx[0] += s0;
     }
 }
 
@@ -303,10 +310,10 @@ static void linear_row_backward_input(float *dx, const float *dy, const float *w
 {
     uint32_t i = 0, o;
     switch (out) {
-    case 1: linear_row_backward_input_few(dx, dy, w, in, 1); return;
-    case 2: linear_row_backward_input_few(dx, dy, w, in, 2); return;
-    case 3: linear_row_backward_input_few(dx, dy, w, in, 3); return;
-    case 4: linear_row_backward_input_few(dx, dy, w, in, 4); return;
+    case 1: linear_row_backward_input_few(dx, dy, w, in, 1, 0); return;
+    case 2: linear_row_backward_input_few(dx, dy, w, in, 2, 0); return;
+    case 3: linear_row_backward_input_few(dx, dy, w, in, 3, 0); return;
+    case 4: linear_row_backward_input_few(dx, dy, w, in, 4, 0); return;
     default: break;
     }
     for (; i + 4 <= in; i += 4) {
@@ -323,6 +330,18 @@ static void linear_row_backward_input(float *dx, const float *dy, const float *w
         for (o = 1; o < out; ++o)
             s0 += dy[o] * w[o * in + i];
         dx[i] += s0;
+    }
+}
+
+/* dx = dy . w[.][i] for a classifier head's row (up to four outputs); 0 for other shapes */
+POET_OUTLINE int linear_row_backward_input_set(float *dx, const float *dy, const float *w, uint32_t in, uint32_t out)
+{
+    switch (out) {
+    case 1: linear_row_backward_input_few(dx, dy, w, in, 1, 1); return 1;
+    case 2: linear_row_backward_input_few(dx, dy, w, in, 2, 1); return 1;
+    case 3: linear_row_backward_input_few(dx, dy, w, in, 3, 1); return 1;
+    case 4: linear_row_backward_input_few(dx, dy, w, in, 4, 1); return 1;
+    default: return 0;
     }
 }
 
@@ -424,6 +443,18 @@ void poet_linear_backward_input(float *dx, const float *dy, const float *w, uint
     else
 #endif
         linear_backward_input_tiled(dx, dy, w, rows, in, out);
+}
+
+/* dx = the data gradient: the first contribution, which then needs no poet_zero */
+void poet_linear_backward_input_set(float *dx, const float *dy, const float *w, uint32_t rows, uint32_t in,
+                                    uint32_t out)
+{
+#ifndef POET_KERNELS_SMALL
+    if (rows == 1 && linear_row_backward_input_set(dx, dy, w, in, out))
+        return;
+#endif
+    poet_zero(dx, rows * in);
+    poet_linear_backward_input(dx, dy, w, rows, in, out);
 }
 
 /* gw[o][i] += dy[.][o] . x[.][i], a sum over the rows */

@@ -534,7 +534,7 @@ POET_INLINE void dwc_tap(float *acc, int *first, float *wv, const float *const *
                          const uint32_t LEFT, const uint32_t RIGHT, const uint32_t TOP, const uint32_t BOT)
 {
     const uint32_t j = q * SW + t; /* the window column */
-    if ((TOP && v == 0) || (BOT && v == 2) || (LEFT && j == 0) || (RIGHT && j == NC - 1))
+    if (v < TOP || v + BOT > 2 || (LEFT && j == 0) || (RIGHT && j == NC - 1))
         return;
     if (MODE == 2)
         wv[3 * v + t] += rows[v][j] * d[q];
@@ -544,8 +544,8 @@ POET_INLINE void dwc_tap(float *acc, int *first, float *wv, const float *const *
         acc[q] += rows[v][j] * wv[3 * v + t];
 }
 
-/* Q outputs of one row from window rows a, b, c (kernel rows 0, 1, 2): TOP, BOT: row a, row c
- * lies in the padding. ROWS: kernel row by kernel row for all Q outputs, so that a window row is
+/* Q outputs of one row from window rows a, b, c (kernel rows 0, 1, 2): TOP, BOT: the first TOP
+ * rows, the last BOT, lie in the padding (1 or 2). ROWS: kernel row by kernel row for all Q outputs, so that a window row is
  * done with before the next is needed (at stride 2 the three rows and the weight gradient's sums
  * would not fit the registers at once); else output by output. Each sum takes the same terms in
  * the same order either way, which only changes how the compiler schedules and allocates; by
@@ -555,7 +555,7 @@ POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *
                          const uint32_t TOP, const uint32_t BOT)
 {
     const uint32_t NC = DWC_NC(Q, SW);
-    const int ROWS = SW == 2 || MODE != 0;
+    const int ROWS = SW == 2 || (MODE != 0 && MODE != 3);
     const float *rows[3];
     float acc[3], d[3];
     int first[3];
@@ -575,7 +575,7 @@ POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *
                                     * the compiler keeps in registers better than acc[q]) */
             float s = 0.0f;
             int f = 1;
-            for (v = TOP ? 1 : 0; v < (BOT ? 2u : 3u); ++v)
+            for (v = TOP; v + BOT < 3; ++v)
                 for (t = 0; t < 3; ++t) {
                     const uint32_t j = q * SW + t;
                     if ((LEFT && j == 0) || (RIGHT && j == NC - 1))
@@ -590,19 +590,30 @@ POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *
     for (q = 0; q < Q; ++q) {
         if (MODE == 1)
             y[q] += acc[q];
-        else if (MODE == 0)
+        else if (MODE == 0 || MODE == 3)
             y[q] = acc[q];
     }
 }
 
-/* Output columns c0 .. c0 + Q of every row (h_in >= 2). The unrolled steps rotate the window's
- * rows through A, B and C instead of moving them: three output rows at stride 1 (each loads one
- * input row), two at stride 2 (two each, the last carried into the next); the rows left after
- * them, and the last one with its bottom row in the padding, take the registers where the
- * rotation left the window. */
+/* Output columns c0 .. c0 + Q of every row. PADH: the rows of padding above and below (1; 0 for
+ * a strip of rows whose halo is given, h_in >= 3; 2 at stride 1 for the data gradient of such a
+ * strip, h_in >= 2). The unrolled steps rotate the window's rows through A, B and C instead of
+ * moving them: three output rows at stride 1 (each loads one input row), two at stride 2 (two
+ * each, the last carried into the next); the rows left after them, and the last ones with rows in
+ * the padding, take the registers where the rotation left the window. */
+POET_INLINE void dwc_tail1(float *yp, const float *X, const float *Y, float *wv, uint32_t w_out, const int MODE,
+                           const uint32_t Q, const uint32_t LEFT, const uint32_t RIGHT, const uint32_t PADH)
+{
+    /* stride 1, below the last full row: X and Y the input's last two rows */
+    if (PADH >= 1)
+        dwc_out(yp, X, Y, Y, wv, MODE, 1, Q, LEFT, RIGHT, 0, 1);
+    if (PADH == 2)
+        dwc_out(yp + w_out, Y, Y, Y, wv, MODE, 1, Q, LEFT, RIGHT, 0, 2);
+}
+
 POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, const poet_conv2d_shape *s,
                            const int MODE, const uint32_t SW, const uint32_t Q, const uint32_t LEFT,
-                           const uint32_t RIGHT)
+                           const uint32_t RIGHT, const uint32_t PADH)
 {
     const uint32_t NC = DWC_NC(Q, SW), w_in = s->w_in, w_out = s->w_out, h_in = s->h_in;
     const float *xp = x + c0 * SW; /* row 0, the column right of the window's first */
@@ -610,13 +621,17 @@ POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, con
     float A[DWC_NC(3, 2)], B[DWC_NC(3, 2)], C[DWC_NC(3, 2)];
     uint32_t r, i;
     if (SW == 1) {
-        /* output row r from input rows r - 1 .. r + 1: A and B hold the first two, xp the third */
+        /* output row r from input rows r - PADH .. r + 2 - PADH: A and B hold the first two, xp the
+         * third; the h_in - 2 rows whose window lies inside the input in steps of three */
         dwc_load(A, xp, NC, LEFT, RIGHT);
         dwc_load(B, xp + w_in, NC, LEFT, RIGHT);
-        dwc_out(yp, A, A, B, wv, MODE, SW, Q, LEFT, RIGHT, 1, 0); /* row 0: its top row in the padding */
-        xp += 2 * w_in, yp += w_out;
+        if (PADH == 2) /* row 0: only its bottom row inside */
+            dwc_out(yp, A, A, A, wv, MODE, SW, Q, LEFT, RIGHT, 2, 0), yp += w_out;
+        if (PADH >= 1) /* its top row in the padding */
+            dwc_out(yp, A, A, B, wv, MODE, SW, Q, LEFT, RIGHT, 1, 0), yp += w_out;
+        xp += 2 * w_in;
         /* one pointer each, stepped a row at a time, and a count down: no other address arithmetic */
-        for (i = (h_in - 2) / 3, r = 1 + 3 * i; i; --i) {
+        for (i = (h_in - 2) / 3, r = 2 + 3 * i; i; --i) { /* r: the input rows the steps read */
             dwc_load(C, xp, NC, LEFT, RIGHT);
             xp += w_in;
             dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
@@ -630,20 +645,43 @@ POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, con
             dwc_out(yp, C, A, B, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
             yp += w_out;
         }
-        /* r + 1 < h_in for 0, 1 or 2 more rows, then the last, its bottom row in the padding */
-        if (r + 1 == h_in) {
-            dwc_out(yp, A, B, B, wv, MODE, SW, Q, LEFT, RIGHT, 0, 1);
+        /* 0, 1 or 2 full rows more, then those with bottom rows in the padding */
+        if (r == h_in) {
+            dwc_tail1(yp, A, B, wv, w_out, MODE, Q, LEFT, RIGHT, PADH);
             return;
         }
         dwc_load(C, xp, NC, LEFT, RIGHT);
         dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
-        if (r + 2 == h_in) {
-            dwc_out(yp + w_out, B, C, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 1);
+        if (r + 1 == h_in) {
+            dwc_tail1(yp + w_out, B, C, wv, w_out, MODE, Q, LEFT, RIGHT, PADH);
             return;
         }
         dwc_load(A, xp + w_in, NC, LEFT, RIGHT);
         dwc_out(yp + w_out, B, C, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
-        dwc_out(yp + 2 * w_out, C, A, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 1);
+        dwc_tail1(yp + 2 * w_out, C, A, wv, w_out, MODE, Q, LEFT, RIGHT, PADH);
+    } else if (PADH == 0) {
+        /* output row r from input rows 2r (carried in A) .. 2r + 2; xp at row 2r + 1 */
+        dwc_load(A, xp, NC, LEFT, RIGHT);
+        xp += w_in;
+        for (i = s->h_out / 2; i; --i) {
+            dwc_load(B, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_load(C, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+            yp += w_out;
+            dwc_load(B, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_load(A, xp, NC, LEFT, RIGHT);
+            xp += w_in;
+            dwc_out(yp, C, B, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+            yp += w_out;
+        }
+        if (s->h_out % 2) {
+            dwc_load(B, xp, NC, LEFT, RIGHT);
+            dwc_load(C, xp + w_in, NC, LEFT, RIGHT);
+            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
+        }
     } else {
         /* output row r from input rows 2r - 1 (carried in A) .. 2r + 1; xp at row 2r */
         dwc_load(B, xp, NC, LEFT, RIGHT);
@@ -681,45 +719,50 @@ POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, con
     }
 }
 
-/* Whether the strips take the plane: 3x3, padding 1, the same stride 1 or 2 along both axes, and
- * a plane big enough for a left strip of two columns away from the right edge */
+/* Whether the strips take the plane: 3x3, padding 1 along W, the same stride 1 or 2 along both
+ * axes, a plane wide enough for a left strip of two columns away from the right edge, and along
+ * H padding 1 (h_in >= 2), 0 (a strip of rows with its halo, h_in >= 3) or, at stride 1, 2 (such
+ * a strip's data gradient, h_in >= 2) */
 static int dwc_ok(const poet_conv2d_shape *s, uint32_t SW)
 {
-    return s->k_h == 3 && s->k_w == 3 && s->pad_h == 1 && s->pad_w == 1 && s->stride_h == SW &&
-           s->stride_w == SW && (SW == 1 || SW == 2) && s->h_in >= 2 && s->w_in >= SW + 2;
+    return s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->stride_h == SW && s->stride_w == SW &&
+           (SW == 1 || SW == 2) && s->w_in >= SW + 2 &&
+           ((s->pad_h == 1 && s->h_in >= 2) || (s->pad_h == 0 && s->h_in >= 3) ||
+            (s->pad_h == 2 && SW == 1 && s->h_in >= 2));
 }
 
 /* One plane: the left strip of two columns, strips of QM, then what is left against the right
  * edge. QM: 2 at stride 1 (the window's 12 inputs, 9 weights or sums and the temporaries fill
  * the registers at 3), 3 at stride 2. */
 POET_INLINE void dwc_plane(float *y, const float *x, float *wv, const poet_conv2d_shape *s, const int MODE,
-                           const uint32_t SW)
+                           const uint32_t SW, const uint32_t PADH)
 {
     const uint32_t w_in = s->w_in, w_out = s->w_out, QM = SW == 1 ? 2 : 3;
     uint32_t c0 = 2;
-    dwc_strip(y, x, wv, 0, s, MODE, SW, 2, 1, 0);
+    dwc_strip(y, x, wv, 0, s, MODE, SW, 2, 1, 0, PADH);
     for (; c0 + QM <= w_out && (c0 + QM - 1) * SW + 1 < w_in; c0 += QM)
-        dwc_strip(y, x, wv, c0, s, MODE, SW, QM, 0, 0);
+        dwc_strip(y, x, wv, c0, s, MODE, SW, QM, 0, 0, PADH);
     /* left: none, a strip of QM against the edge, or fewer columns, against it or not */
     if (c0 + QM <= w_out)
-        dwc_strip(y, x, wv, c0, s, MODE, SW, QM, 0, 1);
+        dwc_strip(y, x, wv, c0, s, MODE, SW, QM, 0, 1, PADH);
     else if (QM == 3 && c0 + 2 == w_out && (w_out - 1) * SW + 1 < w_in)
-        dwc_strip(y, x, wv, c0, s, MODE, SW, 2, 0, 0);
+        dwc_strip(y, x, wv, c0, s, MODE, SW, 2, 0, 0, PADH);
     else if (QM == 3 && c0 + 2 == w_out)
-        dwc_strip(y, x, wv, c0, s, MODE, SW, 2, 0, 1);
+        dwc_strip(y, x, wv, c0, s, MODE, SW, 2, 0, 1, PADH);
     else if (c0 + 1 == w_out && (w_out - 1) * SW + 1 < w_in)
-        dwc_strip(y, x, wv, c0, s, MODE, SW, 1, 0, 0);
+        dwc_strip(y, x, wv, c0, s, MODE, SW, 1, 0, 0, PADH);
     else if (c0 + 1 == w_out)
-        dwc_strip(y, x, wv, c0, s, MODE, SW, 1, 0, 1);
+        dwc_strip(y, x, wv, c0, s, MODE, SW, 1, 0, 1, PADH);
 }
 
 /* A whole depthwise layer (one input and one output channel a group) in column strips, all its
  * planes in one call, so that mcu-vww's small ones do not pay a call and the checks each. MODE 0:
  * the forward, out = y from in = x, bias b; 1: the data gradient, out = dx += from in = dy with
  * each kernel turned around, t the walk's geometry (the layer's with input and output exchanged,
- * the padding 2 - 1 = 1). */
+ * the padding 2 - 1 = 1); 3: the data gradient written (dx =, every element: the forward's walk
+ * on the kernels turned around, for poet_conv2d_backward_input_set). */
 POET_INLINE void dwc_layer(float *out, const float *in, const float *w, const float *b, const poet_conv2d_shape *shape,
-                           const int MODE, const uint32_t SW)
+                           const int MODE, const uint32_t SW, const uint32_t PADH)
 {
     /* a copy: the stores into out might otherwise alias the shape, re-read every plane */
     const poet_conv2d_shape copy = *shape, *t = &copy;
@@ -729,33 +772,71 @@ POET_INLINE void dwc_layer(float *out, const float *in, const float *w, const fl
         for (c = 0; c < C; ++c) {
             float wv[9], *o = out + (n * C + c) * out_plane;
             for (k = 0; k < 9; ++k)
-                wv[k] = MODE == 1 ? w[c * 9 + 8 - k] : w[c * 9 + k];
-            dwc_plane(o, in + (n * C + c) * in_plane, wv, t, MODE, SW);
+                wv[k] = MODE == 1 || MODE == 3 ? w[c * 9 + 8 - k] : w[c * 9 + k];
+            dwc_plane(o, in + (n * C + c) * in_plane, wv, t, MODE, SW, PADH);
             if (b)
                 for (k = 0; k < out_plane; ++k)
                     o[k] += b[c];
         }
 }
 
+/* the layers' padding of 1 along H, and a strip's rows with their halo (0) */
 POET_OUTLINE void dwc_forward_s1(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
-    dwc_layer(y, x, w, b, s, 0, 1);
+    dwc_layer(y, x, w, b, s, 0, 1, 1);
 }
 
 POET_OUTLINE void dwc_forward_s2(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
-    dwc_layer(y, x, w, b, s, 0, 2);
+    dwc_layer(y, x, w, b, s, 0, 2, 1);
+}
+
+POET_OUTLINE void dwc_forward_s1_p0(float *y, const float *x, const float *w, const float *b,
+                                    const poet_conv2d_shape *s)
+{
+    dwc_layer(y, x, w, b, s, 0, 1, 0);
+}
+
+POET_OUTLINE void dwc_forward_s2_p0(float *y, const float *x, const float *w, const float *b,
+                                    const poet_conv2d_shape *s)
+{
+    dwc_layer(y, x, w, b, s, 0, 2, 0);
+}
+
+/* The data gradient written (dx =) at stride 1: a layer's (padding 1 turned around) and a strip's
+ * of rows (padding 0 along H: 2 turned around) */
+POET_OUTLINE void dwc_backward_input_set_s1(float *dx, const float *dy, const float *w, const poet_conv2d_shape *t)
+{
+    dwc_layer(dx, dy, w, NULL, t, 3, 1, 1);
+}
+
+POET_OUTLINE void dwc_backward_input_set_s1_p2(float *dx, const float *dy, const float *w, const poet_conv2d_shape *t)
+{
+    dwc_layer(dx, dy, w, NULL, t, 3, 1, 2);
 }
 
 POET_OUTLINE void dwc_backward_input_s1(float *dx, const float *dy, const float *w, const poet_conv2d_shape *t)
 {
-    dwc_layer(dx, dy, w, NULL, t, 1, 1);
+    dwc_layer(dx, dy, w, NULL, t, 1, 1, 1);
+}
+
+/* The layer's forward by its padding along H (1 or 0: dwc_layer_ok's) */
+static void dwc_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+    if (s->stride_w == 1 && s->pad_h == 1)
+        dwc_forward_s1(y, x, w, b, s);
+    else if (s->stride_w == 1)
+        dwc_forward_s1_p0(y, x, w, b, s);
+    else if (s->pad_h == 1)
+        dwc_forward_s2(y, x, w, b, s);
+    else
+        dwc_forward_s2_p0(y, x, w, b, s);
 }
 
 /* The weight gradient of such a layer: channel by channel, its nine sums in registers over the
  * batch's planes; gw += them (sgd 0), or w -= lr them */
 POET_INLINE void dwc_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *shape, float lr,
-                                int sgd, const uint32_t SW)
+                                int sgd, const uint32_t SW, const uint32_t PADH)
 {
     /* a copy: the stores into gw might otherwise alias the shape, re-read every channel */
     const poet_conv2d_shape copy = *shape, *s = &copy;
@@ -766,7 +847,7 @@ POET_INLINE void dwc_grad_layer(float *gw, const float *dy, const float *x, cons
         for (k = 0; k < 9; ++k)
             acc[k] = 0.0f;
         for (n = 0; n < s->n; ++n) /* dy is only read */
-            dwc_plane((float *)(uintptr_t)(dy + (n * C + c) * out_plane), x + (n * C + c) * in_plane, acc, s, 2, SW);
+            dwc_plane((float *)(uintptr_t)(dy + (n * C + c) * out_plane), x + (n * C + c) * in_plane, acc, s, 2, SW, PADH);
         for (k = 0; k < 9; ++k) {
             if (sgd)
                 at[k] -= lr * acc[k];
@@ -778,18 +859,36 @@ POET_INLINE void dwc_grad_layer(float *gw, const float *dy, const float *x, cons
 
 POET_OUTLINE void dwc_grad_s1(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
 {
-    dwc_grad_layer(gw, dy, x, s, lr, sgd, 1);
+    dwc_grad_layer(gw, dy, x, s, lr, sgd, 1, 1);
 }
 
 POET_OUTLINE void dwc_grad_s2(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
 {
-    dwc_grad_layer(gw, dy, x, s, lr, sgd, 2);
+    dwc_grad_layer(gw, dy, x, s, lr, sgd, 2, 1);
 }
 
-/* Whether a layer is depthwise (one input and one output channel a group) and the strips take it */
+POET_OUTLINE void dwc_grad_s1_p0(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
+                                 int sgd)
+{
+    dwc_grad_layer(gw, dy, x, s, lr, sgd, 1, 0);
+}
+
+POET_OUTLINE void dwc_grad_s2_p0(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
+                                 int sgd)
+{
+    dwc_grad_layer(gw, dy, x, s, lr, sgd, 2, 0);
+}
+
+/* Whether a layer is depthwise (one input and one output channel a group) and the strips take it
+ * (padding 1 or 0 along H: 2 is only a data gradient's geometry). A strip of rows at stride 2
+ * (padding 0) only when its rows are short beside its height: each column strip's set-up and
+ * first row are paid once per strip, the row walk's once per row, and on mcu-vww's ds1.dw window
+ * (4 rows of 24 outputs) the row walk measured 3.29 instructions a MAC to the strips' 3.47, on
+ * ds2.dw's (4 rows of 12) 3.71 to 3.58. */
 static int dwc_layer_ok(const poet_conv2d_shape *s, uint32_t SW)
 {
-    return s->groups == s->c_in && s->groups == s->c_out && dwc_ok(s, SW);
+    return s->groups == s->c_in && s->groups == s->c_out && s->pad_h <= 1 && dwc_ok(s, SW) &&
+           (s->pad_h == 1 || SW == 1 || s->w_out < 4 * s->h_out);
 }
 #endif
 
@@ -918,24 +1017,6 @@ POET_OUTLINE void depthwise3_grad_s2(float *g, const float *dy, const float *x, 
     depthwise3_grad(g, dy, x, s, co, 2, 1);
 }
 
-/* A whole depthwise layer at stride 1 in one call: its planes are small (mcu-vww's 6x6 and 3x3),
- * and two calls a channel cost a tenth of their multiply-adds. gw += g (sgd 0), or w -= lr g. */
-POET_OUTLINE void depthwise3_grad_layer_s1(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s,
-                                           float lr, int sgd)
-{
-    uint32_t c, k;
-    for (c = 0; c < s->c_out; ++c) {
-        float g[9], *at = gw + c * 9;
-        depthwise3_grad(g, dy, x, s, c, 1, 1);
-        for (k = 0; k < 9; ++k) {
-            if (sgd)
-                at[k] -= lr * g[k];
-            else
-                at[k] += g[k];
-        }
-    }
-}
-
 POET_OUTLINE void depthwise3_grad_s1_x2(float *g, const float *dy, const float *x, const poet_conv2d_shape *s,
                                         uint32_t co)
 {
@@ -961,12 +1042,6 @@ POET_INLINE void forward_channel3(float *y, const float *x, const float *w, cons
         /* one input channel a group: channel co reads input channel co / (c_out / groups) */
         depthwise3_rows(y + (n * s->c_out + co) * out_plane, x + (n * s->c_in + co / cout_g) * in_plane, w + co * 9,
                         b ? b + co : b, s, SW, 0, CO);
-}
-
-POET_OUTLINE void forward_channel3_s1(float *y, const float *x, const float *w, const float *b,
-                                      const poet_conv2d_shape *s, uint32_t n, uint32_t co, uint32_t count)
-{
-    forward_channel3(y, x, w, b, s, n, co, count, 1, 1);
 }
 
 /* at stride 2 a call a channel: the planes are larger, and the loop over channels costs the row
@@ -1214,10 +1289,6 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
     const uint32_t cout_g = s->c_out / s->groups, cin_g = s->c_in / s->groups;
     uint32_t n, g, co;
     for (n = 0; n < s->n; ++n) {
-        if (KH == 3 && SW == 1 && cin_g == 1 && cout_g == 1) { /* depthwise: the layer in one call */
-            forward_channel3_s1(y, x, w, b, s, n, 0, s->c_out);
-            continue;
-        }
         for (g = 0; g < s->groups; ++g) {
             co = 0;
 #ifndef POET_KERNELS_SMALL
@@ -1236,9 +1307,9 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
                 else
                     forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
-                if (KH == 3 && SW == 1 && cin_g == 1) /* one input channel: the depthwise walk */
-                    forward_channel3_s1(y, x, w, b, s, n, g * cout_g + co, 1);
-                else if (KH == 3 && SW == 2 && cin_g == 1)
+                /* (a depthwise layer at stride 1 takes the column strips, dwc_layer_ok: the shapes
+                 * they leave, no zoo layer's, the general tile) */
+                if (KH == 3 && SW == 2 && cin_g == 1)
                     forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
                 else /* the odd channel left over after tiles of 4 */
                     forward_one_channel(y, x, w, b, s, n, g * cout_g + co);
@@ -1255,10 +1326,7 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
     if (pointwise_mm_forward(y, x, w, b, s))
         return;
     if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
-        if (s->stride_w == 1)
-            dwc_forward_s1(y, x, w, b, s);
-        else
-            dwc_forward_s2(y, x, w, b, s);
+        dwc_forward(y, x, w, b, s);
         return;
     }
     if (s->k_h == 3 && s->k_w == 3 && s->stride_w == 1)
@@ -1533,24 +1601,33 @@ POET_OUTLINE void dw3_s2_backward_input_channels2(float *dxc, const float *dyc, 
  * pair, each dx element is loaded, added to once with all its terms and stored. The last block of
  * a row (RIGHT 1: no dy column j + 1; 2: nor dx column 2j + 1, an odd width) and the last dy row
  * (BOT 1: no dy row m + 1; 2: nor dx row 2m + 1) are their own copies. */
+POET_INLINE void dws2_put(float *x, float v, const int SET)
+{
+    if (SET)
+        *x = v;
+    else
+        *x += v;
+}
+
 POET_INLINE void dws2_out(float *x0, float *x1, const float *d0, const float *d1, const float *w, const uint32_t Q,
-                          const uint32_t RIGHT, const uint32_t BOT)
+                          const uint32_t RIGHT, const uint32_t BOT, const int SET)
 {
     uint32_t q;
     for (q = 0; q < Q; ++q) {
         const int nr = RIGHT && q == Q - 1, nx = RIGHT == 2 && q == Q - 1;
         const float a = d0[q];
-        x0[2 * q] += a * w[4];
+        dws2_put(&x0[2 * q], a * w[4], SET);
         if (!nx)
-            x0[2 * q + 1] += nr ? a * w[5] : a * w[5] + d0[q + 1] * w[3];
+            dws2_put(&x0[2 * q + 1], nr ? a * w[5] : a * w[5] + d0[q + 1] * w[3], SET);
         if (BOT == 0) {
-            x1[2 * q] += a * w[7] + d1[q] * w[1];
+            dws2_put(&x1[2 * q], a * w[7] + d1[q] * w[1], SET);
             if (!nx)
-                x1[2 * q + 1] += nr ? a * w[8] + d1[q] * w[2] : a * w[8] + d0[q + 1] * w[6] + (d1[q] * w[2] + d1[q + 1] * w[0]);
+                dws2_put(&x1[2 * q + 1], nr ? a * w[8] + d1[q] * w[2]
+                                            : a * w[8] + d0[q + 1] * w[6] + (d1[q] * w[2] + d1[q + 1] * w[0]), SET);
         } else if (BOT == 1) {
-            x1[2 * q] += a * w[7];
+            dws2_put(&x1[2 * q], a * w[7], SET);
             if (!nx)
-                x1[2 * q + 1] += nr ? a * w[8] : a * w[8] + d0[q + 1] * w[6];
+                dws2_put(&x1[2 * q + 1], nr ? a * w[8] : a * w[8] + d0[q + 1] * w[6], SET);
         }
     }
 }
@@ -1564,7 +1641,7 @@ POET_INLINE void dws2_load(float *d, const float *p, const uint32_t N)
 
 /* dy columns j0 .. j0 + Q (the blocks above them) of one plane, every row */
 POET_INLINE void dws2_strip(float *dx, const float *dy, const float *w, uint32_t j0, const poet_conv2d_shape *s,
-                            const uint32_t Q, const uint32_t RIGHT)
+                            const uint32_t Q, const uint32_t RIGHT, const int SET)
 {
     const uint32_t w_in = s->w_in, w_out = s->w_out, N = RIGHT ? Q : Q + 1;
     const float *dp = dy + j0;
@@ -1577,51 +1654,99 @@ POET_INLINE void dws2_strip(float *dx, const float *dy, const float *w, uint32_t
     for (i = (s->h_out - 1) / 2; i; --i) {
         dws2_load(E, dp, N);
         dp += w_out;
-        dws2_out(xp, xp + w_in, D, E, w, Q, RIGHT, 0);
+        dws2_out(xp, xp + w_in, D, E, w, Q, RIGHT, 0, SET);
         xp += 2 * w_in;
         dws2_load(D, dp, N);
         dp += w_out;
-        dws2_out(xp, xp + w_in, E, D, w, Q, RIGHT, 0);
+        dws2_out(xp, xp + w_in, E, D, w, Q, RIGHT, 0, SET);
         xp += 2 * w_in;
     }
     if ((s->h_out - 1) % 2) {
         dws2_load(E, dp, N);
-        dws2_out(xp, xp + w_in, D, E, w, Q, RIGHT, 0);
+        dws2_out(xp, xp + w_in, D, E, w, Q, RIGHT, 0, SET);
         xp += 2 * w_in;
         if (2 * s->h_out - 1 < s->h_in) /* the last dy row, and the dx row below it */
-            dws2_out(xp, xp + w_in, E, E, w, Q, RIGHT, 1);
+            dws2_out(xp, xp + w_in, E, E, w, Q, RIGHT, 1, SET);
         else
-            dws2_out(xp, xp, E, E, w, Q, RIGHT, 2);
+            dws2_out(xp, xp, E, E, w, Q, RIGHT, 2, SET);
     } else if (2 * s->h_out - 1 < s->h_in)
-        dws2_out(xp, xp + w_in, D, D, w, Q, RIGHT, 1);
+        dws2_out(xp, xp + w_in, D, D, w, Q, RIGHT, 1, SET);
     else
-        dws2_out(xp, xp, D, D, w, Q, RIGHT, 2);
+        dws2_out(xp, xp, D, D, w, Q, RIGHT, 2, SET);
 }
 
-/* Every plane of the layer: strips of four blocks, what is left but the last block, the last */
-POET_OUTLINE void dws2_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+/* Every plane of the layer: strips of four blocks, what is left but the last block, the last.
+ * SET: dx = the gradient (every element of dx is written), else dx += it. Padding 0 along H (a
+ * strip of rows with its halo, h_in >= 3): dx row 0 takes dy row 0 through kernel row 0 alone; dx
+ * rows 1 .. are the padded layer's rows 0 .. (dx row 2m + 1 from dy row m through kernel row 1,
+ * 2m + 2 from rows m and m + 1 through kernel rows 2 and 0), so the walk runs on the plane from
+ * row 1 on; an even height's last row is read by no window, its gradient 0. */
+POET_INLINE void dws2_top(float *x0, const float *d0, const float *w, uint32_t w_in, uint32_t w_out, const int SET)
 {
-    const uint32_t w_out = s->w_out, in_plane = s->h_in * s->w_in, out_plane = s->h_out * w_out, C = s->c_in;
+    uint32_t j;
+    for (j = 0; j + 1 < w_out; ++j) {
+        dws2_put(&x0[2 * j], d0[j] * w[1], SET);
+        dws2_put(&x0[2 * j + 1], d0[j] * w[2] + d0[j + 1] * w[0], SET);
+    }
+    dws2_put(&x0[2 * j], d0[j] * w[1], SET);
+    if (2 * j + 1 < w_in)
+        dws2_put(&x0[2 * j + 1], d0[j] * w[2], SET);
+}
+
+POET_INLINE void dws2_layer(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s, const int SET)
+{
+    const uint32_t w_in = s->w_in, w_out = s->w_out, in_plane = s->h_in * w_in, out_plane = s->h_out * w_out;
+    const uint32_t C = s->c_in, top = s->pad_h == 0;
+    poet_conv2d_shape walk = *s; /* the rows the padded layer's walk covers */
     uint32_t n, c, k, j0;
+    if (top)
+        walk.h_in = s->h_in % 2 ? s->h_in - 1 : s->h_in - 2;
     for (n = 0; n < s->n; ++n)
         for (c = 0; c < C; ++c) {
             float wv[9], *xc = dx + (n * C + c) * in_plane;
             const float *dc = dy + (n * C + c) * out_plane;
             for (k = 0; k < 9; ++k)
                 wv[k] = w[c * 9 + k];
+            if (top) {
+                dws2_top(xc, dc, wv, w_in, w_out, SET);
+                if (SET && s->h_in % 2 == 0)
+                    for (k = 0; k < w_in; ++k)
+                        xc[in_plane - w_in + k] = 0.0f;
+                xc += w_in;
+            }
             for (j0 = 0; j0 + 4 < w_out; j0 += 4)
-                dws2_strip(xc, dc, wv, j0, s, 4, 0);
+                dws2_strip(xc, dc, wv, j0, &walk, 4, 0, SET);
             if (j0 + 4 == w_out)
-                dws2_strip(xc, dc, wv, j0, s, 3, 0), j0 += 3;
+                dws2_strip(xc, dc, wv, j0, &walk, 3, 0, SET), j0 += 3;
             else if (j0 + 3 == w_out)
-                dws2_strip(xc, dc, wv, j0, s, 2, 0), j0 += 2;
+                dws2_strip(xc, dc, wv, j0, &walk, 2, 0, SET), j0 += 2;
             else if (j0 + 2 == w_out)
-                dws2_strip(xc, dc, wv, j0, s, 1, 0), j0 += 1;
-            if (2 * j0 + 1 < s->w_in)
-                dws2_strip(xc, dc, wv, j0, s, 1, 1);
+                dws2_strip(xc, dc, wv, j0, &walk, 1, 0, SET), j0 += 1;
+            if (2 * j0 + 1 < w_in)
+                dws2_strip(xc, dc, wv, j0, &walk, 1, 1, SET);
             else
-                dws2_strip(xc, dc, wv, j0, s, 1, 2);
+                dws2_strip(xc, dc, wv, j0, &walk, 1, 2, SET);
         }
+}
+
+/* Whether the stride-2 strips take a layer: depthwise, 3x3, padding 1 along W and 1 along H (any
+ * size) or 0 (h_in >= 3) */
+static int dws2_ok(const poet_conv2d_shape *s)
+{
+    return s->groups == s->c_in && s->groups == s->c_out && s->k_h == 3 && s->k_w == 3 && s->stride_h == 2 &&
+           s->stride_w == 2 && s->pad_w == 1 && (s->pad_h == 1 || (s->pad_h == 0 && s->h_in >= 3));
+}
+
+POET_OUTLINE void dws2_backward_input(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    dws2_layer(dx, dy, w, s, 0);
+}
+
+/* The same writing dx instead of adding to it: each dx element is stored once with all its terms,
+ * neither loaded nor zeroed first (a 2 x 2 block: 9 multiplies, 5 additions, 4 stores) */
+POET_OUTLINE void dws2_backward_input_set(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+    dws2_layer(dx, dy, w, s, 1);
 }
 #endif
 
@@ -1632,15 +1757,15 @@ static int depthwise3_s2_backward_input(float *dx, const float *dy, const float 
 {
     const uint32_t cout_g = s->c_out / s->groups;
     uint32_t n, c, co;
-    if (s->groups != s->c_in || s->k_h != 3 || s->k_w != 3 || s->stride_h != 2 || s->stride_w != 2 ||
-        s->pad_h != 1 || s->pad_w != 1)
-        return 0;
 #ifndef POET_KERNELS_SMALL
-    if (s->groups == s->c_out) { /* depthwise: the column strips */
+    if (dws2_ok(s)) { /* depthwise: the column strips */
         dws2_backward_input(dx, dy, w, s);
         return 1;
     }
 #endif
+    if (s->groups != s->c_in || s->k_h != 3 || s->k_w != 3 || s->stride_h != 2 || s->stride_w != 2 ||
+        s->pad_h != 1 || s->pad_w != 1)
+        return 0;
     for (n = 0; n < s->n; ++n)
         for (c = 0; c < s->c_in; ++c) {
             float *dxc = dx + (n * s->c_in + c) * s->h_in * s->w_in;
@@ -1671,7 +1796,7 @@ static int depthwise3_backward_input(float *dx, const float *dy, const float *w,
     t.h_in = s->h_out, t.w_in = s->w_out, t.h_out = s->h_in, t.w_out = s->w_in;
     t.pad_h = 2 - s->pad_h, t.pad_w = 2 - s->pad_w;
 #ifndef POET_KERNELS_SMALL
-    if (dwc_ok(&t, 1)) { /* the column strips, the whole layer in one call */
+    if (t.pad_h == 1 && dwc_ok(&t, 1)) { /* the column strips, the whole layer in one call */
         dwc_backward_input_s1(dx, dy, w, &t);
         return 1;
     }
@@ -1702,6 +1827,36 @@ void poet_conv2d_backward_input(float *dx, const float *dy, const float *w, cons
     else
 #endif
         backward_input_all(dx, dy, w, s, 0);
+}
+
+/* dx = the data gradient, for its first contribution: the depthwise 3x3 layers (padding 1) write
+ * every element of dx themselves, so the buffer needs no zeroing and no element is loaded; the
+ * others zero dx and add into it */
+void poet_conv2d_backward_input_set(float *dx, const float *dy, const float *w, const poet_conv2d_shape *s)
+{
+#ifndef POET_KERNELS_SMALL
+    poet_conv2d_shape t;
+    if (dws2_ok(s)) {
+        dws2_backward_input_set(dx, dy, w, s);
+        return;
+    }
+    if (s->groups == s->c_in && s->groups == s->c_out && s->stride_h == 1 && s->stride_w == 1 && s->pad_h <= 2 &&
+        s->pad_w <= 2) {
+        t = *s; /* the forward's walk on the kernels turned around: geometry as in depthwise3_backward_input */
+        t.h_in = s->h_out, t.w_in = s->w_out, t.h_out = s->h_in, t.w_out = s->w_in;
+        t.pad_h = 2 - s->pad_h, t.pad_w = 2 - s->pad_w;
+        if (dwc_ok(&t, 1) && t.pad_h == 1) {
+            dwc_backward_input_set_s1(dx, dy, w, &t);
+            return;
+        }
+        if (dwc_ok(&t, 1) && t.pad_h == 2) {
+            dwc_backward_input_set_s1_p2(dx, dy, w, &t);
+            return;
+        }
+    }
+#endif
+    poet_zero(dx, s->n * s->c_in * s->h_in * s->w_in);
+    poet_conv2d_backward_input(dx, dy, w, s);
 }
 
 /* Weight gradients of output channels co .. co + C by input channels ci .. ci + Q (within co's
@@ -1802,7 +1957,7 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
 #ifndef POET_KERNELS_SMALL
-    /* (stride 1 takes depthwise3_grad_layer_s1, the whole layer in one call) */
+    /* (stride 1 takes the column strips, dwc_layer_ok; the shapes they leave, this) */
     if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && sw == 2) {
         float g[9], *at = gw + co * 9; /* one input channel, 3x3: channel co's nine weights */
         depthwise3_grad_s2(g, dy, x, s, co);
@@ -1864,15 +2019,14 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
     uint32_t g, co, ci;
 #ifndef POET_KERNELS_SMALL
     if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
-        if (s->stride_w == 1)
+        if (s->stride_w == 1 && s->pad_h == 1)
             dwc_grad_s1(gw, dy, x, s, lr, sgd);
-        else
+        else if (s->stride_w == 1)
+            dwc_grad_s1_p0(gw, dy, x, s, lr, sgd);
+        else if (s->pad_h == 1)
             dwc_grad_s2(gw, dy, x, s, lr, sgd);
-        return;
-    }
-    if (cin_g == 1 && cout_g == 1 && s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->w_in >= 3 &&
-        s->stride_w == 1) {
-        depthwise3_grad_layer_s1(gw, dy, x, s, lr, sgd);
+        else
+            dwc_grad_s2_p0(gw, dy, x, s, lr, sgd);
         return;
     }
 #endif
