@@ -77,7 +77,11 @@ def test_the_program_trains_as_the_straight_line_step_from_flash_and_from_storag
     profile = load_profile("nrf52840")
     network = lower_network(strip_cnn(), (1, 1, 96, 96), weights="streamed", strips="auto",
                             strip_budget=160 * 1024)
-    plan = solve_for_export(network.graph, profile, ram="160KiB", time_limit=5)
+    # planned at 200 KiB (the strips are cut for 160 KiB above): with room to spare the arena needs one
+    # re-solve and a short placement search, where at 160 KiB it took four solves and most of the test
+    plan = solve_for_export(network.graph, profile, ram="200KiB", time_limit=5)
+    ops = {step["op"] for step in plan.schedule.to_dict()["steps"]}
+    assert {"page_in", "page_out"} <= ops, "the plan pages: the storage program has page-ins and page-outs to run"
     rng = np.random.default_rng(2)
     x, y = rng.standard_normal((1, 1, 96, 96)).astype(np.float32), np.array([2])
     runs = {}

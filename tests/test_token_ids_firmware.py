@@ -81,8 +81,10 @@ def test_measure_device_profiles_a_model_of_token_ids(tmp_path):
     """`measure --device` runs one profiled step of the firmware on random ids below the table (the
     library would refuse floats with E_TOKEN) and writes a cost per node."""
     out = tmp_path / "costs.csv"
+    # a 10 s limit: the plan's quality is not what this is about, and the default 60 s (two solves, the
+    # second at a tightened budget) was most of the test's time
     ran = cli("measure", "--device", "nrf52840", "--torch", "poet_opt.examples.torch_models:small_token_classifier",
-              "--input-shape", "1,16", "--ram", "48KiB", "--strips", "2", "-o", out)
+              "--input-shape", "1,16", "--ram", "48KiB", "--strips", "2", "--time-limit", "10", "-o", out)
     assert ran.exit_code == 0, ran.stderr
     rows = out.read_text().splitlines()
     assert rows[0] == "name,time_s,energy_j" and any(r.startswith("embed@r0@c0") for r in rows)
