@@ -222,11 +222,21 @@ def test_a_device_the_emulator_has_no_core_for_is_refused(vww_batch, tmp_path):
     assert_one_line_error(result, "--device", "Cortex-A72", out=out)
 
 
-def test_an_unknown_zoo_model_and_bad_labels_are_refused(vww_batch, tmp_path):
+def test_an_unknown_zoo_model_and_bad_labels_are_refused(vww_batch, tmp_path, monkeypatch):
     assert_one_line_error(_emulate(data=vww_batch, model=("--model", "resnet34")), "--model", "mcu-vww")
     data = tmp_path / "b.npz"
     np.savez(data, x=np.ones((1, 1, 96, 96), np.float32), y=np.array([7]))
+
+    def no_solve(*args, **kwargs):  # labels are checked against the traced model's outputs, not after a solve
+        raise AssertionError("solved before the labels were checked")
+
+    monkeypatch.setattr("poet_opt.firmware.trainer.solve_for_export", no_solve)
     assert_one_line_error(_emulate(data=data), "--data", "[0, 2)")
+    np.savez(data, x=np.ones((4, 1, 96, 96), np.float32), y=np.array([0, 1, 0, 2]))  # a data set: the 4th
+    assert_one_line_error(_emulate("--batch-size", "2", data=data), "--data", "[0, 2)")
+    np.savez(data, x=np.ones((2, 1, 96, 96), np.float32), y=np.array([0.0, 1.0]))
+    line = assert_one_line_error(_emulate(data=data), "--data", "one integer label per sample")
+    assert line.count("--data") == 1, line
     data.write_text("not a zip")
     assert_one_line_error(_emulate(data=data), "--data")
 

@@ -34,7 +34,7 @@ def load_set(path, field_name: str) -> tuple[np.ndarray, np.ndarray]:
     try:
         x, y = load_batch(path, token_ids=True)  # ids or features: check_inputs asks which the model reads
     except PoetError as exc:
-        raise PoetError(str(exc), source=exc.source, field=field_name) from None
+        raise PoetError(exc.message, source=exc.source, field=field_name) from None
     return x, y.astype(np.int64)
 
 

@@ -258,31 +258,36 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
         raise PoetError(f"the firmware keeps each step's loss in RAM ({LOSS_BYTES} B a step): {steps:,} steps need "
                         f"{LOSS_BYTES * steps:,} B and {profile.name} has {target.ram_bytes:,} B; at most "
                         f"{most:,} steps, fewer beside the model", field="--steps")
+
+    def check_data(network) -> None:  # once the model's outputs are known, before the solve
+        classes = network.layers[network.output].elements // network.input_shape[0]
+        check_set(x, y, shape[1:], classes, batch, "--data")  # names the first label out of range
+        if eval_x is not None:
+            check_set(eval_x, eval_y, shape[1:], classes, batch, "--eval")
+        check_labels(y, classes)
+
     network, plan = solve_plan(module, shape, profile, ram=ram, name=model, trainable=trainable,
                                time_limit=time_limit, mode=mode, progress=progress, weights=weights,
                                tile_bytes=tile_bytes, strips=strips, costs=costs, steps=steps,
-                               data_set=on_data_set)
-    classes = network.layers[network.output].elements // network.input_shape[0]
+                               data_set=on_data_set, check=check_data)
     feed = None
     if on_data_set:
-        check_set(x, y, shape[1:], classes, batch, "--data")
-        if eval_x is not None:
-            check_set(eval_x, eval_y, shape[1:], classes, batch, "--eval")
         feed = Feeder(x, y, batch, steps, seed, eval_x, eval_y, bar=bar)
-        x, y = x[:batch], y[:batch]
-    y = check_labels(y, classes)
+    x, y = x[:batch], check_labels(y[:batch], network.layers[network.output].elements // network.input_shape[0])
     return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress,
                         inputs=inputs, prefix=prefix, feed=feed)
 
 
 def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_limit: Optional[float] = 60.0,
                mode: str = "joint", progress=None, weights: str = "resident", tile_bytes=None, strips="auto",
-               costs=None, steps: int = 1, data_set: bool = False):
+               costs=None, steps: int = 1, data_set: bool = False, check=None):
     """(the network as lowered, the FirmwarePlan that ``poet-opt solve --export`` gives it): what
     `emulate` and `measure --device` run, its arena solved again, smaller, where the firmware's
     other statics (for ``steps`` steps' losses) and its stack leave too little of the device beside it. ``costs``: a measured-costs file or MeasuredCosts
     (``solve --costs``), put on the graph before the solve. ``data_set``: the harness keeps one
-    batch, its logits and one loss (firmware/dataset.py) instead of every step's loss."""
+    batch, its logits and one loss (firmware/dataset.py) instead of every step's loss. ``check``: called
+    with the network as lowered, before the solve (the data's labels against its outputs: bad input
+    is refused in seconds, not after a solve of up to the time limit)."""
     from poet_opt.model.measured_costs import MeasuredCosts, load_costs
 
     def say(text: str) -> None:
@@ -297,6 +302,8 @@ def solve_plan(module, shape, profile, *, ram, name=None, trainable="all", time_
     striped = Lowering(module, shape, profile, ram_bytes, name=model, trainable=trainable, weights=weights,
                        tile_bytes=tile_bytes, strips=strips, table=table)
     network = striped(ram_bytes)
+    if check is not None:
+        check(network)
     say("solving")
     # strips fit to the budget may leave a node too large for the tighter budget an arena's
     # fragmentation calls for: auto strips are then fit to that budget
