@@ -261,10 +261,11 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
 
     def check_data(network) -> None:  # once the model's outputs are known, before the solve
         classes = network.layers[network.output].elements // network.input_shape[0]
-        check_set(x, y, shape[1:], classes, batch, "--data")  # names the first label out of range
-        if eval_x is not None:
-            check_set(eval_x, eval_y, shape[1:], classes, batch, "--eval")
-        check_labels(y, classes)
+        if on_data_set:  # a data set's check names the first label out of range, and its file
+            check_set(x, y, shape[1:], classes, batch, "--data")
+            if eval_x is not None:
+                check_set(eval_x, eval_y, shape[1:], classes, batch, "--eval")
+        check_labels(y, classes)  # one batch: the one rule `run` applies too
 
     network, plan = solve_plan(module, shape, profile, ram=ram, name=model, trainable=trainable,
                                time_limit=time_limit, mode=mode, progress=progress, weights=weights,

@@ -53,6 +53,8 @@ PAGING_FILES = ("poet_paging.c",)
 # the step's learning rate, input batch and labels: what the caller of the train step passes in
 # (library.py sets these statics on entry)
 LR = "poet_lr"
+# layers whose data-gradient kernel has a form that writes dx instead of adding to it (``_set``)
+WRITES_DATA_GRADIENT = ("conv2d", "linear")
 
 
 @dataclass
@@ -325,15 +327,19 @@ class StepWriter:
         a, b = layer.operand_shapes
         return f"{math.prod(a[:-2])}u, {a[-2]}u, {a[-1]}u, {b[-1]}u"
 
-    def data_gradient(self, user: Layer, which: int, g: str, ops: dict[int, int], f: str) -> str:
-        """g += d(loss)/d(operand `which` of user), from grad:user."""
+    def data_gradient(self, user: Layer, which: int, g: str, ops: dict[int, int], f: str, write: bool = False) -> str:
+        """g += d(loss)/d(operand `which` of user), from grad:user; ``write`` (a convolution or a linear
+        layer only): g = the same, its kernel's ``_set`` form, for the first term of an unzeroed g."""
+        if write and user.op not in WRITES_DATA_GRADIENT:
+            raise ValueError(f"{user.op} has no kernel that writes its data gradient")
+        set_ = "_set" if write else ""
         k = self.layer_index[user.name]
         gu = self.at(ops, "grad:" + user.name, f"grad:{f} through {user.name}")
         S = "&" + c_ident(k, "shape")
         n = user.elements
         op = user.op
         if op == "conv2d":
-            return f"poet_conv2d_backward_input({g}, {gu}, {self.param(user, 'weight', ops)}, {S});"
+            return f"poet_conv2d_backward_input{set_}({g}, {gu}, {self.param(user, 'weight', ops)}, {S});"
         if op == "batchnorm":
             x = self.at(ops, f, f"{user.name}'s backward")
             return (f"poet_batchnorm_backward({g}, NULL, NULL, {gu}, {x}, {c_ident(k, 'mean')}, {c_ident(k, 'invstd')}, "
@@ -355,7 +361,8 @@ class StepWriter:
             return f"poet_global_avgpool_backward({g}, {gu}, {xs[0] * xs[1]}u, {math.prod(xs[2:])}u);"
         if op == "linear":
             fi, fo = user.attrs["features_in"], user.attrs["features_out"]
-            return f"poet_linear_backward_input({g}, {gu}, {self.param(user, 'weight', ops)}, {n // fo}u, {fi}u, {fo}u);"
+            return (f"poet_linear_backward_input{set_}({g}, {gu}, {self.param(user, 'weight', ops)}, {n // fo}u, "
+                    f"{fi}u, {fo}u);")
         if op == "concat":  # a tile's gradient is its features' share of the whole
             lo, inner, outer, count, whole = self.slices(user)[which]
             return f"poet_accumulate_strided({g}, {gu} + {lo * inner}u, {outer}u, {count}u, {count}u, {whole}u);"
@@ -513,12 +520,11 @@ class StepWriter:
             if partial:  # the sum so far, from the partial node before this one
                 lines.append(f"poet_copy({out}, {self.at(ops, self.nodes[partial[0]]['name'], name)}, "
                              f"{layer.elements}u);")
-            elif not loss and terms and terms[0][0].op in ("conv2d", "linear"):
+            elif not loss and terms and terms[0][0].op in WRITES_DATA_GRADIENT:
                 # the first term writes the buffer (dx =): no zeroing, and a depthwise layer's walk
                 # or a classifier head's row neither loads nor zeroes dx
                 user, which = terms.pop(0)
-                kernel = f"poet_{user.op}_backward_input("
-                lines.append(self.data_gradient(user, which, out, ops, f).replace(kernel, kernel[:-1] + "_set(", 1))
+                lines.append(self.data_gradient(user, which, out, ops, f, write=True))
             else:
                 lines.append(f"poet_zero({out}, {layer.elements}u);")
             if loss:
