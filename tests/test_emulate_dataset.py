@@ -154,6 +154,14 @@ def test_labels_outside_the_classes_are_refused_naming_the_file_they_are_in(tmp_
         assert_one_line_error(result, option, "label 4", "[0, 4)")
 
 
+def test_a_uint64_label_past_int64_is_named_as_given(tmp_path):
+    huge = np.array([0, 1, 2, 2**63 + 5, 3, 0], dtype=np.uint64)
+    np.savez(tmp_path / "d.npz", x=np.zeros((6, 3, 16, 16), np.float32), y=huge)
+    result = cli("emulate", "--torch", CNN, "--input-shape", "2,3,16,16", "--device", "stm32f746", "--ram", "20KiB",
+                 "--lr", LR, "--epochs", 1, "--data", tmp_path / "d.npz", "--time-limit", 5, "-q")
+    assert_one_line_error(result, "--data", f"label {2**63 + 5} is outside [0, 4)")
+
+
 def test_an_output_onto_the_eval_set_is_refused_before_the_solve(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.zeros((6, 3, 16, 16), np.float32), y=np.zeros(6, np.int64))
     np.savez(tmp_path / "e.npz", x=np.zeros((2, 3, 16, 16), np.float32), y=np.zeros(2, np.int64))
