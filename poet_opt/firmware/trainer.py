@@ -274,7 +274,7 @@ def emulate_training(*, device, ram, steps: Optional[int], lr: float, data, mode
     feed = None
     if on_data_set:
         feed = Feeder(x, y, batch, steps, seed, eval_x, eval_y, bar=bar)
-    x, y = x[:batch], check_labels(y[:batch], network.layers[network.output].elements // network.input_shape[0])
+    x, y = x[:batch], y[:batch].astype(np.int64)  # check_data, before the solve, checked every label
     return run_schedule(network, plan, profile, steps=steps, lr=lr, x=x, y=y, out_dir=out_dir, progress=progress,
                         inputs=inputs, prefix=prefix, feed=feed)
 

@@ -6,10 +6,10 @@ The training graph's semantics (poet_opt.model.zoo) decide what a node computes:
 
 - a forward node runs its layer's kernel;
 - ``grad:f`` is the gradient of the loss with respect to f's output: zeroed, then one contribution
-  per user u of f (a convolution's or linear layer's first contribution writes the buffer instead,
-  with no zeroing) (the data gradient back through u, which reads grad:u and what u saved), plus the
+  per user u of f (the data gradient back through u, which reads grad:u and what u saved), plus the
   softmax cross-entropy gradient when f is the logits; and when f has trainable weights, their
-  gradients, which read f's inputs.
+  gradients, which read f's inputs. Where the first contribution is a convolution's or a linear
+  layer's, it writes the buffer instead, and there is no zeroing.
 
 A recompute produces the same bytes as the first compute, but side effects must happen once per
 step: running statistics move and weight gradients accumulate only at a node's first compute,
