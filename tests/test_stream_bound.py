@@ -165,3 +165,87 @@ def test_the_lp_with_recomputation_inputs_warm_started_has_the_cold_optimum(case
     assert warm.status == cold.status
     if cold.status == "optimal":
         assert math.isclose(warm.objective, cold.objective, rel_tol=1e-7, abs_tol=1e-12), (warm.objective, cold.objective)
+
+
+@st.composite
+def trees(draw):
+    """Strip-like graphs where the support rows bind: weights streamed into one convolution or two
+    slices of it joined by a concat, a run of cheap single-reader operators (batch-norm, an add with a
+    skip input, ...) up to a ReLU that forward nodes and gradients read several times, with large
+    tensors between those reads. The ReLU comes back by a recomputation down its tree, a page-in or
+    being kept; each level of the tree is read only by the one above it, as in ResNet-18's strips."""
+    act = draw(st.sampled_from((1024, 4096)))
+    mid = act // draw(st.sampled_from((1, 1, 4)))
+    back = draw(st.sampled_from((64, 64, mid)))
+    nodes = [Node(0, "w", "forward", 1024, (), 0.0, "param"), Node(1, "x", "forward", 256, (), 0.0, "input")]
+
+    def add(name, kind, size, deps, flops, op="op", **extra):
+        nodes.append(Node(len(nodes), name, kind, size, tuple(deps), flops, op, **extra))
+        return len(nodes) - 1
+
+    if draw(st.booleans()):
+        halves = [add(f"conv#{j}", "forward", act // 2, (0, 1), 5e5) for j in range(2)]
+        top = add("conv", "forward", act, halves, 1e2, "concat")
+    else:
+        top = add("conv", "forward", act, (0, 1), 1e6)
+    for level in range(draw(st.integers(1, 3))):
+        deps = (top, 1) if draw(st.booleans()) else (top,)
+        top = add(f"cheap{level}", "forward", act, deps, draw(st.sampled_from((1e2, 1e4))))
+    relu = add("relu", "forward", act, (top,), 1e3)
+    reads = draw(st.lists(st.sampled_from((False, False, True)), min_size=1, max_size=3))
+    prev = relu
+    for k, reads_relu in enumerate(reads):
+        prev = add(f"mid{k}", "forward", mid, (prev, relu) if reads_relu and prev != relu else (prev,), 1e4)
+    grad = add("loss", "loss", 4, (prev,), 1e3, "loss")
+    for k, reads_relu in reversed(list(enumerate(reads))):
+        grad = add(f"grad:mid{k}", "backward", back, (grad, relu) if reads_relu else (grad,), 1e4, "grad")
+    grad = add("grad:relu", "backward", act, (grad, relu), 1e3, "grad")
+    add("grad:conv", "backward", 256, (grad, 0, 1), 1e6, "grad", updates=(0,), writes_bytes=1024)
+    graph = TrainingGraph.build("tree", nodes)
+    mode = draw(st.sampled_from(("joint", "remat", "paging")))
+    share = draw(st.sampled_from((0.0, 0.05, 0.2, 0.5)))
+    slow = draw(st.sampled_from((math.inf, 1.3)))
+    return graph, mode, share, slow
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, print_blob=True)
+@given(trees())
+def test_on_recomputation_trees_the_support_rows_keep_the_bound_below_the_optimum(case):
+    """The rows of _either and _support (what a recomputation stands on at every stage of its gap)
+    on the graphs where they bind, against the full MILP's optimum, LP and MILP, every mode."""
+    graph, mode, share, slow = case
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    budgets = Budgets(ram_bytes=int(lo + share * (hi - lo)), runtime_s=slow * float(costs.compute_s.sum()),
+                      storage_bytes=1 << 30)
+    exact = solve_milp(Formulation(graph, costs, budgets, mode).milp, gap=0, time_limit=30)
+    assert exact.status in ("optimal", "infeasible")
+    if exact.status == "infeasible":
+        return
+    model = ResidencyModel(graph, costs, budgets, mode, inputs=True)
+    for milp in (model.relaxed(), model.milp):
+        result = solve_milp(milp, gap=0, time_limit=20)
+        assert result.status != "infeasible"
+        assert result.objective <= exact.objective * (1 + REL) + 1e-15, (result.objective, exact.objective)
+
+
+def test_the_support_rows_price_what_a_recomputation_stands_on(monkeypatch):
+    """On the chain at a fifth of the way from its least working set to plain training's peak, the LP
+    with recomputation inputs but without the support rows recomputes relu from a bn it keeps only
+    around the recomputation; with them it pays for the tree at every stage of relu's gap and closes
+    most of what is left to the optimum, staying below it."""
+    import poet_opt.solver.stream_bound as stream_bound
+
+    graph = chain(2, 4096)
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    budgets = Budgets(ram_bytes=int(lo + 0.2 * (hi - lo)), runtime_s=math.inf, storage_bytes=1 << 30)
+    exact = solve_milp(Formulation(graph, costs, budgets, "joint").milp, gap=0, time_limit=60).objective
+    model = ResidencyModel(graph, costs, budgets, "joint", inputs=True)
+    assert model.block.columns.get("U")
+    with_rows = solve_milp(model.relaxed(), gap=0, time_limit=20).objective
+    monkeypatch.setattr(stream_bound, "SUPPORT_DEPTH", 0)
+    monkeypatch.setattr(stream_bound, "EITHER_MAX_STRETCHES", 0)
+    without = solve_milp(ResidencyModel(graph, costs, budgets, "joint", inputs=True).relaxed(), gap=0,
+                         time_limit=20).objective
+    assert without + 0.5 * (exact - without) < with_rows <= exact * (1 + REL), (without, with_rows, exact)

@@ -50,6 +50,12 @@ so each stage counts each tensor's bytes at most once, where the residency model
 a point of the model at no more than its energy, and the LP optimum with these rows, or HiGHS's dual
 bound on its MILP, bounds every plan in this execution order. New columns are continuous (the
 relaxation of a relaxation), and stay out of the runtime row (fewer terms in a ``<=`` row relax it).
+
+Three more kinds of rows close what a stretch and a window leave uncounted: a tail window after the
+first counts its input from its own start stage (``since`` below); ``_either`` counts the input or
+the output across a stretch's uncounted stages; and ``_support`` asks, at every stage of a gap
+returned by a recomputation, for something of the recomputation's tree to be kept there or made
+again. Each docstring gives its argument; docs/formulation.md gives them together.
 """
 
 from __future__ import annotations
@@ -128,20 +134,28 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
     prefix = defaultdict(set)  # interval -> stages p: "kept across start..p" is asked
     suffix = defaultdict(set)  # gap -> stages h: "kept across h..beta-1" is asked
     pairs = []  # (V, interval of e, own gap, [(p, h) per stretch], M1's stage, columns of e's returns)
-    tails = defaultdict(list)  # e -> [(V, lo, hi, own, cuts)]
+    tails = defaultdict(list)  # e -> [(V, lo, hi, own, cuts, t)]
+    windows = defaultdict(list)  # e -> [(start, hi, XR or None, XP or None)] per window of its tail
+    eithers = defaultdict(list)  # gap -> [(first, last, Y)]
     for t in range(T - 1, -1, -1):  # readers before what they read: a tail's pairs are all known at it
         anchor = touches[t][-1] if t in tails else None
-        for V, lo, hi, own, cuts in sorted(tails.pop(t, ()), key=lambda q: (q[1], q[2])):
+        for V, lo, hi, own, cuts, reader in sorted(tails.pop(t, ()), key=lambda q: (q[1], q[2])):
             # Windows (anchor, hi] of one tail are disjoint, so a materialization of t in each is a
             # distinct action; a pair overlapping the window before it gets no row.
             if lo < anchor:
                 continue
             start, anchor = anchor, hi
-            window = ("window", t, start)
-            stretches = _stretches(cuts, start, own, hi)
+            # In K, t is kept across every boundary from the window's start to the recomputation:
+            # into start + 1 without a materialization there. The boundary at the start itself is no
+            # other window's (their chains end a boundary before their last stage) and, but for the
+            # first window, no stage there reads t; the first starts at t's last reader.
+            since = start + 1 if start == touches[t][-1] else start
+            window = ("window", t, since - 1, start)
+            stretches = _stretches(cuts, since - 1, own, hi)
             if stretches is None:
                 continue
             returns = []
+            window_returns = windows[t]
             recompute = float(costs.compute_j[t]) if comp[t] > start else np.inf
             page_in = float(costs.page_in_j[t]) if pageable[t] and need[t] > start else np.inf
             if np.isfinite(recompute):
@@ -153,8 +167,11 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
                 xp = block.col("XP", page_in)
                 block.row([(xp, 1.0), (int(O[t]), -1.0)], -np.inf, 0.0)
                 returns.append(xp)
+            window_returns.append((start, hi, xr if np.isfinite(recompute) else None,
+                                   xp if np.isfinite(page_in) else None))
             _ask(prefix, suffix, window, own, stretches)
-            pairs.append((V, window, own, stretches, None, returns))
+            either = (t, reader, cuts) if own is not None else None
+            pairs.append((V, window, own, stretches, None, returns, either))
         for V, lo, hi, own in requirements.get(t, ()):
             cuts = _cuts(lo, hi, parts if own is not None else 1)
             for e in deps[t]:
@@ -166,7 +183,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
                 if hi >= beta:
                     continue  # a stage of (lo, hi] touches e: no row (e is there anyway)
                 if beta == T:
-                    tails[e].append((V, lo, hi, own, cuts))
+                    tails[e].append((V, lo, hi, own, cuts, t))
                     continue
                 gap = ("gap", gap_of[(e, alpha)])
                 stretches = _stretches(cuts, alpha, own, hi)
@@ -174,7 +191,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
                     continue
                 _ask(prefix, suffix, gap, own, stretches)
                 suffix[gap].add(hi)  # M1: e kept across hi..beta-1
-                pairs.append((V, gap, own, stretches, hi, None))
+                pairs.append((V, gap, own, stretches, hi, None, None))
     chains = {}
     for interval in set(prefix) | set(suffix):
         kind, which = interval[0], interval[1]
@@ -187,13 +204,19 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
         chains[interval] = _chains(block, alpha, beta, sorted(prefix[interval]), sorted(suffix[interval]),
                                    nb[e], T, returned)
     extras = {}
-    for V, interval, own, stretches, m1, returns in pairs:
-        zp, ws = chains.get(interval, ({}, {}))
+    for V, interval, own, stretches, m1, returns, either in pairs:
+        zp, ws, _ = chains.get(interval, ({}, {}, []))
         terms = [(V, 1.0)]
-        for p, h in stretches:
+        for k, (p, h) in enumerate(stretches):
             # the stretch's case needs both facts: a column at most each (one fact: that column)
             needs = ([zp[p]] if p is not None else []) + ([chains[("gap", own)][1][h]] if h is not None else [])
-            terms.append((_least(block, needs), -1.0))
+            case = _least(block, needs)
+            terms.append((case, -1.0))
+            if either is not None:
+                e, t, cuts = either
+                _either(block, case, cuts[k], cuts[k + 1] - 2, chains.get(interval, ({}, {}, []))[2],
+                        chains[("gap", own)][2] if ("gap", own) in chains else [],
+                        _either_bytes(nb, deps, e, t), T, eithers[own])
         if interval[0] == "gap":
             which = interval[1]
             terms.append((ws[m1], -1.0))
@@ -205,6 +228,12 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
         else:
             terms += [(c, -1.0) for c in returns]
             block.row(terms, -np.inf, 0.0)
+    kept = defaultdict(list)  # tensor -> (first, last, V) of every chain of its
+    for interval, (_, _, held) in chains.items():
+        owner = int(gaps.tensor[interval[1]]) if interval[0] == "gap" else interval[1]
+        kept[owner] += held
+    for k in np.flatnonzero(gaps.can_r):
+        _support(block, int(k), gaps, int(R[k]), nb, deps, users, kept, windows, eithers, T)
     return block
 
 
@@ -253,7 +282,8 @@ def _chains(block: Block, alpha: int, beta: int, prefix: list[int], suffix: list
     """One interval's columns: Zp[p] "kept across alpha+1..p", Ws[h] "kept across h..beta-1", and per
     stretch between those stages one V, at least every Zp and Ws that covers it, holding the bytes.
     ``returned``: the gap's return columns, negated (None for a tail, which the residency model never
-    counts): both chains are of a returned gap, a gap kept whole being counted already."""
+    counts): both chains are of a returned gap, a gap kept whole being counted already. Also returns
+    the stretches as (first, last, V), for the rows of ``_either``."""
     zp = {p: block.col("Zp") for p in prefix}
     ws = {h: block.col("Ws") for h in suffix}
     for a, b in zip(prefix[1:], prefix):  # kept up to a later stage: kept up to an earlier one
@@ -264,6 +294,7 @@ def _chains(block: Block, alpha: int, beta: int, prefix: list[int], suffix: list
         for c in [zp[p] for p in prefix[:1]] + [ws[h] for h in suffix[-1:]]:
             block.row([(c, 1.0)] + returned, -np.inf, 0.0)
     cuts = sorted({alpha + 1, beta, *(p + 1 for p in prefix), *suffix})
+    held = []
     for first, nxt in zip(cuts, cuts[1:]):
         last = nxt - 1
         k = bisect.bisect_left(prefix, last)  # the first prefix reaching past this stretch
@@ -277,7 +308,52 @@ def _chains(block: Block, alpha: int, beta: int, prefix: list[int], suffix: list
             for c in covers:
                 block.row([(v, 1.0), (c, -1.0)], 0.0, np.inf)
         block.hold(v, weight, first, last, T)
-    return zp, ws
+        held.append((first, last, v))
+    return zp, ws, held
+
+
+# A recomputation's stretch crossed by more kept-stretches than this gets no rows of ``_either`` (one
+# column per piece: on ResNet-18 at 200 KiB the long forward-to-backward gaps would add 250,000).
+EITHER_MAX_STRETCHES = 4
+
+
+def _either_bytes(nb: np.ndarray, deps, e: int, t: int) -> float:
+    """What ``_either`` may count for input ``e`` of ``t``: e's bytes, or its share of t's when t has
+    several inputs (up to the recomputation each input is there, after it t, so the shares of t's
+    inputs together count t's bytes at most once)."""
+    inputs = sum(float(nb[d]) for d in deps[t] if nb[d] > 0)
+    return min(float(nb[e]), float(nb[t]) * float(nb[e]) / inputs)
+
+
+def _either(block: Block, case: int, first: int, last: int, kept_input, kept_output, weight: float,
+            T: int, made: list) -> None:
+    """The stages a recomputation's stretch leaves uncounted: ``case`` is the stretch's K case (t
+    recomputed at a stage s in it from e kept since the window's start), so across each boundary of
+    first..last e is kept (before s) or t is (from s on). The block counts either only where a chain
+    says it is kept across a whole stretch of its own (``kept_input``, ``kept_output``: (first, last,
+    V)); where neither does, a column ``Y`` at least ``case`` less those holds ``weight`` bytes. A
+    plan maps onto it with Y 1 where neither tensor is kept across the whole stretch: it holds one of
+    them at each boundary there, and no other column counts either of them: e's only chain in a tail
+    is its window's, t's in its gap its own, and no other Y counts them (e's tail windows are
+    disjoint, t's gaps are, and an input of one Y is in its tail where it is no Y's output)."""
+    if last < first or weight <= 0:
+        return
+    points = {first, last + 1}
+    for f, lst, _ in (*kept_input, *kept_output):
+        points.update(x for x in (f, lst + 1) if first < x <= last)
+    points = sorted(points)
+    if len(points) - 1 > EITHER_MAX_STRETCHES:
+        return
+    for a, nxt in zip(points, points[1:]):
+        terms = [(case, -1.0)]
+        for f, lst, v in (*kept_input, *kept_output):
+            if f <= a <= lst:
+                terms.append((v, 1.0))
+        y = block.col("Y")
+        terms.append((y, 1.0))
+        block.row(terms, 0.0, np.inf)
+        block.hold(y, weight, a, nxt - 1, T)
+        made.append((a, nxt - 1, y))
 
 
 def _least(block: Block, needs: list[int]) -> int:
@@ -288,3 +364,74 @@ def _least(block: Block, needs: list[int]) -> int:
     for c in needs:
         block.row([(b, 1.0), (c, -1.0)], -np.inf, 0.0)
     return b
+
+
+# How deep _support follows single-reader inputs, and how many pieces (between the kept-stretches
+# already counted) one gap's rows may be cut into: past either, fewer rows, which only relax.
+SUPPORT_DEPTH = 6
+SUPPORT_MAX_PIECES = 8
+
+
+def _support(block: Block, k: int, gaps, r: int, nb: np.ndarray, deps, users, kept, windows, eithers,
+             T: int) -> None:
+    """What a recomputation stands on, across every stage of its gap. If the last materialization of
+    tensor t in its gap (lo, hi) is a recomputation (``r``), say at s, then at every stage σ of
+    lo+1..hi-1 something of t's recomputation tree is kept across σ: t itself from s on, and before s
+    each input t needs at s is either kept from σ on or made again in (σ, s], by a page-in or by a
+    recomputation whose own inputs are then, by the same argument, kept or made. The tree followed
+    is t's inputs that only t reads, theirs, and so on (an input read elsewhere is left out: fewer
+    alternatives only weaken the row, and those tensors may be counted by other rows), down to a
+    level of several inputs or a tensor whose materializations some window of its tail does not
+    price: those tensors' recomputations end it. Every tensor of the tree below t lies in its tail
+    there (its only reader was computed before t), where the windows' XP and XR columns price each
+    page-in and each recomputation of it (the windows must cover (lo, hi]). So per stage, either a
+    column already counting one of the tree's tensors there (a chain's V, an either-row's Y), or a
+    page-in or a final recomputation in a covering window, or a new column ``U`` holding the least of
+    the tree's levels' bytes is at least r. A plan maps onto it with U 1 where none of those is: it
+    then keeps one of the tree's tensors across that stage, which no other column counts (each tensor
+    of the tree is in this one tree, t's gaps are disjoint, and its levels hold its whole tensor)."""
+    t, lo, hi = int(gaps.tensor[k]), int(gaps.a[k]), int(gaps.b[k])
+    first, last = lo + 1, hi - 1
+    if last < first or nb[t] <= 0:
+        return
+    members, weight, events, final = [t], float(nb[t]), [], None
+    x = t
+    for _ in range(SUPPORT_DEPTH):
+        inputs = [d for d in deps[x] if nb[d] > 0 and set(users[d]) == {x}]
+        cover = {d: _covering(windows.get(d, ()), lo, hi) for d in inputs}
+        if not inputs or any(c is None for c in cover.values()):
+            break
+        members += inputs
+        weight = min(weight, float(sum(nb[d] for d in inputs)))
+        events += [xp for d in inputs for (_, _, _, xp) in cover[d] if xp is not None]
+        final = [xr for d in inputs for (_, _, xr, _) in cover[d] if xr is not None]
+        if len(inputs) > 1:
+            break
+        x = inputs[0]
+    if final is None or weight <= 0:
+        return
+    events += final
+    counted = [piece for m in members for piece in kept.get(m, ())] + list(eithers.get(k, ()))
+    points = {first, last + 1}
+    for f, lst, _ in counted:
+        points.update(p for p in (f, lst + 1) if first < p <= last)
+    points = sorted(points)
+    if len(points) - 1 > SUPPORT_MAX_PIECES:
+        return
+    for a, nxt in zip(points, points[1:]):
+        u = block.col("U")
+        terms = [(u, 1.0), (r, -1.0)] + [(c, 1.0) for c in events]
+        terms += [(v, 1.0) for f, lst, v in counted if f <= a <= lst]
+        block.row(terms, 0.0, np.inf)
+        block.hold(u, weight, a, nxt - 1, T)
+
+
+def _covering(wins, lo: int, hi: int):
+    """The windows (start, end] of a tail that meet (lo, hi], when together they cover it; else None."""
+    meet = sorted((w for w in wins if w[0] < hi and w[1] > lo), key=lambda w: w[0])
+    reach = lo
+    for start, end, _, _ in meet:
+        if start > reach:
+            return None
+        reach = max(reach, end)
+    return meet if reach >= hi else None
