@@ -229,13 +229,11 @@ def test_on_recomputation_trees_the_support_rows_keep_the_bound_below_the_optimu
         assert result.objective <= exact.objective * (1 + REL) + 1e-15, (result.objective, exact.objective)
 
 
-def test_the_support_rows_price_what_a_recomputation_stands_on(monkeypatch):
+def test_the_support_rows_price_what_a_recomputation_stands_on():
     """On the chain at a fifth of the way from its least working set to plain training's peak, the LP
     with recomputation inputs but without the support rows recomputes relu from a bn it keeps only
     around the recomputation; with them it pays for the tree at every stage of relu's gap and closes
     most of what is left to the optimum, staying below it."""
-    import poet_opt.solver.stream_bound as stream_bound
-
     graph = chain(2, 4096)
     costs = node_costs(graph, DEVICE)
     lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
@@ -244,8 +242,7 @@ def test_the_support_rows_price_what_a_recomputation_stands_on(monkeypatch):
     model = ResidencyModel(graph, costs, budgets, "joint", inputs=True)
     assert model.block.columns.get("U")
     with_rows = solve_milp(model.relaxed(), gap=0, time_limit=20).objective
-    monkeypatch.setattr(stream_bound, "SUPPORT_DEPTH", 0)
-    monkeypatch.setattr(stream_bound, "EITHER_MAX_STRETCHES", 0)
-    without = solve_milp(ResidencyModel(graph, costs, budgets, "joint", inputs=True).relaxed(), gap=0,
-                         time_limit=20).objective
+    without = ResidencyModel(graph, costs, budgets, "joint", inputs=True, trees=False)
+    assert not without.block.columns.get("U")
+    without = solve_milp(without.relaxed(), gap=0, time_limit=20).objective
     assert without + 0.5 * (exact - without) < with_rows <= exact * (1 + REL), (without, with_rows, exact)

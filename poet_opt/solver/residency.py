@@ -98,8 +98,9 @@ class ResidencyModel:
     in the gap), P (a page-in in the gap), O (a tensor's page-out), L (a stage's kept bytes)."""
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *,
-                 inputs: bool = False):
-        """inputs: with the rows of stream_bound.py (what a recomputation's inputs hold in RAM)."""
+                 inputs: bool = False, trees: bool = True):
+        """inputs: with the rows of stream_bound.py (what a recomputation's inputs hold in RAM);
+        trees: with its rows for what each recomputation stands on at every stage (more columns)."""
         T = len(graph)
         gaps = Relaxed.of(graph, budgets, mode)
         i, a, b = gaps.tensor, gaps.a, gaps.b
@@ -164,7 +165,7 @@ class ResidencyModel:
             allow_remat = mode in ("joint", "remat")
             need, comp = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
             block = support_block(graph, costs, base=n, nb=nb, gaps=gaps, R=self.R, P=self.P, O=self.O,
-                                  comp=comp, need=need, pageable=pageable)
+                                  comp=comp, need=need, pageable=pageable, trees=trees)
             self.block, extra = block, len(block.cost)
             c = np.concatenate([c, block.cost])
             lb = np.concatenate([lb, np.zeros(extra)])
@@ -313,7 +314,10 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     if large:
         if widens and best is not None and best.multipliers is not None and \
                 left() > INPUTS_BUILD_S_PER_COLUMN * columns:
-            wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)
+            # Without the tree rows: dual ascent from the Lagrangian's multipliers does not reach
+            # what they add in its time, and their columns make each step dearer (bert-base, 600 s:
+            # 282.6 J with them, 283.4 J without; benchmarks/STREAMING.md)
+            wider = ResidencyModel(graph, costs, budgets, mode, inputs=True, trees=False)
             if wider.block.cost and left() > 1.0:
                 value, _ = dual_ascent(wider.boxed(), wider.lagrangian_duals(best.multipliers, costs),
                                        target=upper, time_limit=left() - 0.5)  # (its last bound: 0.4 s on bert-base)

@@ -111,10 +111,11 @@ STRETCHES = 2
 
 def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.ndarray, gaps, R: np.ndarray,
                   P: np.ndarray, O: np.ndarray, comp: np.ndarray, need: np.ndarray,
-                  pageable: np.ndarray, parts: int | None = None) -> Block:
+                  pageable: np.ndarray, parts: int | None = None, trees: bool = True) -> Block:
     """The rows of the module docstring for the residency model's gaps (``gaps``: residency.Relaxed;
     ``R``, ``P``: its per-gap columns, ``O``: its per-tensor page-outs; ``nb``: bytes in units of the
-    RAM budget; ``comp``/``need``: the formulation's horizons)."""
+    RAM budget; ``comp``/``need``: the formulation's horizons). ``trees``: also the three kinds of
+    rows of the docstring's last paragraph."""
     T = len(graph)
     parts = STRETCHES if parts is None else parts
     users = graph.users()
@@ -149,7 +150,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
             # into start + 1 without a materialization there. The boundary at the start itself is no
             # other window's (their chains end a boundary before their last stage) and, but for the
             # first window, no stage there reads t; the first starts at t's last reader.
-            since = start + 1 if start == touches[t][-1] else start
+            since = start + 1 if start == touches[t][-1] or not trees else start
             window = ("window", t, since - 1, start)
             stretches = _stretches(cuts, since - 1, own, hi)
             if stretches is None:
@@ -170,7 +171,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
             window_returns.append((start, hi, xr if np.isfinite(recompute) else None,
                                    xp if np.isfinite(page_in) else None))
             _ask(prefix, suffix, window, own, stretches)
-            either = (t, reader, cuts) if own is not None else None
+            either = (t, reader, cuts) if own is not None and trees else None
             pairs.append((V, window, own, stretches, None, returns, either))
         for V, lo, hi, own in requirements.get(t, ()):
             cuts = _cuts(lo, hi, parts if own is not None else 1)
@@ -232,7 +233,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
     for interval, (_, _, held) in chains.items():
         owner = int(gaps.tensor[interval[1]]) if interval[0] == "gap" else interval[1]
         kept[owner] += held
-    for k in np.flatnonzero(gaps.can_r):
+    for k in np.flatnonzero(gaps.can_r) if trees else ():
         _support(block, int(k), gaps, int(R[k]), nb, deps, users, kept, windows, eithers, T)
     return block
 
