@@ -146,10 +146,11 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
             if lo < anchor:
                 continue
             start, anchor = anchor, hi
-            # In K, t is kept across every boundary from the window's start to the recomputation:
-            # into start + 1 without a materialization there. The boundary at the start itself is no
-            # other window's (their chains end a boundary before their last stage) and, but for the
-            # first window, no stage there reads t; the first starts at t's last reader.
+            # (t is the input here, the docstring's e.) In K it is kept into every stage from the
+            # window's start + 1 to the recomputation without a materialization there, so kept across
+            # the start stage too: no other window's chain reaches that stage (each ends a stage
+            # before its last), and no node there reads t, but for the first window, which starts at
+            # t's last reader (there t is in the node's working set, counted already).
             since = start + 1 if start == touches[t][-1] or not trees else start
             window = ("window", t, since - 1, start)
             stretches = _stretches(cuts, since - 1, own, hi)
