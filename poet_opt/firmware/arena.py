@@ -294,9 +294,14 @@ def _best_placement(intervals: list[Interval], near: list[list[int]], alignment:
         by_area = t % 2
         orders[f"random-{t}"] = lambda w=w, a=by_area: sorted(idx, key=lambda k: (-size[k] * w[k] * (life[k] if a else 1), k))
     best = None
+    near_array = _long_neighbourhoods(near, idx)
     for name, make_order in orders.items():
         order = make_order()
-        offsets = _place(intervals, near, order, alignment)
+        # only a smaller arena replaces the best, so an order is dropped once it reaches the best's
+        offsets = _place(intervals, near, order, alignment, limit=None if best is None else best[0] - 1,
+                         near_array=near_array)
+        if offsets is None:
+            continue
         arena = _extent(intervals, offsets)
         if best is None or arena < best[0]:
             best = (arena, name, offsets, order)
