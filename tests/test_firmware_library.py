@@ -126,8 +126,11 @@ def library(request, tmp_path_factory):
     assert bool(network.graph.meta.get("strips")) == (strips is not None)
     assert "int main" not in gen.source and "main(" not in gen.header
     (out / "test_harness.c").write_text(HARNESS)
+    # `out` needs no -I (its sources find poet_train.h beside them), and a temporary directory on
+    # the command line would key zig's cache of the kernels' objects apart from every other
+    # build's: each fixture would compile them again (7 s), where the emulate builds reuse them
     firmware = build_firmware([out / "poet_train.c", out / "test_harness.c", *LIBRARY], target, out,
-                              name="lib_test", include_dirs=[out, KERNEL_DIR, BOARD_DIR],
+                              name="lib_test", include_dirs=[KERNEL_DIR, BOARD_DIR],
                               defines=target.storage_defines(), min_stack_bytes=4096)
     rng = np.random.default_rng(7)
     xs = rng.standard_normal((K, *shape)).astype(np.float32)

@@ -64,7 +64,7 @@ def test_the_library_takes_int32_ids_and_refuses_one_outside_the_table(tmp_path)
     _, _, gen, target = _generate(bag_of_words(), "nrf52840", "64KiB", tmp_path, shape=(2, 16))
     (tmp_path / "test_harness.c").write_text(TOKEN_HARNESS)
     firmware = build_firmware([tmp_path / "poet_train.c", tmp_path / "test_harness.c", *LIBRARY], target, tmp_path,
-                              name="ids_test", include_dirs=[tmp_path, KERNEL_DIR, BOARD_DIR],
+                              name="ids_test", include_dirs=[KERNEL_DIR, BOARD_DIR],  # as in test_firmware_library
                               defines=target.storage_defines(), min_stack_bytes=4096)
     emulator = Emulator(firmware)
     try:

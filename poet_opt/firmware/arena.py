@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -113,24 +114,38 @@ LONG_NEIGHBOURHOOD = 128
 
 
 def _place(intervals: list[Interval], near: list[list[int]], order: list[int], alignment: int,
-           offsets: list[int] | None = None, start: int = 0, limit: int | None = None) -> list[int] | None:
+           offsets: list[int] | None = None, start: int = 0, limit: int | None = None,
+           dirty: set[int] | None = None, near_array: dict | None = None) -> list[int] | None:
     """Greedy placement: each interval in `order` goes to the lowest aligned offset where it does
     not collide with an already placed interval that is live at the same time (first fit).
     With `offsets` from a placement of an order sharing the first `start` entries, those keep
     their offsets and only the rest is placed again. None as soon as an interval would end past
-    `limit`: the search discards such orders, so it need not finish them."""
+    `limit`: the search discards such orders, so it need not finish them.
+
+    With `dirty` as well, `offsets` must be the placement of a whole order, and `dirty` must hold
+    every interval that lost one of the neighbours placed before it in that order. The others keep
+    their offsets unless a neighbour before them moved (then they are added to `dirty` here): a
+    neighbour that came after them before and keeps its offset already avoided them, and a first
+    fit does not change when ranges it does not collide with join its busy list. So only a few
+    intervals are fitted again, to the same offsets. `near_array`: _long_neighbourhoods(near),
+    for a caller that places many orders."""
     sizes = [iv.bytes for iv in intervals]
     placed = [-1] * len(intervals)
     if offsets is not None:
         for k in order[:start]:
             placed[k] = offsets[k]
     else:
-        start = 0
-    near_array = {k: np.asarray(near[k], dtype=np.int64) for k in order[start:]
-                  if len(near[k]) > LONG_NEIGHBOURHOOD}
+        start, dirty = 0, None
+    if near_array is None:
+        near_array = _long_neighbourhoods(near, order[start:])
     if near_array:
         size_array, placed_array = np.asarray(sizes, dtype=np.int64), np.asarray(placed, dtype=np.int64)
     for k in order[start:]:
+        if dirty is not None and k not in dirty:
+            placed[k] = offset = offsets[k]
+            if near_array:
+                placed_array[k] = offset
+            continue
         size = sizes[k]
         if k in near_array:
             offset = _first_fit_long(near_array[k], placed_array, size_array, size, alignment)
@@ -147,7 +162,13 @@ def _place(intervals: list[Interval], near: list[list[int]], order: list[int], a
         placed[k] = offset
         if near_array:
             placed_array[k] = offset
+        if dirty is not None and offset != offsets[k]:
+            dirty.update(near[k])
     return placed
+
+
+def _long_neighbourhoods(near: list[list[int]], among) -> dict[int, np.ndarray]:
+    return {k: np.asarray(near[k], dtype=np.int64) for k in among if len(near[k]) > LONG_NEIGHBOURHOOD}
 
 
 def _first_fit_long(neighbours, placed, sizes, size: int, alignment: int) -> int:
@@ -273,9 +294,14 @@ def _best_placement(intervals: list[Interval], near: list[list[int]], alignment:
         by_area = t % 2
         orders[f"random-{t}"] = lambda w=w, a=by_area: sorted(idx, key=lambda k: (-size[k] * w[k] * (life[k] if a else 1), k))
     best = None
+    near_array = _long_neighbourhoods(near, idx)
     for name, make_order in orders.items():
         order = make_order()
-        offsets = _place(intervals, near, order, alignment)
+        # only a smaller arena replaces the best, so an order is dropped once it reaches the best's
+        offsets = _place(intervals, near, order, alignment, limit=None if best is None else best[0] - 1,
+                         near_array=near_array)
+        if offsets is None:
+            continue
         arena = _extent(intervals, offsets)
         if best is None or arena < best[0]:
             best = (arena, name, offsets, order)
@@ -293,28 +319,39 @@ def _local_search(intervals: list[Interval], near: list[list[int]], alignment: i
     rng = random.Random(seed)
     arena = _extent(intervals, offsets)
     pair_work = [1 + len(n) for n in near]
+    near_array = _long_neighbourhoods(near, range(len(intervals)))
+    ends = [iv.bytes and o + iv.bytes for o, iv in zip(offsets, intervals)]  # 0 for empty intervals
     spent = kept = 0
     n = len(order)
+    # both moves permute order[first:] among itself, so the suffix's work is the total less the prefix's
+    work_before = [0, *accumulate(pair_work[k] for k in order)]
     while arena > bound and spent < work_limit and n > 1:
         candidate = list(order)
-        top = [k for k in range(n) if intervals[k].bytes and offsets[k] + intervals[k].bytes == arena]
+        top = [k for k in range(n) if ends[k] == arena]
         if top and rng.random() < 0.5:
             k = rng.choice(top)
             old = candidate.index(k)
             first = rng.randrange(0, old + 1)
             candidate.insert(first, candidate.pop(old))
+            dirty = {k}  # only k lost neighbours before it
         else:
             i, j = rng.randrange(n), rng.randrange(n)
             candidate[i], candidate[j] = candidate[j], candidate[i]
             first = min(i, j)
-        spent += sum(pair_work[k] for k in candidate[first:])
-        placed = _place(intervals, near, candidate, alignment, offsets, first, limit=arena)
+            # the one moved earlier lost neighbours before it, and so did those of the one moved later
+            dirty = {candidate[first], *near[candidate[max(i, j)]]}
+        # counted as if the whole suffix were placed again, whatever _place skips
+        spent += work_before[n] - work_before[first]
+        placed = _place(intervals, near, candidate, alignment, offsets, first, limit=arena, dirty=dirty,
+                        near_array=near_array)
         if placed is None:
             continue
-        extent = _extent(intervals, placed)
+        placed_ends = [iv.bytes and o + iv.bytes for o, iv in zip(placed, intervals)]
+        extent = max(placed_ends, default=0)
         if extent <= arena:
             kept += extent < arena or candidate != order
-            order[:], offsets, arena = candidate, placed, extent
+            order[:], offsets, arena, ends = candidate, placed, extent, placed_ends
+            work_before[first:] = accumulate((pair_work[k] for k in order[first:]), initial=work_before[first])
     return arena, offsets, kept
 
 
