@@ -103,7 +103,12 @@ def test_a_recomputation_pays_for_keeping_its_input():
 def test_on_chains_where_the_rows_bind_the_bound_stays_below_the_optimum(n_mid, activation, share, mode, slow):
     """The chains of the test above, where the input rows decide the bound, against the full MILP's
     optimum, in every mode and with a runtime budget."""
-    graph = chain(n_mid, activation)
+    _below_the_full_milp(chain(n_mid, activation), mode, share, slow)
+
+
+def _below_the_full_milp(graph, mode, share, slow):
+    """The LP and the MILP with recomputation inputs at or below the full MILP's optimum, at ``share``
+    of the way from the least working set to plain training's peak."""
     costs = node_costs(graph, DEVICE)
     lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
     budgets = Budgets(ram_bytes=int(lo + share * (hi - lo)), runtime_s=slow * float(costs.compute_s.sum()),
@@ -213,20 +218,7 @@ def trees(draw):
 def test_on_recomputation_trees_the_support_rows_keep_the_bound_below_the_optimum(case):
     """The rows of _either and _support (what a recomputation stands on at every stage of its gap)
     on the graphs where they bind, against the full MILP's optimum, LP and MILP, every mode."""
-    graph, mode, share, slow = case
-    costs = node_costs(graph, DEVICE)
-    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
-    budgets = Budgets(ram_bytes=int(lo + share * (hi - lo)), runtime_s=slow * float(costs.compute_s.sum()),
-                      storage_bytes=1 << 30)
-    exact = solve_milp(Formulation(graph, costs, budgets, mode).milp, gap=0, time_limit=30)
-    assert exact.status in ("optimal", "infeasible")
-    if exact.status == "infeasible":
-        return
-    model = ResidencyModel(graph, costs, budgets, mode, inputs=True)
-    for milp in (model.relaxed(), model.milp):
-        result = solve_milp(milp, gap=0, time_limit=20)
-        assert result.status != "infeasible"
-        assert result.objective <= exact.objective * (1 + REL) + 1e-15, (result.objective, exact.objective)
+    _below_the_full_milp(*case)
 
 
 def test_the_support_rows_price_what_a_recomputation_stands_on():
