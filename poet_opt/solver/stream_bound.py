@@ -157,7 +157,6 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
             if stretches is None:
                 continue
             returns = []
-            window_returns = windows[t]
             recompute = float(costs.compute_j[t]) if comp[t] > start else np.inf
             page_in = float(costs.page_in_j[t]) if pageable[t] and need[t] > start else np.inf
             if np.isfinite(recompute):
@@ -169,8 +168,8 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
                 xp = block.col("XP", page_in)
                 block.row([(xp, 1.0), (int(O[t]), -1.0)], -np.inf, 0.0)
                 returns.append(xp)
-            window_returns.append((start, hi, xr if np.isfinite(recompute) else None,
-                                   xp if np.isfinite(page_in) else None))
+            windows[t].append((start, hi, xr if np.isfinite(recompute) else None,
+                              xp if np.isfinite(page_in) else None))
             _ask(prefix, suffix, window, own, stretches)
             either = (t, reader, cuts) if own is not None and trees else None
             pairs.append((V, window, own, stretches, None, returns, either))
@@ -207,7 +206,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
                                    nb[e], T, returned)
     extras = {}
     for V, interval, own, stretches, m1, returns, either in pairs:
-        zp, ws, _ = chains.get(interval, ({}, {}, []))
+        zp, ws, held_e = chains.get(interval, ({}, {}, []))
         terms = [(V, 1.0)]
         for k, (p, h) in enumerate(stretches):
             # the stretch's case needs both facts: a column at most each (one fact: that column)
@@ -216,7 +215,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
             terms.append((case, -1.0))
             if either is not None:
                 e, t, cuts = either
-                _either(block, case, cuts[k], cuts[k + 1] - 2, chains.get(interval, ({}, {}, []))[2],
+                _either(block, case, cuts[k], cuts[k + 1] - 2, held_e,
                         chains[("gap", own)][2] if ("gap", own) in chains else [],
                         _either_bytes(nb, deps, e, t), T, eithers[own])
         if interval[0] == "gap":
@@ -338,24 +337,32 @@ def _either(block: Block, case: int, first: int, last: int, kept_input, kept_out
     them at each boundary there, and no other column counts either of them: e's only chain in a tail
     is its window's, t's in its gap its own, and no other Y counts them (e's tail windows are
     disjoint, t's gaps are, and an input of one Y is in its tail where it is no Y's output)."""
-    if last < first or weight <= 0:
-        return
+    if weight > 0:
+        made += _uncounted(block, "Y", first, last, [*kept_input, *kept_output], [(case, -1.0)], weight, T,
+                           EITHER_MAX_STRETCHES)
+
+
+def _uncounted(block: Block, kind: str, first: int, last: int, counted, need, weight: float, T: int,
+               most: int) -> list:
+    """Stages first..last cut where the ``counted`` stretches (first, last, V) start or end; per
+    piece a new column holding ``weight`` bytes, with the row: it, plus the V columns covering the
+    piece, plus the ``need`` terms, at least 0. Nothing past ``most`` pieces (fewer rows only relax).
+    Returns the pieces as (first, last, column)."""
+    if last < first:
+        return []
     points = {first, last + 1}
-    for f, lst, _ in (*kept_input, *kept_output):
-        points.update(x for x in (f, lst + 1) if first < x <= last)
+    for f, lst, _ in counted:
+        points.update(p for p in (f, lst + 1) if first < p <= last)
     points = sorted(points)
-    if len(points) - 1 > EITHER_MAX_STRETCHES:
-        return
+    if len(points) - 1 > most:
+        return []
+    made = []
     for a, nxt in zip(points, points[1:]):
-        terms = [(case, -1.0)]
-        for f, lst, v in (*kept_input, *kept_output):
-            if f <= a <= lst:
-                terms.append((v, 1.0))
-        y = block.col("Y")
-        terms.append((y, 1.0))
-        block.row(terms, 0.0, np.inf)
-        block.hold(y, weight, a, nxt - 1, T)
-        made.append((a, nxt - 1, y))
+        col = block.col(kind)
+        block.row([(col, 1.0), *need, *((v, 1.0) for f, lst, v in counted if f <= a <= lst)], 0.0, np.inf)
+        block.hold(col, weight, a, nxt - 1, T)
+        made.append((a, nxt - 1, col))
+    return made
 
 
 def _least(block: Block, needs: list[int]) -> int:
@@ -412,20 +419,9 @@ def _support(block: Block, k: int, gaps, r: int, nb: np.ndarray, deps, users, ke
         x = inputs[0]
     if final is None or weight <= 0:
         return
-    events += final
     counted = [piece for m in members for piece in kept.get(m, ())] + list(eithers.get(k, ()))
-    points = {first, last + 1}
-    for f, lst, _ in counted:
-        points.update(p for p in (f, lst + 1) if first < p <= last)
-    points = sorted(points)
-    if len(points) - 1 > SUPPORT_MAX_PIECES:
-        return
-    for a, nxt in zip(points, points[1:]):
-        u = block.col("U")
-        terms = [(u, 1.0), (r, -1.0)] + [(c, 1.0) for c in events]
-        terms += [(v, 1.0) for f, lst, v in counted if f <= a <= lst]
-        block.row(terms, 0.0, np.inf)
-        block.hold(u, weight, a, nxt - 1, T)
+    _uncounted(block, "U", first, last, counted, [(r, -1.0)] + [(c, 1.0) for c in events + final], weight, T,
+               SUPPORT_MAX_PIECES)
 
 
 def _covering(wins, lo: int, hi: int):
