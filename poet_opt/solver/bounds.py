@@ -110,6 +110,9 @@ class BoundResult:
     status: str = ""
     # the residency Lagrangian's best multipliers (one per stage), a start for dual_bound.dual_ascent
     multipliers: Optional[np.ndarray] = None
+    # what the residency Lagrangian's count rows (stage_counts.py) added to it, joules: where nothing,
+    # the LPs are built without them, which only makes them larger
+    counts_gain: float = 0.0
 
 
 class WindowModel:

@@ -50,6 +50,7 @@ from poet_opt.solver.bounds import BoundResult
 from poet_opt.solver.dual_bound import dual_ascent, dual_bound
 from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
 from poet_opt.solver.heuristics import read_gaps
+from poet_opt.solver.stage_counts import StageCounts, stage_counts
 from poet_opt.solver.stream_bound import support_block
 
 # HiGHS's objective at an "optimal" LP is within its tolerances of the dual value that bounds: shaved
@@ -73,6 +74,7 @@ class Relaxed:
     pageable: np.ndarray
     nb: np.ndarray
     room: np.ndarray
+    counts: StageCounts
 
     @classmethod
     def of(cls, graph: TrainingGraph, budgets: Budgets, mode: str) -> "Relaxed":
@@ -87,20 +89,24 @@ class Relaxed:
         # a recomputation (a weight read) in the gap needs a stage a+1..b at which i may be computed;
         # a page-in, a tensor that may be paged out at all (never weights: they are on storage)
         pageable = (need > np.arange(T)) & ~is_param if allow_paging else np.zeros(T, dtype=bool)
-        work = nb.copy()
+        work = np.array([n.bytes for n in graph.nodes], dtype=np.int64)
         for node in graph.nodes:
-            work[node.id] += sum(nb[d] for d in set(node.deps))
-        return cls(i, a, b, comp[i] > a, pageable[i] & (need[i] > a), pageable, nb, 1.0 - work)
+            work[node.id] += sum(graph.nodes[d].bytes for d in set(node.deps))
+        counts = stage_counts(size.astype(np.int64)[i], int(budgets.ram_bytes) - work, int(budgets.ram_bytes)) \
+            if math.isfinite(budgets.ram_bytes) else StageCounts((), [], [])
+        return cls(i, a, b, comp[i] > a, pageable[i] & (need[i] > a), pageable, nb, 1.0 - work / unit, counts)
 
 
 class ResidencyModel:
     """The relaxation of the module docstring, as a Milp: columns R (a recomputation or weight read
-    in the gap), P (a page-in in the gap), O (a tensor's page-out), L (a stage's kept bytes)."""
+    in the gap), P (a page-in in the gap), O (a tensor's page-out), L (a stage's kept bytes), and per
+    divisor of stage_counts.py, C (a stage's kept count)."""
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *,
-                 inputs: bool = False, trees: bool = True):
+                 inputs: bool = False, trees: bool = True, counts: bool = True):
         """inputs: with the rows of stream_bound.py (what a recomputation's inputs hold in RAM);
-        trees: with its rows for what each recomputation stands on at every stage (more columns)."""
+        trees: with its rows for what each recomputation stands on at every stage (more columns);
+        counts: with the counting rows of stage_counts.py (how many large tensors fit at a stage)."""
         T = len(graph)
         gaps = Relaxed.of(graph, budgets, mode)
         i, a, b = gaps.tensor, gaps.a, gaps.b
@@ -112,6 +118,11 @@ class ResidencyModel:
         self.O = 2 * G + np.arange(T)
         self.L = 2 * G + T + np.arange(T)
         n = 2 * G + 2 * T
+        # one count level per stage and divisor (stage_counts.py), after the byte levels
+        counts = gaps.counts if counts else StageCounts((), [], [])
+        self.counts = counts
+        self.C = [n + k * T + np.arange(T) for k in range(len(counts.divisors))]
+        n += len(self.C) * T
 
         c = np.zeros(n)
         c[self.R] = costs.compute_j[i]
@@ -124,8 +135,12 @@ class ResidencyModel:
         # the level of stage s: the bytes kept across s, at most the budget beside s's working set
         lb[self.L] = -np.inf
         ub[self.L] = gaps.room
+        for C, cap in zip(self.C, counts.cap):
+            lb[C], ub[C] = -np.inf, cap
         integrality = np.ones(n, dtype=np.int8)
         integrality[self.L] = 0
+        for C in self.C:
+            integrality[C] = 0
 
         rows, cols, vals = [], [], []
         lo, hi = [], []
@@ -145,21 +160,23 @@ class ResidencyModel:
         nrow += G
         # The level chain: L[s] - L[s-1] = (bytes of gaps entering s) - (bytes of gaps leaving after
         # s-1), each gap counted as nb * (1 - R - P). Gap (a, b) spans the stages a+1..b-1.
+        # The count chains (stage_counts.py) the same way, a gap weighing its weight instead of its bytes
+        self.level_row0 = nrow
         s = np.arange(T)
-        rows += [nrow + s, nrow + s[1:]]
-        cols += [self.L, self.L[:-1]]
-        vals += [np.ones(T), -np.ones(T - 1)]
         enter, leave = a + 1, b  # enters level a+1, leaves at level b (not spanned any more)
-        w = nb[i]
-        for idx, sign in ((enter, 1.0), (leave, -1.0)):
-            inside = idx < T
-            for col in (self.R, self.P):
-                rows.append(nrow + idx[inside]), cols.append(col[inside]), vals.append(sign * w[inside])
-        rhs = np.zeros(T)
-        np.add.at(rhs, enter[enter < T], w[enter < T])
-        np.add.at(rhs, leave[leave < T], -w[leave < T])
-        lo.append(rhs), hi.append(rhs)
-        nrow += T
+        for level, w in [(self.L, nb[i])] + list(zip(self.C, counts.weight)):
+            rows += [nrow + s, nrow + s[1:]]
+            cols += [level, level[:-1]]
+            vals += [np.ones(T), -np.ones(T - 1)]
+            for idx, sign in ((enter, 1.0), (leave, -1.0)):
+                inside = (idx < T) & (w > 0)
+                for col in (self.R, self.P):
+                    rows.append(nrow + idx[inside]), cols.append(col[inside]), vals.append(sign * w[inside])
+            rhs = np.zeros(T)
+            np.add.at(rhs, enter[enter < T], w[enter < T])
+            np.add.at(rhs, leave[leave < T], -w[leave < T])
+            lo.append(rhs), hi.append(rhs)
+            nrow += T
         self.block, self.base_rows = None, nrow
         if inputs:
             allow_remat = mode in ("joint", "remat")
@@ -174,7 +191,7 @@ class ResidencyModel:
             n += extra
             if block.level:
                 st, col, val = (np.array(x) for x in zip(*block.level))
-                rows.append(nrow - T + st), cols.append(col), vals.append(val)
+                rows.append(self.level_row0 + st), cols.append(col), vals.append(val)
             if block.rows:
                 r, col, val = (np.array(x) for x in zip(*block.rows))
                 rows.append(nrow + r), cols.append(col), vals.append(val)
@@ -225,22 +242,30 @@ class ResidencyModel:
         return Milp(c=m.c, offset=m.offset, A=m.A, row_lb=m.row_lb, row_ub=m.row_ub, lb=m.lb, ub=m.ub,
                     integrality=np.zeros(m.num_vars, dtype=np.int8))
 
-    def lagrangian_duals(self, lam: np.ndarray, costs: NodeCosts) -> np.ndarray:
+    def lagrangian_duals(self, multipliers: np.ndarray, costs: NodeCosts) -> np.ndarray:
         """Row multipliers of this model whose dual function (dual_bound.py) is the Lagrangian's value
-        at ``lam`` (lagrangian_bound): on the level chain's row ``s`` the sum of ``lam`` from ``s`` on
-        (so each level's reduced cost is ``-lam[s]``, and a gap's return's is its cost less the keep's
-        ``nb * lam`` over its span); on each gap's ``P <= O`` row minus its share of the page-out; on its
-        ``R + P <= 1`` row the least of 0 and its returns' reduced costs; zero on every other row."""
+        at ``multipliers`` (lagrangian_bound's: ``lam`` per stage, then per stage and divisor of
+        ``self.counts`` those of the count rows; missing ones are zero): on the level chain's row ``s``
+        the sum of ``lam`` from ``s`` on (so each level's reduced cost is ``-lam[s]``, and a gap's
+        return's is its cost less the keep's ``nb * lam`` over its span), on the count chains' the
+        same of theirs; on each gap's ``P <= O`` row minus its share of the page-out; on its ``R + P <=
+        1`` row the least of 0 and its returns' reduced costs; zero on every other row."""
         gaps, T, G = self.gaps, self.T, len(self.R)
         i = gaps.tensor
         y = np.zeros(self.milp.num_rows)
-        level = np.cumsum(lam[::-1])[::-1]
-        y[2 * G:2 * G + T] = level
         per_tensor = np.bincount(i, minlength=T)
         share = np.where(gaps.can_p, costs.page_out_j[i] / np.maximum(per_tensor[i], 1), 0.0)
         y[G:2 * G] = -share
-        ahead = np.concatenate([level, [0.0]])
-        keep = gaps.nb[i] * (ahead[gaps.a + 1] - ahead[gaps.b])
+        keep = np.zeros(G)
+        weights = [gaps.nb[i]] + self.counts.weight
+        for k, w in enumerate(weights):
+            lam = np.asarray(multipliers[k * T:(k + 1) * T], dtype=float)
+            if len(lam) < T:
+                break
+            level = np.cumsum(lam[::-1])[::-1]
+            y[self.level_row0 + k * T:self.level_row0 + (k + 1) * T] = level
+            ahead = np.concatenate([level, [0.0]])
+            keep += w * (ahead[gaps.a + 1] - ahead[gaps.b])
         d_r = np.where(gaps.can_r, costs.compute_j[i] - keep, 0.0)
         d_p = np.where(gaps.can_p, costs.page_in_j[i] + share - keep, 0.0)
         y[:G] = np.minimum(0.0, np.minimum(d_r, d_p))
@@ -255,6 +280,8 @@ class ResidencyModel:
         lp = self.relaxed()
         lb = lp.lb.copy()
         lb[self.L] = 0.0
+        for C in self.C:  # the same for the counts: weights >= 0 times keeps >= 0
+            lb[C] = 0.0
         return Milp(c=lp.c, offset=lp.offset, A=lp.A, row_lb=lp.row_lb, row_ub=lp.row_ub, lb=lb, ub=lp.ub,
                     integrality=lp.integrality)
 
@@ -280,6 +307,11 @@ INPUTS_LP_SHARE = 0.8
 # per column of the model without it, on a loaded machine (ResNet-18: 45,000 columns, 1.2-6 s); it
 # cannot be stopped, so it is not started unless twice that is left.
 INPUTS_BUILD_S_PER_COLUMN = 2 * 1.4e-4
+# The count rows go into the LPs when the Lagrangian's second phase added at least this share of
+# its bound above plain training
+COUNTS_WORTH = 1e-4
+# ... and that run stops after this many halvings of its step while behind the bytes' run
+GIVE_UP = 4
 
 
 def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *, time_limit: float,
@@ -309,6 +341,9 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         share = LAGRANGIAN_SHARE if not large else LARGE_LAGRANGIAN_SHARE if widens else 1.0
         best = lagrangian_bound(graph, costs, budgets, mode, upper=upper, time_limit=share * time_limit,
                                 iterations=3000 if not large else 100_000)
+    # the count rows where the Lagrangian found them worth something (bert-base: 19 J), not where it
+    # found nothing (ResNet-18: the same optimum, and its LP with recomputation inputs 40% slower)
+    counts = best is None or best.counts_gain > COUNTS_WORTH * (best.bound - floor)
     if left() <= 0.05 or done():
         return _timed(best, started)
     if large:
@@ -317,7 +352,7 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             # Without the tree rows: dual ascent from the Lagrangian's multipliers does not reach
             # what they add in its time, and their columns make each step dearer (bert-base, 600 s:
             # 282.6 J with them, 283.4 J without; benchmarks/STREAMING.md)
-            wider = ResidencyModel(graph, costs, budgets, mode, inputs=True, trees=False)
+            wider = ResidencyModel(graph, costs, budgets, mode, inputs=True, trees=False, counts=counts)
             if wider.block.cost and left() > 1.0:
                 value, _ = dual_ascent(wider.boxed(), wider.lagrangian_duals(best.multipliers, costs),
                                        target=upper, time_limit=left() - 0.5)  # (its last bound: 0.4 s on bert-base)
@@ -325,7 +360,7 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
                     best = BoundResult(bound=value, method="residency LP with recomputation inputs, dual ascent",
                                        status="subgradient")
         return _timed(best, started)
-    model = ResidencyModel(graph, costs, budgets, mode)
+    model = ResidencyModel(graph, costs, budgets, mode, counts=counts)
     if left() <= 0.05:
         return _timed(best, started)
     result = solve_milp(model.relaxed(), time_limit=left(), gap=0.0, threads=threads)
@@ -342,7 +377,7 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     if widens and left() > INPUTS_BUILD_S_PER_COLUMN * columns and not done():
         # The same LP with what recomputations' inputs hold (stream_bound.py): a superset of its rows,
         # so at least as high where it finishes (ResNet-18: 20.35 J against 20.10 J)
-        wider = ResidencyModel(graph, costs, budgets, mode, inputs=True)
+        wider = ResidencyModel(graph, costs, budgets, mode, inputs=True, counts=counts)
         if wider.block.cost and left() > 0.2:
             result = solve_milp(wider.relaxed(), time_limit=INPUTS_LP_SHARE * left(), gap=0.0, threads=threads,
                                 basis=model.widened_basis(wider, basis))
@@ -385,17 +420,25 @@ def _timed(best: Optional[BoundResult], started: float) -> Optional[BoundResult]
 
 
 def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *, upper: float,
-                     time_limit: float, iterations: int = 3000) -> Optional[BoundResult]:
+                     time_limit: float, iterations: int = 3000, counts: bool = True) -> Optional[BoundResult]:
     """The same relaxation with its RAM rows moved into the objective, one multiplier ``lam[s] >= 0``
-    per stage (runtime and storage rows dropped, which only lowers the minimum): for any such
+    per stage (runtime and storage rows dropped, which only lowers the minimum), and with ``counts``
+    the count rows of stage_counts.py too, one multiplier per stage and divisor: for any such
     multipliers the minimum over plans of (returns' energy + sum_s lam[s] (kept bytes at s - room at
-    s)) is at most the least energy of any plan, and each gap decides alone there, keeping its
-    tensor (``w * sum of lam over its span``) or bringing it back at its cheapest, whichever is
-    less. A page-out is charged to each paged gap as an equal share of it over the tensor's gaps,
-    which a plan pays at least (it pays it whole for one paged gap). Subgradient steps towards
-    ``upper`` (joules: a plan's energy) raise it; every iterate is a bound, the best one is kept.
-    Linear in the gaps per step, so it answers in seconds where the LP takes minutes (bert-base's
-    57,843 nodes)."""
+    s) + the same of each count) is at most the least energy of any plan, and each gap decides alone
+    there, keeping its tensor (``w * sum of lam over its span``, plus its count weights times theirs)
+    or bringing it back at its cheapest, whichever is less. A page-out is charged to each paged gap
+    as an equal share of it over the tensor's gaps, which a plan pays at least (it pays it whole for
+    one paged gap). Subgradient steps towards ``upper`` (joules: a plan's energy) raise it; every
+    iterate is a bound, the best one is kept (``multipliers``: ``lam``, then each divisor's, as
+    ResidencyModel.lagrangian_duals reads them). Linear in the gaps per step, so it answers in seconds
+    where the LP takes minutes (bert-base's 57,843 nodes).
+
+    Two runs, each from zero and with half the time: the bytes' multipliers alone, then all of them.
+    On ResNet-18, where the counts add nothing, all of them at once ended 1.6% lower (the more
+    multipliers, the shorter each one's steps), so that run gives up once it has fallen behind the
+    first; on bert-base it rose from 277.6 J to 296.5 J. Started from the first run's multipliers
+        instead, it had 284.7 J after 90 s. ``counts_gain`` is what the second run added."""
     started = time.perf_counter()
     if mode == "none":
         return None
@@ -408,33 +451,20 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     ret = np.where(gaps.can_r, costs.compute_j[i], np.inf)
     ret = np.minimum(ret, np.where(gaps.can_p, costs.page_in_j[i] + costs.page_out_j[i] / np.maximum(per_tensor[i], 1),
                                    np.inf))
-    w = nb[i]
     floor = costs.plain_energy_j
     target = max(upper - floor, 1e-12)
-    lam = np.zeros(T)
-    best, theta, stall, best_lam = -np.inf, 1.0, 0, lam
-    for _ in range(iterations):
-        prefix = np.concatenate([[0.0], np.cumsum(lam)])
-        span = prefix[b] - prefix[a + 1]  # lam over stages a+1..b-1
-        keep_cost = w * span
-        keep = keep_cost < ret
-        value = float(np.where(keep, keep_cost, ret).sum() - lam @ room)
-        if value > best + 1e-12 * target:
-            best, stall, best_lam = value, 0, lam
-        else:
-            stall += 1
-            if stall >= 50:
-                theta, stall = theta / 2, 0
-        # the subgradient: bytes kept across each stage minus its room
-        diff = np.zeros(T + 1)
-        np.add.at(diff, a[keep] + 1, w[keep])
-        np.add.at(diff, b[keep], -w[keep])
-        grad = np.cumsum(diff)[:T] - room
-        grad[(lam <= 0) & (grad < 0)] = 0.0
-        norm = float(grad @ grad)
-        if norm <= 0 or theta < 1e-6 or time.perf_counter() - started > time_limit:
-            break
-        lam = np.maximum(0.0, lam + theta * max(target - value, 1e-3 * target) / norm * grad)
+    phases = [(np.array([nb[i]]), np.array([room]))]
+    if counts and gaps.counts.divisors:
+        # one row per priced resource: the bytes, then each divisor's counts
+        phases.append((np.array([nb[i]] + gaps.counts.weight), np.array([room] + gaps.counts.cap)))
+    best, lam, gain = -np.inf, np.zeros(T), 0.0
+    for k, (weight, cap) in enumerate(phases):
+        found, found_lam = _ascend(weight, cap, ret, a, b, np.zeros((len(weight), T)), target, iterations=iterations,
+                                   deadline=started + time_limit * (k + 1) / len(phases),
+                                   behind=best if k else None)
+        gain = found - best if k else 0.0
+        if found > best:
+            best, lam = found, found_lam
     if not math.isfinite(best):
         return None
     bound = floor + best
@@ -442,4 +472,40 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     if bound <= floor:
         return None
     return BoundResult(bound=bound, method="residency Lagrangian", solve_s=time.perf_counter() - started,
-                       status="subgradient", multipliers=best_lam)
+                       status="subgradient", multipliers=lam.reshape(-1), counts_gain=max(gain, 0.0))
+
+
+def _ascend(weight: np.ndarray, cap: np.ndarray, ret: np.ndarray, a: np.ndarray, b: np.ndarray, lam: np.ndarray,
+            target: float, *, deadline: float, iterations: int, behind: Optional[float] = None
+            ) -> tuple[float, np.ndarray]:
+    """lagrangian_bound's subgradient steps from ``lam`` (a row of multipliers per row of ``weight``
+    and ``cap``): the best value above plain training's energy, and its multipliers. Given
+    ``behind`` (another run's value), it gives up once its step has halved GIVE_UP times with its
+    best still not above that."""
+    K, T = lam.shape
+    best, theta, stall, best_lam = -np.inf, 1.0, 0, lam
+    for _ in range(iterations):
+        if behind is not None and theta < 0.5 ** GIVE_UP and best <= behind:
+            break
+        prefix = np.concatenate([np.zeros((K, 1)), np.cumsum(lam, axis=1)], axis=1)
+        keep_cost = (weight * (prefix[:, b] - prefix[:, a + 1])).sum(axis=0)  # lam over stages a+1..b-1
+        keep = keep_cost < ret
+        value = float(np.where(keep, keep_cost, ret).sum() - (lam * cap).sum())
+        if value > best + 1e-12 * target:
+            best, stall, best_lam = value, 0, lam
+        else:
+            stall += 1
+            if stall >= 50:
+                theta, stall = theta / 2, 0
+        # the subgradient: bytes (counts) kept across each stage minus its room (cap)
+        diff = np.zeros((K, T + 1))
+        for k in range(K):
+            np.add.at(diff[k], a[keep] + 1, weight[k, keep])
+            np.add.at(diff[k], b[keep], -weight[k, keep])
+        grad = np.cumsum(diff, axis=1)[:, :T] - cap
+        grad[(lam <= 0) & (grad < 0)] = 0.0
+        norm = float((grad * grad).sum())
+        if norm <= 0 or theta < 1e-6 or time.perf_counter() > deadline:
+            break
+        lam = np.maximum(0.0, lam + theta * max(target - value, 1e-3 * target) / norm * grad)
+    return best, best_lam
