@@ -233,6 +233,10 @@ CONV_CASES = {
     "tiled depthwise stride 2": (1, 2, 6, 37, 2, (3, 3), (2, 2), (1, 1), 2, False),
     "tiled depthwise unpadded": (2, 3, 6, 9, 3, (3, 3), (1, 1), (0, 0), 3, True),
     "tiled depthwise padded 2 and 1": (1, 2, 5, 7, 2, (3, 3), (1, 1), (2, 1), 2, False),
+    # the strip executor's depthwise windows (padding 0 along H): R output rows a pass along the
+    # columns, 3 and 2 (the rows left) at stride 1, 2 and 1 at stride 2, over a batch of 2
+    "tiled depthwise strip rows, 5 output rows": (2, 3, 7, 8, 3, (3, 3), (1, 1), (0, 1), 3, True),
+    "tiled depthwise strip rows stride 2, 3 output rows": (2, 3, 7, 11, 3, (3, 3), (2, 2), (0, 1), 3, False),
     # pointwise layers with 4 or fewer input channels a group, and their remainders
     "tiled pointwise, 3 inputs": (2, 3, 5, 7, 9, (1, 1), (1, 1), (0, 0), 1, True),
     "tiled pointwise, grouped 2 inputs": (1, 4, 4, 5, 8, (1, 1), (1, 1), (0, 0), 2, False),

@@ -595,12 +595,13 @@ POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *
     }
 }
 
-/* Output columns c0 .. c0 + Q of every row. PADH: the rows of padding above and below (1; 0 for
- * a strip of rows whose halo is given, h_in >= 3; 2 at stride 1 for the data gradient of such a
- * strip, h_in >= 2). The unrolled steps rotate the window's rows through A, B and C instead of
- * moving them: three output rows at stride 1 (each loads one input row), two at stride 2 (two
- * each, the last carried into the next); the rows left after them, and the last ones with rows in
- * the padding, take the registers where the rotation left the window. */
+/* Output columns c0 .. c0 + Q of every row. PADH: the rows of padding above and below (1; 2 at
+ * stride 1 for the data gradient of a strip of rows whose halo is given, h_in >= 2; such a strip's
+ * forward and weight gradient, padding 0, take the window walk, dwr_pass). The unrolled steps
+ * rotate the window's rows through A, B and C instead of moving them: three output rows at
+ * stride 1 (each loads one input row), two at stride 2 (two each, the last carried into the next);
+ * the rows left after them, and the last ones with rows in the padding, take the registers where
+ * the rotation left the window. */
 POET_INLINE void dwc_tail1(float *yp, const float *X, const float *Y, float *wv, uint32_t w_out, const int MODE,
                            const uint32_t Q, const uint32_t LEFT, const uint32_t RIGHT, const uint32_t PADH)
 {
@@ -659,29 +660,6 @@ POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, con
         dwc_load(A, xp + w_in, NC, LEFT, RIGHT);
         dwc_out(yp + w_out, B, C, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
         dwc_tail1(yp + 2 * w_out, C, A, wv, w_out, MODE, Q, LEFT, RIGHT, PADH);
-    } else if (PADH == 0) {
-        /* output row r from input rows 2r (carried in A) .. 2r + 2; xp at row 2r + 1 */
-        dwc_load(A, xp, NC, LEFT, RIGHT);
-        xp += w_in;
-        for (i = s->h_out / 2; i; --i) {
-            dwc_load(B, xp, NC, LEFT, RIGHT);
-            xp += w_in;
-            dwc_load(C, xp, NC, LEFT, RIGHT);
-            xp += w_in;
-            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
-            yp += w_out;
-            dwc_load(B, xp, NC, LEFT, RIGHT);
-            xp += w_in;
-            dwc_load(A, xp, NC, LEFT, RIGHT);
-            xp += w_in;
-            dwc_out(yp, C, B, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
-            yp += w_out;
-        }
-        if (s->h_out % 2) {
-            dwc_load(B, xp, NC, LEFT, RIGHT);
-            dwc_load(C, xp + w_in, NC, LEFT, RIGHT);
-            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
-        }
     } else {
         /* output row r from input rows 2r - 1 (carried in A) .. 2r + 1; xp at row 2r */
         dwc_load(B, xp, NC, LEFT, RIGHT);
@@ -721,14 +699,13 @@ POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, con
 
 /* Whether the strips take the plane: 3x3, padding 1 along W, the same stride 1 or 2 along both
  * axes, a plane wide enough for a left strip of two columns away from the right edge, and along
- * H padding 1 (h_in >= 2), 0 (a strip of rows with its halo, h_in >= 3) or, at stride 1, 2 (such
- * a strip's data gradient, h_in >= 2) */
+ * H padding 1 (h_in >= 2) or, at stride 1, 2 (the data gradient of a strip of rows with its halo,
+ * h_in >= 2) */
 static int dwc_ok(const poet_conv2d_shape *s, uint32_t SW)
 {
     return s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->stride_h == SW && s->stride_w == SW &&
            (SW == 1 || SW == 2) && s->w_in >= SW + 2 &&
-           ((s->pad_h == 1 && s->h_in >= 2) || (s->pad_h == 0 && s->h_in >= 3) ||
-            (s->pad_h == 2 && SW == 1 && s->h_in >= 2));
+           ((s->pad_h == 1 && s->h_in >= 2) || (s->pad_h == 2 && SW == 1 && s->h_in >= 2));
 }
 
 /* One plane: the left strip of two columns, strips of QM, then what is left against the right
@@ -780,7 +757,7 @@ POET_INLINE void dwc_layer(float *out, const float *in, const float *w, const fl
         }
 }
 
-/* the layers' padding of 1 along H, and a strip's rows with their halo (0) */
+/* the layers' (padding 1 along H; a strip's rows with their halo take dwr_forward) */
 POET_OUTLINE void dwc_forward_s1(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
     dwc_layer(y, x, w, b, s, 0, 1, 1);
@@ -789,18 +766,6 @@ POET_OUTLINE void dwc_forward_s1(float *y, const float *x, const float *w, const
 POET_OUTLINE void dwc_forward_s2(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
     dwc_layer(y, x, w, b, s, 0, 2, 1);
-}
-
-POET_OUTLINE void dwc_forward_s1_p0(float *y, const float *x, const float *w, const float *b,
-                                    const poet_conv2d_shape *s)
-{
-    dwc_layer(y, x, w, b, s, 0, 1, 0);
-}
-
-POET_OUTLINE void dwc_forward_s2_p0(float *y, const float *x, const float *w, const float *b,
-                                    const poet_conv2d_shape *s)
-{
-    dwc_layer(y, x, w, b, s, 0, 2, 0);
 }
 
 /* The data gradient written (dx =) at stride 1: a layer's (padding 1 turned around) and a strip's
@@ -820,17 +785,13 @@ POET_OUTLINE void dwc_backward_input_s1(float *dx, const float *dy, const float 
     dwc_layer(dx, dy, w, NULL, t, 1, 1, 1);
 }
 
-/* The layer's forward by its padding along H (1 or 0: dwc_layer_ok's) */
+/* The layer's forward by its stride */
 static void dwc_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
-    if (s->stride_w == 1 && s->pad_h == 1)
+    if (s->stride_w == 1)
         dwc_forward_s1(y, x, w, b, s);
-    else if (s->stride_w == 1)
-        dwc_forward_s1_p0(y, x, w, b, s);
-    else if (s->pad_h == 1)
-        dwc_forward_s2(y, x, w, b, s);
     else
-        dwc_forward_s2_p0(y, x, w, b, s);
+        dwc_forward_s2(y, x, w, b, s);
 }
 
 /* The weight gradient of such a layer: channel by channel, its nine sums in registers over the
@@ -867,28 +828,306 @@ POET_OUTLINE void dwc_grad_s2(float *gw, const float *dy, const float *x, const 
     dwc_grad_layer(gw, dy, x, s, lr, sgd, 2, 1);
 }
 
-POET_OUTLINE void dwc_grad_s1_p0(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
-                                 int sgd)
-{
-    dwc_grad_layer(gw, dy, x, s, lr, sgd, 1, 0);
-}
-
-POET_OUTLINE void dwc_grad_s2_p0(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
-                                 int sgd)
-{
-    dwc_grad_layer(gw, dy, x, s, lr, sgd, 2, 0);
-}
-
-/* Whether a layer is depthwise (one input and one output channel a group) and the strips take it
- * (padding 1 or 0 along H: 2 is only a data gradient's geometry). A strip of rows at stride 2
- * (padding 0) only when its rows are short beside its height: each column strip's set-up and
- * first row are paid once per strip, the row walk's once per row, and on mcu-vww's ds1.dw window
- * (4 rows of 24 outputs) the row walk measured 3.29 instructions a MAC to the strips' 3.47, on
- * ds2.dw's (4 rows of 12) 3.71 to 3.58. */
+/* Whether a layer is depthwise (one input and one output channel a group) with padding 1 along
+ * H and the strips take it (a strip of rows with its halo, padding 0, takes the window walk below,
+ * dwr_ok; padding 2 is only a data gradient's geometry) */
 static int dwc_layer_ok(const poet_conv2d_shape *s, uint32_t SW)
 {
-    return s->groups == s->c_in && s->groups == s->c_out && s->pad_h <= 1 && dwc_ok(s, SW) &&
-           (s->pad_h == 1 || SW == 1 || s->w_out < 4 * s->h_out);
+    return s->groups == s->c_in && s->groups == s->c_out && s->pad_h == 1 && dwc_ok(s, SW);
+}
+
+/* ---- depthwise 3x3 windows of a few rows ----
+ *
+ * The strip executor's depthwise windows: a few output rows (3 or 4 in mcu-vww's) with their
+ * input rows given (padding 0 along H, 1 along W), the same stride 1 or 2 along both axes. Column
+ * strips pay their set-up and first rows once a strip, and the row walks once a row; these walk
+ * R output rows at once along the columns (R 3 at stride 1, 2 at stride 2: the (R - 1) SW + 3
+ * input rows' window columns, the nine weights or the weight gradient's nine sums and the
+ * temporaries fill the registers), so that mcu-vww's windows take one or two passes a plane. Each
+ * output column loads SW new columns of the NL input rows (one pointer each, immediate offsets
+ * along the row), the window's three columns rotate through registers, and the padding columns
+ * (the first output's left, the last one's right where it reaches past the row) are their own
+ * copies. MODE 0: y = the sums (the bias, if any, added by the caller); 2: y is dy, read only, and
+ * wv the weight gradient's sums, each window times its dy added to them. Each sum runs kernel row
+ * by kernel row, column by column, the first product starting it. */
+#define DWR_NL(R, SW) (((R) - 1) * (SW) + 3)
+
+/* Output column q of the R rows yr[] from window columns a, b, c (NL input rows each); LEFT: a
+ * lies in the padding and is never read, RIGHT: c */
+POET_INLINE void dwr_out(float *const *yr, uint32_t q, const float *a, const float *b, const float *c, float *wv,
+                         const int MODE, const uint32_t SW, const uint32_t R, const uint32_t LEFT,
+                         const uint32_t RIGHT)
+{
+    uint32_t r, v;
+    for (r = 0; r < R; ++r) {
+        const uint32_t i = r * SW; /* the output row's first input row */
+        if (MODE == 2) {
+            const float d = yr[r][q];
+            for (v = 0; v < 3; ++v) {
+                if (!LEFT)
+                    wv[3 * v] += a[i + v] * d;
+                wv[3 * v + 1] += b[i + v] * d;
+                if (!RIGHT)
+                    wv[3 * v + 2] += c[i + v] * d;
+            }
+        } else {
+            float s = LEFT ? b[i] * wv[1] : a[i] * wv[0];
+            if (!LEFT)
+                s += b[i] * wv[1];
+            if (!RIGHT)
+                s += c[i] * wv[2];
+            for (v = 1; v < 3; ++v) {
+                if (!LEFT)
+                    s += a[i + v] * wv[3 * v];
+                s += b[i + v] * wv[3 * v + 1];
+                if (!RIGHT)
+                    s += c[i + v] * wv[3 * v + 2];
+            }
+            yr[r][q] = s;
+        }
+    }
+}
+
+POET_INLINE void dwr_load(float *col, const float *const *p, const uint32_t j, const uint32_t NL)
+{
+    uint32_t v;
+    for (v = 0; v < NL; ++v)
+        col[v] = p[v][j];
+}
+
+/* R output rows from y on (rows w_out apart) from the NL input rows from x on (w_in apart) */
+POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
+                          const uint32_t SW, const uint32_t R)
+{
+    const uint32_t NL = DWR_NL(R, SW);
+    /* the outputs whose window lies inside the row: ow SW + 1 < w_in */
+    const uint32_t hi = (w_in - 2) / SW + 1 < w_out ? (w_in - 2) / SW + 1 : w_out;
+    float A[DWR_NL(3, 1)], B[DWR_NL(3, 1)], C[DWR_NL(3, 1)];
+    const float *p[DWR_NL(3, 1)];
+    float *yr[3];
+    uint32_t v, r, i, ow = 1;
+    for (v = 0; v < NL; ++v)
+        p[v] = x + v * w_in;
+    for (r = 0; r < R; ++r)
+        yr[r] = y + r * w_out;
+    /* output 0: window columns -1 (the padding), 0 and 1 */
+    dwr_load(B, p, 0, NL);
+    dwr_load(C, p, 1, NL);
+    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0);
+    for (v = 0; v < NL; ++v)
+        p[v] += 2;
+    for (r = 0; r < R; ++r)
+        yr[r] += 1;
+    if (SW == 1) { /* p: output ow's last window column; A, B its first two */
+        for (v = 0; v < NL; ++v)
+            A[v] = B[v], B[v] = C[v];
+        for (i = (hi - 1) / 3; i; --i) {
+            dwr_load(C, p, 0, NL);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            dwr_load(A, p, 1, NL);
+            dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0);
+            dwr_load(B, p, 2, NL);
+            dwr_out(yr, 2, C, A, B, wv, MODE, SW, R, 0, 0);
+            for (v = 0; v < NL; ++v)
+                p[v] += 3;
+            for (r = 0; r < R; ++r)
+                yr[r] += 3;
+        }
+        /* at most two left, then the last column, beside the padding: each its own copy, so
+         * that the window's columns stay where the rotation left them */
+        ow = 1 + (hi - 1) / 3 * 3;
+        if (ow + 2 <= hi) {
+            dwr_load(C, p, 0, NL);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            dwr_load(A, p, 1, NL);
+            dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0);
+            if (ow + 2 < w_out)
+                dwr_out(yr, 2, C, A, A, wv, MODE, SW, R, 0, 1);
+        } else if (ow < hi) {
+            dwr_load(C, p, 0, NL);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            if (ow + 1 < w_out)
+                dwr_out(yr, 1, B, C, C, wv, MODE, SW, R, 0, 1);
+        } else if (ow < w_out)
+            dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1);
+    } else { /* p: output ow's second window column; A its first */
+        for (v = 0; v < NL; ++v)
+            A[v] = C[v];
+        for (i = (hi - 1) / 2; i; --i) {
+            dwr_load(B, p, 0, NL);
+            dwr_load(C, p, 1, NL);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            dwr_load(B, p, 2, NL);
+            dwr_load(A, p, 3, NL);
+            dwr_out(yr, 1, C, B, A, wv, MODE, SW, R, 0, 0);
+            for (v = 0; v < NL; ++v)
+                p[v] += 4;
+            for (r = 0; r < R; ++r)
+                yr[r] += 2;
+        }
+        ow = 1 + (hi - 1) / 2 * 2;
+        if (ow < hi) { /* at most one left, then the last column, beside the padding */
+            dwr_load(B, p, 0, NL);
+            dwr_load(C, p, 1, NL);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            if (ow + 1 < w_out) {
+                dwr_load(B, p, 2, NL);
+                dwr_out(yr, 1, C, B, B, wv, MODE, SW, R, 0, 1);
+            }
+        } else if (ow < w_out) {
+            dwr_load(B, p, 0, NL);
+            dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1);
+        }
+    }
+}
+
+/* A pass out of line, one for each mode, stride and number of rows: its walk has the registers to
+ * itself, with nothing of the layer's loops live across it. The forward's: w the nine weights.
+ * The weight gradient's: the nine sums start at zero (DWR_INIT) or at acc[], and at the end are
+ * stored to acc[], or (DWR_APPLY, the channel's last pass) added to gw[] or, with DWR_SGD,
+ * subtracted from it times lr. */
+#define DWR_INIT 1u
+#define DWR_APPLY 2u
+#define DWR_SGD 4u
+POET_INLINE void dwr_pass_w(float *y, const float *x, float *acc, uint32_t w_in, uint32_t w_out, float *gw, float lr,
+                            uint32_t flags, const int MODE, const uint32_t SW, const uint32_t R)
+{
+    float wv[9];
+    uint32_t k;
+    if (MODE == 2 && (flags & DWR_INIT))
+        for (k = 0; k < 9; ++k)
+            wv[k] = 0.0f;
+    else
+        for (k = 0; k < 9; ++k)
+            wv[k] = acc[k];
+    dwr_pass(y, x, wv, w_in, w_out, MODE, SW, R);
+    if (MODE != 2)
+        return;
+    if (!(flags & DWR_APPLY))
+        for (k = 0; k < 9; ++k)
+            acc[k] = wv[k];
+    else if (flags & DWR_SGD)
+        for (k = 0; k < 9; ++k)
+            gw[k] -= lr * wv[k];
+    else
+        for (k = 0; k < 9; ++k)
+            gw[k] += wv[k];
+}
+
+#define DWR_FWD(NAME, SW, R)                                                                                   \
+    POET_OUTLINE void NAME(float *y, const float *x, const float *w, uint32_t w_in, uint32_t w_out)           \
+    {                                                                                                        \
+        dwr_pass_w(y, x, (float *)(uintptr_t)w, w_in, w_out, NULL, 0.0f, 0, 0, SW, R);                       \
+    }
+#define DWR_GRAD(NAME, SW, R)                                                                                  \
+    POET_OUTLINE void NAME(const float *dy, const float *x, float *acc, uint32_t w_in, uint32_t w_out, float *gw, \
+                           float lr, uint32_t flags)                                                         \
+    {                                                                                                        \
+        dwr_pass_w((float *)(uintptr_t)dy, x, acc, w_in, w_out, gw, lr, flags, 2, SW, R);                    \
+    }
+DWR_FWD(dwr_fwd_s1_r3, 1, 3)
+DWR_FWD(dwr_fwd_s1_r2, 1, 2)
+DWR_FWD(dwr_fwd_s1_r1, 1, 1)
+DWR_FWD(dwr_fwd_s2_r2, 2, 2)
+DWR_FWD(dwr_fwd_s2_r1, 2, 1)
+DWR_GRAD(dwr_grad_s1_r3, 1, 3)
+DWR_GRAD(dwr_grad_s1_r2, 1, 2)
+DWR_GRAD(dwr_grad_s1_r1, 1, 1)
+DWR_GRAD(dwr_grad_s2_r2, 2, 2)
+DWR_GRAD(dwr_grad_s2_r1, 2, 1)
+#undef DWR_FWD
+#undef DWR_GRAD
+
+/* One plane's forward: passes of R rows (3 at stride 1, 2 at stride 2), then the rows left */
+POET_INLINE void dwr_plane(float *y, const float *x, const float *w, uint32_t h_out, uint32_t w_in, uint32_t w_out,
+                           const uint32_t SW)
+{
+    const uint32_t R = SW == 1 ? 3 : 2, ys = R * w_out, xs = R * SW * w_in;
+    uint32_t r = h_out;
+    for (; r >= R; r -= R, y += ys, x += xs)
+        (SW == 1 ? dwr_fwd_s1_r3 : dwr_fwd_s2_r2)(y, x, w, w_in, w_out);
+    if (SW == 1 && r == 2)
+        dwr_fwd_s1_r2(y, x, w, w_in, w_out);
+    else if (r == 1)
+        (SW == 1 ? dwr_fwd_s1_r1 : dwr_fwd_s2_r1)(y, x, w, w_in, w_out);
+}
+
+/* One plane's weight gradient, the same passes: first's flags on the first, last's on the last */
+POET_INLINE void dwr_grad_plane(const float *dy, const float *x, float *acc, uint32_t h_out, uint32_t w_in,
+                                uint32_t w_out, float *gw, float lr, uint32_t first, uint32_t last, const uint32_t SW)
+{
+    const uint32_t R = SW == 1 ? 3 : 2, ys = R * w_out, xs = R * SW * w_in;
+    uint32_t r = h_out;
+    for (; r >= R; r -= R, dy += ys, x += xs, first = 0)
+        (SW == 1 ? dwr_grad_s1_r3 : dwr_grad_s2_r2)(dy, x, acc, w_in, w_out, gw, lr, first | (r == R ? last : 0));
+    if (SW == 1 && r == 2)
+        dwr_grad_s1_r2(dy, x, acc, w_in, w_out, gw, lr, first | last);
+    else if (r == 1)
+        (SW == 1 ? dwr_grad_s1_r1 : dwr_grad_s2_r1)(dy, x, acc, w_in, w_out, gw, lr, first | last);
+}
+
+/* Whether a layer is such a window: depthwise 3x3, padding 0 along H and 1 along W, the same
+ * stride 1 or 2 along both axes, rows of at least SW + 2 inputs */
+static int dwr_ok(const poet_conv2d_shape *s)
+{
+    return s->groups == s->c_in && s->groups == s->c_out && s->k_h == 3 && s->k_w == 3 && s->pad_h == 0 &&
+           s->pad_w == 1 && s->stride_h == s->stride_w && (s->stride_w == 1 || s->stride_w == 2) &&
+           s->w_in >= s->stride_w + 2 && s->h_in >= 3;
+}
+
+/* The forward of such a layer, plane by plane (the bias, if any, added after) */
+POET_INLINE void dwr_forward_layer(float *y, const float *x, const float *w, const float *b,
+                                   const poet_conv2d_shape *shape, const uint32_t SW)
+{
+    /* a copy: the stores into y might otherwise alias the shape, re-read every plane */
+    const poet_conv2d_shape copy = *shape, *s = &copy;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, h_out = s->h_out;
+    const uint32_t w_in = s->w_in, w_out = s->w_out, C = s->c_out;
+    uint32_t n, c, k;
+    for (n = 0; n < s->n; ++n)
+        for (c = 0; c < C; ++c, x += in_plane, y += out_plane) {
+            dwr_plane(y, x, w + 9 * c, h_out, w_in, w_out, SW);
+            if (b)
+                for (k = 0; k < out_plane; ++k)
+                    y[k] += b[c];
+        }
+}
+
+/* The weight gradient: channel by channel, its nine sums over the batch's planes (in registers
+ * within a pass, in acc between them); gw += them, or (sgd) w -= lr them */
+POET_INLINE void dwr_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *shape, float lr,
+                                int sgd, const uint32_t SW)
+{
+    const poet_conv2d_shape copy = *shape, *s = &copy;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, h_out = s->h_out;
+    const uint32_t w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n;
+    const uint32_t last = sgd ? DWR_APPLY | DWR_SGD : DWR_APPLY;
+    float acc[9];
+    uint32_t n, c;
+    if (N == 1) /* a batch of one: the channel's planes one after the other */
+        for (c = 0; c < C; ++c, dy += out_plane, x += in_plane, gw += 9)
+            dwr_grad_plane(dy, x, acc, h_out, w_in, w_out, gw, lr, DWR_INIT, last, SW);
+    else
+        for (c = 0; c < C; ++c, gw += 9)
+            for (n = 0; n < N; ++n)
+                dwr_grad_plane(dy + (n * C + c) * out_plane, x + (n * C + c) * in_plane, acc, h_out, w_in, w_out,
+                               gw, lr, n == 0 ? DWR_INIT : 0, n + 1 == N ? last : 0, SW);
+}
+
+static void dwr_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+    if (s->stride_w == 1)
+        dwr_forward_layer(y, x, w, b, s, 1);
+    else
+        dwr_forward_layer(y, x, w, b, s, 2);
+}
+
+static void dwr_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+{
+    if (s->stride_w == 1)
+        dwr_grad_layer(gw, dy, x, s, lr, sgd, 1);
+    else
+        dwr_grad_layer(gw, dy, x, s, lr, sgd, 2);
 }
 #endif
 
@@ -1307,8 +1546,8 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
                 else
                     forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
-                /* (a depthwise layer at stride 1 takes the column strips, dwc_layer_ok: the shapes
-                 * they leave, no zoo layer's, the general tile) */
+                /* (a depthwise layer at stride 1 takes the column strips or the window walk,
+                 * dwc_layer_ok and dwr_ok: the shapes they leave, no zoo layer's, the general tile) */
                 if (KH == 3 && SW == 2 && cin_g == 1)
                     forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
                 else /* the odd channel left over after tiles of 4 */
@@ -1325,6 +1564,10 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
 #ifndef POET_KERNELS_SMALL
     if (pointwise_mm_forward(y, x, w, b, s))
         return;
+    if (dwr_ok(s)) { /* a depthwise 3x3 window of a few rows: the rows' column walk */
+        dwr_forward(y, x, w, b, s);
+        return;
+    }
     if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
         dwc_forward(y, x, w, b, s);
         return;
@@ -1957,7 +2200,8 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
 #ifndef POET_KERNELS_SMALL
-    /* (stride 1 takes the column strips, dwc_layer_ok; the shapes they leave, this) */
+    /* (stride 1 takes the column strips or the window walk, dwc_layer_ok and dwr_ok; the shapes
+     * they leave, this) */
     if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && sw == 2) {
         float g[9], *at = gw + co * 9; /* one input channel, 3x3: channel co's nine weights */
         depthwise3_grad_s2(g, dy, x, s, co);
@@ -2018,15 +2262,15 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
     uint32_t g, co, ci;
 #ifndef POET_KERNELS_SMALL
+    if (dwr_ok(s)) { /* a depthwise 3x3 window of a few rows: the rows' column walk */
+        dwr_grad(gw, dy, x, s, lr, sgd);
+        return;
+    }
     if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
-        if (s->stride_w == 1 && s->pad_h == 1)
+        if (s->stride_w == 1)
             dwc_grad_s1(gw, dy, x, s, lr, sgd);
-        else if (s->stride_w == 1)
-            dwc_grad_s1_p0(gw, dy, x, s, lr, sgd);
-        else if (s->pad_h == 1)
-            dwc_grad_s2(gw, dy, x, s, lr, sgd);
         else
-            dwc_grad_s2_p0(gw, dy, x, s, lr, sgd);
+            dwc_grad_s2(gw, dy, x, s, lr, sgd);
         return;
     }
 #endif
