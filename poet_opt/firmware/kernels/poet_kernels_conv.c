@@ -853,23 +853,28 @@ static int dwc_layer_ok(const poet_conv2d_shape *s, uint32_t SW)
 #define DWR_NL(R, SW) (((R) - 1) * (SW) + 3)
 
 /* Output column q of the R rows yr[] from window columns a, b, c (NL input rows each); LEFT: a
- * lies in the padding and is never read, RIGHT: c */
+ * lies in the padding and is never read, RIGHT: c. SET (the weight gradient's first pass): the
+ * kernel columns t (bit t) whose sums this output's first row starts, = instead of +=. */
 POET_INLINE void dwr_out(float *const *yr, uint32_t q, const float *a, const float *b, const float *c, float *wv,
                          const int MODE, const uint32_t SW, const uint32_t R, const uint32_t LEFT,
-                         const uint32_t RIGHT)
+                         const uint32_t RIGHT, const uint32_t SET)
 {
-    uint32_t r, v;
+    uint32_t r, v, t;
+    const float *col[3];
+    col[0] = a, col[1] = b, col[2] = c;
     for (r = 0; r < R; ++r) {
         const uint32_t i = r * SW; /* the output row's first input row */
         if (MODE == 2) {
             const float d = yr[r][q];
-            for (v = 0; v < 3; ++v) {
-                if (!LEFT)
-                    wv[3 * v] += a[i + v] * d;
-                wv[3 * v + 1] += b[i + v] * d;
-                if (!RIGHT)
-                    wv[3 * v + 2] += c[i + v] * d;
-            }
+            for (v = 0; v < 3; ++v)
+                for (t = 0; t < 3; ++t) {
+                    if ((LEFT && t == 0) || (RIGHT && t == 2))
+                        continue;
+                    if (r == 0 && (SET >> t & 1))
+                        wv[3 * v + t] = col[t][i + v] * d;
+                    else
+                        wv[3 * v + t] += col[t][i + v] * d;
+                }
         } else {
             float s = LEFT ? b[i] * wv[1] : a[i] * wv[0];
             if (!LEFT)
@@ -895,17 +900,19 @@ POET_INLINE void dwr_load(float *col, const float *const *p, const uint32_t j, c
         col[v] = p[v][j];
 }
 
-/* R output rows from y on (rows w_out apart) from the NL input rows from x on (w_in apart) */
+/* R output rows from y on (rows w_out apart) from the NL input rows from x on (w_in apart). INIT
+ * (the weight gradient): the sums start with the first outputs' products (outputs 0 and 1, whose
+ * first rows hold a term of each), not from wv. */
 POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
-                          const uint32_t SW, const uint32_t R)
+                          const uint32_t SW, const uint32_t R, const uint32_t INIT)
 {
     const uint32_t NL = DWR_NL(R, SW);
-    /* the outputs whose window lies inside the row: ow SW + 1 < w_in */
+    /* the outputs whose window lies inside the row: ow SW + 1 < w_in (2 or more: w_in >= SW + 2) */
     const uint32_t hi = (w_in - 2) / SW + 1 < w_out ? (w_in - 2) / SW + 1 : w_out;
     float A[DWR_NL(3, 1)], B[DWR_NL(3, 1)], C[DWR_NL(3, 1)];
     const float *p[DWR_NL(3, 1)];
     float *yr[3];
-    uint32_t v, r, i, ow = 1;
+    uint32_t v, r, i, ow;
     for (v = 0; v < NL; ++v)
         p[v] = x + v * w_in;
     for (r = 0; r < R; ++r)
@@ -913,21 +920,24 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
     /* output 0: window columns -1 (the padding), 0 and 1 */
     dwr_load(B, p, 0, NL);
     dwr_load(C, p, 1, NL);
-    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0);
-    for (v = 0; v < NL; ++v)
-        p[v] += 2;
-    for (r = 0; r < R; ++r)
-        yr[r] += 1;
-    if (SW == 1) { /* p: output ow's last window column; A, B its first two */
+    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0, INIT ? 6 : 0);
+    if (SW == 1) { /* output ow's window: A, B and the column p points at */
         for (v = 0; v < NL; ++v)
-            A[v] = B[v], B[v] = C[v];
-        for (i = (hi - 1) / 3; i; --i) {
+            A[v] = B[v], B[v] = C[v], p[v] += 2;
+        /* output 1 on its own, where INIT starts the kernel's column 0 */
+        dwr_load(C, p, 0, NL);
+        dwr_out(yr, 1, A, B, C, wv, MODE, SW, R, 0, 0, INIT ? 1 : 0);
+        for (v = 0; v < NL; ++v)
+            A[v] = B[v], B[v] = C[v], p[v] += 1;
+        for (r = 0; r < R; ++r)
+            yr[r] += 2;
+        for (i = (hi - 2) / 3; i; --i) {
             dwr_load(C, p, 0, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
             dwr_load(A, p, 1, NL);
-            dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0, 0);
             dwr_load(B, p, 2, NL);
-            dwr_out(yr, 2, C, A, B, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 2, C, A, B, wv, MODE, SW, R, 0, 0, 0);
             for (v = 0; v < NL; ++v)
                 p[v] += 3;
             for (r = 0; r < R; ++r)
@@ -935,95 +945,119 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
         }
         /* at most two left, then the last column, beside the padding: each its own copy, so
          * that the window's columns stay where the rotation left them */
-        ow = 1 + (hi - 1) / 3 * 3;
+        ow = 2 + (hi - 2) / 3 * 3;
         if (ow + 2 <= hi) {
             dwr_load(C, p, 0, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
             dwr_load(A, p, 1, NL);
-            dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0, 0);
             if (ow + 2 < w_out)
-                dwr_out(yr, 2, C, A, A, wv, MODE, SW, R, 0, 1);
+                dwr_out(yr, 2, C, A, A, wv, MODE, SW, R, 0, 1, 0);
         } else if (ow < hi) {
             dwr_load(C, p, 0, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
             if (ow + 1 < w_out)
-                dwr_out(yr, 1, B, C, C, wv, MODE, SW, R, 0, 1);
+                dwr_out(yr, 1, B, C, C, wv, MODE, SW, R, 0, 1, 0);
         } else if (ow < w_out)
-            dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1);
-    } else { /* p: output ow's second window column; A its first */
+            dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1, 0);
+    } else { /* output ow's window: A and the two columns p points at */
         for (v = 0; v < NL; ++v)
-            A[v] = C[v];
-        for (i = (hi - 1) / 2; i; --i) {
+            A[v] = C[v], p[v] += 2;
+        dwr_load(B, p, 0, NL); /* output 1 on its own, where INIT starts the kernel's column 0 */
+        dwr_load(C, p, 1, NL);
+        dwr_out(yr, 1, A, B, C, wv, MODE, SW, R, 0, 0, INIT ? 1 : 0);
+        for (v = 0; v < NL; ++v)
+            A[v] = C[v], p[v] += 2;
+        for (r = 0; r < R; ++r)
+            yr[r] += 2;
+        for (i = (hi - 2) / 2; i; --i) {
             dwr_load(B, p, 0, NL);
             dwr_load(C, p, 1, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
             dwr_load(B, p, 2, NL);
             dwr_load(A, p, 3, NL);
-            dwr_out(yr, 1, C, B, A, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 1, C, B, A, wv, MODE, SW, R, 0, 0, 0);
             for (v = 0; v < NL; ++v)
                 p[v] += 4;
             for (r = 0; r < R; ++r)
                 yr[r] += 2;
         }
-        ow = 1 + (hi - 1) / 2 * 2;
+        ow = 2 + (hi - 2) / 2 * 2;
         if (ow < hi) { /* at most one left, then the last column, beside the padding */
             dwr_load(B, p, 0, NL);
             dwr_load(C, p, 1, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0);
+            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
             if (ow + 1 < w_out) {
                 dwr_load(B, p, 2, NL);
-                dwr_out(yr, 1, C, B, B, wv, MODE, SW, R, 0, 1);
+                dwr_out(yr, 1, C, B, B, wv, MODE, SW, R, 0, 1, 0);
             }
         } else if (ow < w_out) {
             dwr_load(B, p, 0, NL);
-            dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1);
+            dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1, 0);
         }
     }
 }
 
-/* A pass out of line, one for each mode, stride and number of rows: its walk has the registers to
- * itself, with nothing of the layer's loops live across it. The forward's: w the nine weights.
- * The weight gradient's: the nine sums start at zero (DWR_INIT) or at acc[], and at the end are
- * stored to acc[], or (DWR_APPLY, the channel's last pass) added to gw[] or, with DWR_SGD,
- * subtracted from it times lr. */
+/* The passes out of line, one for each stride and number of rows: a walk has the registers to
+ * itself, with nothing of the layer's loops live across it.
+ *
+ * The forward's, over C channels (planes xs and ys apart, their weights 9): R rows of each. */
+#define DWR_FWD(NAME, SW, R)                                                                                   \
+    POET_OUTLINE void NAME(float *y, const float *x, const float *w, uint32_t w_in, uint32_t w_out, uint32_t C,   \
+                           uint32_t ys, uint32_t xs)                                                          \
+    {                                                                                                        \
+        float wv[9];                                                                                         \
+        uint32_t k;                                                                                          \
+        for (; C; --C, y += ys, x += xs, w += 9) {                                                           \
+            for (k = 0; k < 9; ++k)                                                                          \
+                wv[k] = w[k];                                                                                \
+            dwr_pass(y, x, wv, w_in, w_out, 0, SW, R, 0);                                                    \
+        }                                                                                                    \
+    }
+/* The weight gradient's, over a channel's planes one pass after another: its nine sums start at
+ * zero (flags DWR_INIT) or at acc[], and at the end are stored to acc[], or (DWR_APPLY, the
+ * channel's last pass) added to gw[] or, with DWR_SGD, subtracted from it times lr. */
 #define DWR_INIT 1u
 #define DWR_APPLY 2u
 #define DWR_SGD 4u
-POET_INLINE void dwr_pass_w(float *y, const float *x, float *acc, uint32_t w_in, uint32_t w_out, float *gw, float lr,
-                            uint32_t flags, const int MODE, const uint32_t SW, const uint32_t R)
-{
-    float wv[9];
-    uint32_t k;
-    if (MODE == 2 && (flags & DWR_INIT))
-        for (k = 0; k < 9; ++k)
-            wv[k] = 0.0f;
-    else
-        for (k = 0; k < 9; ++k)
-            wv[k] = acc[k];
-    dwr_pass(y, x, wv, w_in, w_out, MODE, SW, R);
-    if (MODE != 2)
-        return;
-    if (!(flags & DWR_APPLY))
-        for (k = 0; k < 9; ++k)
-            acc[k] = wv[k];
-    else if (flags & DWR_SGD)
-        for (k = 0; k < 9; ++k)
-            gw[k] -= lr * wv[k];
-    else
-        for (k = 0; k < 9; ++k)
-            gw[k] += wv[k];
-}
-
-#define DWR_FWD(NAME, SW, R)                                                                                   \
-    POET_OUTLINE void NAME(float *y, const float *x, const float *w, uint32_t w_in, uint32_t w_out)           \
-    {                                                                                                        \
-        dwr_pass_w(y, x, (float *)(uintptr_t)w, w_in, w_out, NULL, 0.0f, 0, 0, SW, R);                       \
-    }
 #define DWR_GRAD(NAME, SW, R)                                                                                  \
     POET_OUTLINE void NAME(const float *dy, const float *x, float *acc, uint32_t w_in, uint32_t w_out, float *gw, \
-                           float lr, uint32_t flags)                                                         \
+                           float lr, uint32_t flags)                                                          \
     {                                                                                                        \
-        dwr_pass_w((float *)(uintptr_t)dy, x, acc, w_in, w_out, gw, lr, flags, 2, SW, R);                    \
+        float wv[9];                                                                                         \
+        uint32_t k;                                                                                          \
+        for (k = 0; k < 9; ++k)                                                                              \
+            wv[k] = flags & DWR_INIT ? 0.0f : acc[k];                                                        \
+        dwr_pass((float *)(uintptr_t)dy, x, wv, w_in, w_out, 2, SW, R, 0);                                   \
+        if (!(flags & DWR_APPLY))                                                                            \
+            for (k = 0; k < 9; ++k)                                                                          \
+                acc[k] = wv[k];                                                                              \
+        else if (flags & DWR_SGD)                                                                            \
+            for (k = 0; k < 9; ++k)                                                                          \
+                gw[k] -= lr * wv[k];                                                                         \
+        else                                                                                                 \
+            for (k = 0; k < 9; ++k)                                                                          \
+                gw[k] += wv[k];                                                                              \
+    }
+/* The weight gradient's over C channels (a batch of one whose planes are one pass each): each
+ * channel's sums start with its first products, and gw += them, or (sgd) w -= lr them. */
+#define DWR_GRAD1(NAME, SW, R)                                                                                 \
+    POET_OUTLINE void NAME(const float *dy, const float *x, float *gw, uint32_t w_in, uint32_t w_out, uint32_t C, \
+                           uint32_t ys, uint32_t xs, float lr, int sgd)                                       \
+    {                                                                                                        \
+        float wv[9];                                                                                         \
+        uint32_t k;                                                                                          \
+        for (; C; --C, dy += ys, x += xs, gw += 9) {                                                         \
+            for (k = 0; k < 9; ++k) /* (each overwritten by its first product) */                            \
+                wv[k] = 0.0f;                                                                                \
+            dwr_pass((float *)(uintptr_t)dy, x, wv, w_in, w_out, 2, SW, R, 1);                               \
+            if (sgd)                                                                                         \
+                for (k = 0; k < 9; ++k)                                                                      \
+                    gw[k] -= lr * wv[k];                                                                     \
+            else                                                                                             \
+                for (k = 0; k < 9; ++k)                                                                      \
+                    gw[k] += wv[k];                                                                          \
+        }                                                                                                    \
     }
 DWR_FWD(dwr_fwd_s1_r3, 1, 3)
 DWR_FWD(dwr_fwd_s1_r2, 1, 2)
@@ -1035,24 +1069,51 @@ DWR_GRAD(dwr_grad_s1_r2, 1, 2)
 DWR_GRAD(dwr_grad_s1_r1, 1, 1)
 DWR_GRAD(dwr_grad_s2_r2, 2, 2)
 DWR_GRAD(dwr_grad_s2_r1, 2, 1)
+DWR_GRAD1(dwr_grad1_s1_r3, 1, 3)
+DWR_GRAD1(dwr_grad1_s2_r2, 2, 2)
 #undef DWR_FWD
 #undef DWR_GRAD
+#undef DWR_GRAD1
 
-/* One plane's forward: passes of R rows (3 at stride 1, 2 at stride 2), then the rows left */
-POET_INLINE void dwr_plane(float *y, const float *x, const float *w, uint32_t h_out, uint32_t w_in, uint32_t w_out,
-                           const uint32_t SW)
+/* Whether a layer is such a window: depthwise 3x3, padding 0 along H and 1 along W, the same
+ * stride 1 or 2 along both axes, rows of at least SW + 2 inputs */
+static int dwr_ok(const poet_conv2d_shape *s)
 {
-    const uint32_t R = SW == 1 ? 3 : 2, ys = R * w_out, xs = R * SW * w_in;
-    uint32_t r = h_out;
-    for (; r >= R; r -= R, y += ys, x += xs)
-        (SW == 1 ? dwr_fwd_s1_r3 : dwr_fwd_s2_r2)(y, x, w, w_in, w_out);
-    if (SW == 1 && r == 2)
-        dwr_fwd_s1_r2(y, x, w, w_in, w_out);
-    else if (r == 1)
-        (SW == 1 ? dwr_fwd_s1_r1 : dwr_fwd_s2_r1)(y, x, w, w_in, w_out);
+    return s->groups == s->c_in && s->groups == s->c_out && s->k_h == 3 && s->k_w == 3 && s->pad_h == 0 &&
+           s->pad_w == 1 && s->stride_h == s->stride_w && (s->stride_w == 1 || s->stride_w == 2) &&
+           s->w_in >= s->stride_w + 2 && s->h_in >= 3;
 }
 
-/* One plane's weight gradient, the same passes: first's flags on the first, last's on the last */
+/* The forward of such a layer: each sample's rows in passes of R (3 at stride 1, 2 at stride 2)
+ * and the rows left, each pass over all the channels; the bias, if any, added after */
+POET_INLINE void dwr_forward_layer(float *y, const float *x, const float *w, const float *b,
+                                   const poet_conv2d_shape *shape, const uint32_t SW)
+{
+    /* a copy: the stores into y might otherwise alias the shape, re-read every plane */
+    const poet_conv2d_shape copy = *shape, *s = &copy;
+    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, w_in = s->w_in, w_out = s->w_out;
+    const uint32_t C = s->c_out, R = SW == 1 ? 3 : 2;
+    uint32_t n, c, k, r;
+    for (n = 0; n < s->n; ++n) {
+        float *yn = y + n * C * out_plane;
+        const float *xn = x + n * C * in_plane;
+        for (r = 0; r + R <= s->h_out; r += R)
+            (SW == 1 ? dwr_fwd_s1_r3 : dwr_fwd_s2_r2)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
+                                                      out_plane, in_plane);
+        if (SW == 1 && r + 2 == s->h_out)
+            dwr_fwd_s1_r2(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C, out_plane, in_plane);
+        else if (r < s->h_out)
+            (SW == 1 ? dwr_fwd_s1_r1 : dwr_fwd_s2_r1)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
+                                                      out_plane, in_plane);
+        if (b)
+            for (c = 0; c < C; ++c)
+                for (k = 0; k < out_plane; ++k)
+                    yn[c * out_plane + k] += b[c];
+    }
+}
+
+/* One plane's weight gradient for dwr_grad_layer: passes of R rows, then the rows left, first's
+ * flags on the first, last's on the last */
 POET_INLINE void dwr_grad_plane(const float *dy, const float *x, float *acc, uint32_t h_out, uint32_t w_in,
                                 uint32_t w_out, float *gw, float lr, uint32_t first, uint32_t last, const uint32_t SW)
 {
@@ -1066,47 +1127,20 @@ POET_INLINE void dwr_grad_plane(const float *dy, const float *x, float *acc, uin
         (SW == 1 ? dwr_grad_s1_r1 : dwr_grad_s2_r1)(dy, x, acc, w_in, w_out, gw, lr, first | last);
 }
 
-/* Whether a layer is such a window: depthwise 3x3, padding 0 along H and 1 along W, the same
- * stride 1 or 2 along both axes, rows of at least SW + 2 inputs */
-static int dwr_ok(const poet_conv2d_shape *s)
-{
-    return s->groups == s->c_in && s->groups == s->c_out && s->k_h == 3 && s->k_w == 3 && s->pad_h == 0 &&
-           s->pad_w == 1 && s->stride_h == s->stride_w && (s->stride_w == 1 || s->stride_w == 2) &&
-           s->w_in >= s->stride_w + 2 && s->h_in >= 3;
-}
-
-/* The forward of such a layer, plane by plane (the bias, if any, added after) */
-POET_INLINE void dwr_forward_layer(float *y, const float *x, const float *w, const float *b,
-                                   const poet_conv2d_shape *shape, const uint32_t SW)
-{
-    /* a copy: the stores into y might otherwise alias the shape, re-read every plane */
-    const poet_conv2d_shape copy = *shape, *s = &copy;
-    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, h_out = s->h_out;
-    const uint32_t w_in = s->w_in, w_out = s->w_out, C = s->c_out;
-    uint32_t n, c, k;
-    for (n = 0; n < s->n; ++n)
-        for (c = 0; c < C; ++c, x += in_plane, y += out_plane) {
-            dwr_plane(y, x, w + 9 * c, h_out, w_in, w_out, SW);
-            if (b)
-                for (k = 0; k < out_plane; ++k)
-                    y[k] += b[c];
-        }
-}
-
 /* The weight gradient: channel by channel, its nine sums over the batch's planes (in registers
- * within a pass, in acc between them); gw += them, or (sgd) w -= lr them */
+ * within a pass, in acc between them); gw += them, or (sgd) w -= lr them. A batch of one whose
+ * planes are one pass each (mcu-vww's stride-1 windows) in one call. */
 POET_INLINE void dwr_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *shape, float lr,
                                 int sgd, const uint32_t SW)
 {
     const poet_conv2d_shape copy = *shape, *s = &copy;
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, h_out = s->h_out;
     const uint32_t w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n;
-    const uint32_t last = sgd ? DWR_APPLY | DWR_SGD : DWR_APPLY;
+    const uint32_t last = sgd ? DWR_APPLY | DWR_SGD : DWR_APPLY, R = SW == 1 ? 3 : 2;
     float acc[9];
     uint32_t n, c;
-    if (N == 1) /* a batch of one: the channel's planes one after the other */
-        for (c = 0; c < C; ++c, dy += out_plane, x += in_plane, gw += 9)
-            dwr_grad_plane(dy, x, acc, h_out, w_in, w_out, gw, lr, DWR_INIT, last, SW);
+    if (N == 1 && h_out == R)
+        (SW == 1 ? dwr_grad1_s1_r3 : dwr_grad1_s2_r2)(dy, x, gw, w_in, w_out, C, out_plane, in_plane, lr, sgd);
     else
         for (c = 0; c < C; ++c, gw += 9)
             for (n = 0; n < N; ++n)
