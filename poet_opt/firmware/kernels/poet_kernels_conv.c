@@ -1059,6 +1059,53 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
                     gw[k] += wv[k];                                                                          \
         }                                                                                                    \
     }
+/* The weight gradient's over C channels (a batch of one) whose planes take several passes: the
+ * sums stay in registers from a channel's first pass, which starts them with its first products,
+ * to its last; h_out rows, ys_r and xs_r a pass's rows apart. */
+#define DWR_GRADN(NAME, SW, R)                                                                                 \
+    POET_OUTLINE void NAME(const float *dy, const float *x, float *gw, uint32_t w_in, uint32_t w_out, uint32_t C, \
+                           uint32_t ys, uint32_t xs, uint32_t h_out, float lr, int sgd)                       \
+    {                                                                                                        \
+        const uint32_t ys_r = R * w_out, xs_r = R * SW * w_in;                                               \
+        float wv[9];                                                                                         \
+        uint32_t k, r;                                                                                       \
+        for (; C; --C, dy += ys, x += xs, gw += 9) {                                                         \
+            const float *d = dy, *xr = x;                                                                    \
+            for (k = 0; k < 9; ++k)                                                                          \
+                wv[k] = 0.0f;                                                                                \
+            dwr_pass((float *)(uintptr_t)d, xr, wv, w_in, w_out, 2, SW, R, 1);                               \
+            for (r = h_out - R, d += ys_r, xr += xs_r; r >= R; r -= R, d += ys_r, xr += xs_r)                \
+                dwr_pass((float *)(uintptr_t)d, xr, wv, w_in, w_out, 2, SW, R, 0);                           \
+            if (r)                                                                                           \
+                dwr_pass((float *)(uintptr_t)d, xr, wv, w_in, w_out, 2, SW, 1, 0);                           \
+            if (sgd)                                                                                         \
+                for (k = 0; k < 9; ++k)                                                                      \
+                    gw[k] -= lr * wv[k];                                                                     \
+            else                                                                                             \
+                for (k = 0; k < 9; ++k)                                                                      \
+                    gw[k] += wv[k];                                                                          \
+        }                                                                                                    \
+    }
+/* The forward's over C channels whose planes take several passes, a channel's weights in
+ * registers through them: h_out rows, ys_r and xs_r a pass's rows apart. */
+#define DWR_FWDN(NAME, SW, R)                                                                                  \
+    POET_OUTLINE void NAME(float *y, const float *x, const float *w, uint32_t w_in, uint32_t w_out, uint32_t C,   \
+                           uint32_t ys, uint32_t xs, uint32_t h_out)                                          \
+    {                                                                                                        \
+        const uint32_t ys_r = R * w_out, xs_r = R * SW * w_in;                                               \
+        float wv[9];                                                                                         \
+        uint32_t k, r;                                                                                       \
+        for (; C; --C, y += ys, x += xs, w += 9) {                                                           \
+            float *yp = y;                                                                                   \
+            const float *xr = x;                                                                             \
+            for (k = 0; k < 9; ++k)                                                                          \
+                wv[k] = w[k];                                                                                \
+            for (r = h_out; r >= R; r -= R, yp += ys_r, xr += xs_r)                                          \
+                dwr_pass(yp, xr, wv, w_in, w_out, 0, SW, R, 0);                                              \
+            if (r)                                                                                           \
+                dwr_pass(yp, xr, wv, w_in, w_out, 0, SW, 1, 0);                                              \
+        }                                                                                                    \
+    }
 DWR_FWD(dwr_fwd_s1_r3, 1, 3)
 DWR_FWD(dwr_fwd_s1_r2, 1, 2)
 DWR_FWD(dwr_fwd_s1_r1, 1, 1)
@@ -1071,9 +1118,13 @@ DWR_GRAD(dwr_grad_s2_r2, 2, 2)
 DWR_GRAD(dwr_grad_s2_r1, 2, 1)
 DWR_GRAD1(dwr_grad1_s1_r3, 1, 3)
 DWR_GRAD1(dwr_grad1_s2_r2, 2, 2)
+DWR_GRADN(dwr_gradn_s2_r2, 2, 2)
+DWR_FWDN(dwr_fwdn_s2_r2, 2, 2)
 #undef DWR_FWD
 #undef DWR_GRAD
 #undef DWR_GRAD1
+#undef DWR_GRADN
+#undef DWR_FWDN
 
 /* Whether a layer is such a window: depthwise 3x3, padding 0 along H and 1 along W, the same
  * stride 1 or 2 along both axes, rows of at least SW + 2 inputs */
@@ -1085,26 +1136,31 @@ static int dwr_ok(const poet_conv2d_shape *s)
 }
 
 /* The forward of such a layer: each sample's rows in passes of R (3 at stride 1, 2 at stride 2)
- * and the rows left, each pass over all the channels; the bias, if any, added after */
+ * and the rows left, each pass over all the channels, or at stride 2 with several passes a plane,
+ * channel by channel; the bias, if any, added after */
 POET_INLINE void dwr_forward_layer(float *y, const float *x, const float *w, const float *b,
                                    const poet_conv2d_shape *shape, const uint32_t SW)
 {
     /* a copy: the stores into y might otherwise alias the shape, re-read every plane */
     const poet_conv2d_shape copy = *shape, *s = &copy;
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, w_in = s->w_in, w_out = s->w_out;
-    const uint32_t C = s->c_out, R = SW == 1 ? 3 : 2;
+    const uint32_t C = s->c_out, R = SW == 1 ? 3 : 2, h_out = s->h_out;
     uint32_t n, c, k, r;
     for (n = 0; n < s->n; ++n) {
         float *yn = y + n * C * out_plane;
         const float *xn = x + n * C * in_plane;
-        for (r = 0; r + R <= s->h_out; r += R)
-            (SW == 1 ? dwr_fwd_s1_r3 : dwr_fwd_s2_r2)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
-                                                      out_plane, in_plane);
-        if (SW == 1 && r + 2 == s->h_out)
-            dwr_fwd_s1_r2(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C, out_plane, in_plane);
-        else if (r < s->h_out)
-            (SW == 1 ? dwr_fwd_s1_r1 : dwr_fwd_s2_r1)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
-                                                      out_plane, in_plane);
+        if (SW == 2 && h_out > R)
+            dwr_fwdn_s2_r2(yn, xn, w, w_in, w_out, C, out_plane, in_plane, h_out);
+        else {
+            for (r = 0; r + R <= h_out; r += R)
+                (SW == 1 ? dwr_fwd_s1_r3 : dwr_fwd_s2_r2)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
+                                                          out_plane, in_plane);
+            if (SW == 1 && r + 2 == h_out)
+                dwr_fwd_s1_r2(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C, out_plane, in_plane);
+            else if (r < h_out)
+                (SW == 1 ? dwr_fwd_s1_r1 : dwr_fwd_s2_r1)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
+                                                          out_plane, in_plane);
+        }
         if (b)
             for (c = 0; c < C; ++c)
                 for (k = 0; k < out_plane; ++k)
@@ -1141,6 +1197,8 @@ POET_INLINE void dwr_grad_layer(float *gw, const float *dy, const float *x, cons
     uint32_t n, c;
     if (N == 1 && h_out == R)
         (SW == 1 ? dwr_grad1_s1_r3 : dwr_grad1_s2_r2)(dy, x, gw, w_in, w_out, C, out_plane, in_plane, lr, sgd);
+    else if (N == 1 && SW == 2 && h_out > R) /* several passes a plane, at stride 2: R 2, a row left */
+        dwr_gradn_s2_r2(dy, x, gw, w_in, w_out, C, out_plane, in_plane, h_out, lr, sgd);
     else
         for (c = 0; c < C; ++c, gw += 9)
             for (n = 0; n < N; ++n)
