@@ -1206,7 +1206,8 @@ POET_INLINE void dwr_grad_layer(float *gw, const float *dy, const float *x, cons
                                gw, lr, n == 0 ? DWR_INIT : 0, n + 1 == N ? last : 0, SW);
 }
 
-static void dwr_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+/* (out of line: the callers test dwr_ok before their own set-up, which these shapes skip) */
+POET_OUTLINE void dwr_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
     if (s->stride_w == 1)
         dwr_forward_layer(y, x, w, b, s, 1);
@@ -1214,7 +1215,7 @@ static void dwr_forward(float *y, const float *x, const float *w, const float *b
         dwr_forward_layer(y, x, w, b, s, 2);
 }
 
-static void dwr_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+POET_OUTLINE void dwr_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
 {
     if (s->stride_w == 1)
         dwr_grad_layer(gw, dy, x, s, lr, sgd, 1);
@@ -1649,17 +1650,14 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
     }
 }
 
-void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+/* (out of line: a depthwise window, below, skips its set-up) */
+POET_OUTLINE void forward_any(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
 #ifndef POET_KERNELS_SMALL
     if (pointwise_mm_forward(y, x, w, b, s))
         return;
-    if (dwr_ok(s)) { /* a depthwise 3x3 window of a few rows: the rows' column walk */
-        dwr_forward(y, x, w, b, s);
-        return;
-    }
     if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
         dwc_forward(y, x, w, b, s);
         return;
@@ -1675,6 +1673,17 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
     else
 #endif
         forward_all(y, x, w, b, s, 0, 0, 0);
+}
+
+void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+#ifndef POET_KERNELS_SMALL
+    if (dwr_ok(s)) { /* a depthwise 3x3 window of a few rows: the rows' column walk */
+        dwr_forward(y, x, w, b, s);
+        return;
+    }
+#endif
+    forward_any(y, x, w, b, s);
 }
 
 /* The data gradient, gathered: dx (ih, iw) += dy (oh, ow) w (kh, kw) over ih + pad = oh * stride + kh.
@@ -2354,10 +2363,6 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
     const uint32_t cin_g = s->c_in / s->groups, cout_g = s->c_out / s->groups;
     uint32_t g, co, ci;
 #ifndef POET_KERNELS_SMALL
-    if (dwr_ok(s)) { /* a depthwise 3x3 window of a few rows: the rows' column walk */
-        dwr_grad(gw, dy, x, s, lr, sgd);
-        return;
-    }
     if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
         if (s->stride_w == 1)
             dwc_grad_s1(gw, dy, x, s, lr, sgd);
@@ -2526,7 +2531,9 @@ POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *
 }
 #endif
 
-static void weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+/* (out of line: a depthwise window, below, skips its set-up) */
+POET_OUTLINE void weight_grad_any(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
+                                  int sgd)
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
@@ -2540,6 +2547,17 @@ static void weight_grad(float *gw, const float *dy, const float *x, const poet_c
     else
 #endif
         weight_grad_all(gw, dy, x, s, lr, sgd, 0);
+}
+
+static void weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+{
+#ifndef POET_KERNELS_SMALL
+    if (dwr_ok(s)) { /* a depthwise 3x3 window of a few rows: the rows' column walk */
+        dwr_grad(gw, dy, x, s, lr, sgd);
+        return;
+    }
+#endif
+    weight_grad_any(gw, dy, x, s, lr, sgd);
 }
 
 void poet_conv2d_backward_params(float *gw, float *gb, const float *dy, const float *x,
