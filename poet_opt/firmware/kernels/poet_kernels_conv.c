@@ -1186,13 +1186,13 @@ POET_INLINE void dwr_grad_plane(const float *dy, const float *x, float *acc, uin
 /* The weight gradient: channel by channel, its nine sums over the batch's planes (in registers
  * within a pass, in acc between them); gw += them, or (sgd) w -= lr them. A batch of one whose
  * planes are one pass each (mcu-vww's stride-1 windows) in one call. */
-POET_INLINE void dwr_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *shape, float lr,
+POET_INLINE void dwr_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
                                 int sgd, const uint32_t SW)
 {
-    const poet_conv2d_shape copy = *shape, *s = &copy;
-    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, h_out = s->h_out;
-    const uint32_t w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n;
-    const uint32_t last = sgd ? DWR_APPLY | DWR_SGD : DWR_APPLY, R = SW == 1 ? 3 : 2;
+    /* the fields read once, before any call (which might otherwise write to the shape) */
+    const uint32_t h_out = s->h_out, w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n, R = SW == 1 ? 3 : 2;
+    const uint32_t in_plane = s->h_in * w_in, out_plane = h_out * w_out;
+    const uint32_t last = sgd ? DWR_APPLY | DWR_SGD : DWR_APPLY;
     float acc[9];
     uint32_t n, c;
     if (N == 1 && h_out == R)
