@@ -1059,9 +1059,9 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
                     gw[k] += wv[k];                                                                          \
         }                                                                                                    \
     }
-/* The weight gradient's over C channels (a batch of one) whose planes take several passes: the
- * sums stay in registers from a channel's first pass, which starts them with its first products,
- * to its last; h_out rows, ys_r and xs_r a pass's rows apart. */
+/* The weight gradient's over C channels (a batch of one) whose planes take one or more passes
+ * (h_out >= R): the sums stay in registers from a channel's first pass, which starts them with its
+ * first products, to its last; ys_r and xs_r a pass's rows apart. */
 #define DWR_GRADN(NAME, SW, R)                                                                                 \
     POET_OUTLINE void NAME(const float *dy, const float *x, float *gw, uint32_t w_in, uint32_t w_out, uint32_t C, \
                            uint32_t ys, uint32_t xs, uint32_t h_out, float lr, int sgd)                       \
@@ -1117,7 +1117,6 @@ DWR_GRAD(dwr_grad_s1_r1, 1, 1)
 DWR_GRAD(dwr_grad_s2_r2, 2, 2)
 DWR_GRAD(dwr_grad_s2_r1, 2, 1)
 DWR_GRAD1(dwr_grad1_s1_r3, 1, 3)
-DWR_GRAD1(dwr_grad1_s2_r2, 2, 2)
 DWR_GRADN(dwr_gradn_s2_r2, 2, 2)
 DWR_FWDN(dwr_fwdn_s2_r2, 2, 2)
 #undef DWR_FWD
@@ -1130,42 +1129,50 @@ DWR_FWDN(dwr_fwdn_s2_r2, 2, 2)
  * stride 1 or 2 along both axes, rows of at least SW + 2 inputs */
 static int dwr_ok(const poet_conv2d_shape *s)
 {
-    return s->groups == s->c_in && s->groups == s->c_out && s->k_h == 3 && s->k_w == 3 && s->pad_h == 0 &&
-           s->pad_w == 1 && s->stride_h == s->stride_w && (s->stride_w == 1 || s->stride_w == 2) &&
-           s->w_in >= s->stride_w + 2 && s->h_in >= 3;
+    /* (the equalities as one test: each convolution's call pays it) */
+    return ((s->k_h ^ 3u) | (s->k_w ^ 3u) | s->pad_h | (s->pad_w ^ 1u) | (s->groups ^ s->c_in) |
+            (s->groups ^ s->c_out) | (s->stride_h ^ s->stride_w)) == 0 &&
+           s->stride_w - 1u <= 1u && s->w_in >= s->stride_w + 2 && s->h_in >= 3;
+}
+
+/* y[n][c] += b[c] over planes of P, out of line (a layer without a bias, the zoo's, skips it) */
+POET_OUTLINE void dwr_bias(float *y, const float *b, uint32_t N, uint32_t C, uint32_t P)
+{
+    uint32_t n, c, k;
+    for (n = 0; n < N; ++n)
+        for (c = 0; c < C; ++c, y += P)
+            for (k = 0; k < P; ++k)
+                y[k] += b[c];
 }
 
 /* The forward of such a layer: each sample's rows in passes of R (3 at stride 1, 2 at stride 2)
  * and the rows left, each pass over all the channels, or at stride 2 with several passes a plane,
  * channel by channel; the bias, if any, added after */
 POET_INLINE void dwr_forward_layer(float *y, const float *x, const float *w, const float *b,
-                                   const poet_conv2d_shape *shape, const uint32_t SW)
+                                   const poet_conv2d_shape *s, const uint32_t SW)
 {
-    /* a copy: the stores into y might otherwise alias the shape, re-read every plane */
-    const poet_conv2d_shape copy = *shape, *s = &copy;
-    const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, w_in = s->w_in, w_out = s->w_out;
-    const uint32_t C = s->c_out, R = SW == 1 ? 3 : 2, h_out = s->h_out;
-    uint32_t n, c, k, r;
-    for (n = 0; n < s->n; ++n) {
-        float *yn = y + n * C * out_plane;
-        const float *xn = x + n * C * in_plane;
-        if (SW == 2 && h_out > R)
+    /* the fields read once, before any call (which might otherwise write to the shape) */
+    const uint32_t h_out = s->h_out, w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n, R = SW == 1 ? 3 : 2;
+    const uint32_t in_plane = s->h_in * w_in, out_plane = h_out * w_out;
+    uint32_t n, r;
+    float *yn = y;
+    const float *xn = x;
+    for (n = 0; n < N; ++n, yn += C * out_plane, xn += C * in_plane) {
+        if (SW == 2 && h_out > R) {
             dwr_fwdn_s2_r2(yn, xn, w, w_in, w_out, C, out_plane, in_plane, h_out);
-        else {
-            for (r = 0; r + R <= h_out; r += R)
-                (SW == 1 ? dwr_fwd_s1_r3 : dwr_fwd_s2_r2)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
-                                                          out_plane, in_plane);
-            if (SW == 1 && r + 2 == h_out)
-                dwr_fwd_s1_r2(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C, out_plane, in_plane);
-            else if (r < h_out)
-                (SW == 1 ? dwr_fwd_s1_r1 : dwr_fwd_s2_r1)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
-                                                          out_plane, in_plane);
+            continue;
         }
-        if (b)
-            for (c = 0; c < C; ++c)
-                for (k = 0; k < out_plane; ++k)
-                    yn[c * out_plane + k] += b[c];
+        for (r = 0; r + R <= h_out; r += R)
+            (SW == 1 ? dwr_fwd_s1_r3 : dwr_fwd_s2_r2)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
+                                                      out_plane, in_plane);
+        if (SW == 1 && r + 2 == h_out)
+            dwr_fwd_s1_r2(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C, out_plane, in_plane);
+        else if (r < h_out)
+            (SW == 1 ? dwr_fwd_s1_r1 : dwr_fwd_s2_r1)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
+                                                      out_plane, in_plane);
     }
+    if (b)
+        dwr_bias(y, b, N, C, out_plane);
 }
 
 /* One plane's weight gradient for dwr_grad_layer: passes of R rows, then the rows left, first's
@@ -1190,20 +1197,15 @@ POET_INLINE void dwr_grad_layer(float *gw, const float *dy, const float *x, cons
                                 int sgd, const uint32_t SW)
 {
     /* the fields read once, before any call (which might otherwise write to the shape) */
-    const uint32_t h_out = s->h_out, w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n, R = SW == 1 ? 3 : 2;
+    const uint32_t h_out = s->h_out, w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n;
     const uint32_t in_plane = s->h_in * w_in, out_plane = h_out * w_out;
     const uint32_t last = sgd ? DWR_APPLY | DWR_SGD : DWR_APPLY;
     float acc[9];
     uint32_t n, c;
-    if (N == 1 && h_out == R)
-        (SW == 1 ? dwr_grad1_s1_r3 : dwr_grad1_s2_r2)(dy, x, gw, w_in, w_out, C, out_plane, in_plane, lr, sgd);
-    else if (N == 1 && SW == 2 && h_out > R) /* several passes a plane, at stride 2: R 2, a row left */
-        dwr_gradn_s2_r2(dy, x, gw, w_in, w_out, C, out_plane, in_plane, h_out, lr, sgd);
-    else
-        for (c = 0; c < C; ++c, gw += 9)
-            for (n = 0; n < N; ++n)
-                dwr_grad_plane(dy + (n * C + c) * out_plane, x + (n * C + c) * in_plane, acc, h_out, w_in, w_out,
-                               gw, lr, n == 0 ? DWR_INIT : 0, n + 1 == N ? last : 0, SW);
+    for (c = 0; c < C; ++c, gw += 9)
+        for (n = 0; n < N; ++n)
+            dwr_grad_plane(dy + (n * C + c) * out_plane, x + (n * C + c) * in_plane, acc, h_out, w_in, w_out, gw, lr,
+                           n == 0 ? DWR_INIT : 0, n + 1 == N ? last : 0, SW);
 }
 
 /* (out of line: the callers test dwr_ok before their own set-up, which these shapes skip) */
@@ -1217,7 +1219,14 @@ POET_OUTLINE void dwr_forward(float *y, const float *x, const float *w, const fl
 
 POET_OUTLINE void dwr_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
 {
-    if (s->stride_w == 1)
+    /* a batch of one, whose channels' sums stay in registers through their passes, in one call:
+     * at stride 1 planes of one pass (3 rows, mcu-vww's), at stride 2 any */
+    if (s->n == 1 && s->stride_w == 1 && s->h_out == 3)
+        dwr_grad1_s1_r3(dy, x, gw, s->w_in, s->w_out, s->c_out, 3 * s->w_out, s->h_in * s->w_in, lr, sgd);
+    else if (s->n == 1 && s->stride_w == 2 && s->h_out >= 2)
+        dwr_gradn_s2_r2(dy, x, gw, s->w_in, s->w_out, s->c_out, s->h_out * s->w_out, s->h_in * s->w_in, s->h_out, lr,
+                        sgd);
+    else if (s->stride_w == 1)
         dwr_grad_layer(gw, dy, x, s, lr, sgd, 1);
     else
         dwr_grad_layer(gw, dy, x, s, lr, sgd, 2);
