@@ -237,6 +237,9 @@ CONV_CASES = {
     # columns, 3 and 2 (the rows left) at stride 1, 2 and 1 at stride 2, over a batch of 2
     "tiled depthwise strip rows, 5 output rows": (2, 3, 7, 8, 3, (3, 3), (1, 1), (0, 1), 3, True),
     "tiled depthwise strip rows stride 2, 3 output rows": (2, 3, 7, 11, 3, (3, 3), (2, 2), (0, 1), 3, False),
+    # a batch of one: its channels in one call, the sums in registers through a plane's passes
+    "tiled depthwise strip rows, 3 output rows, batch 1": (1, 4, 5, 9, 4, (3, 3), (1, 1), (0, 1), 4, True),
+    "tiled depthwise strip rows stride 2, 4 output rows, batch 1": (1, 3, 9, 10, 3, (3, 3), (2, 2), (0, 1), 3, False),
     # pointwise layers with 4 or fewer input channels a group, and their remainders
     "tiled pointwise, 3 inputs": (2, 3, 5, 7, 9, (1, 1), (1, 1), (0, 0), 1, True),
     "tiled pointwise, grouped 2 inputs": (1, 4, 4, 5, 8, (1, 1), (1, 1), (0, 0), 2, False),
