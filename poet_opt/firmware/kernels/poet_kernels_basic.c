@@ -236,7 +236,7 @@ static float column_sum(const float *dy, uint32_t rows, uint32_t out, uint32_t o
  * these loops hold the row's few shared values in registers instead. The sums are the tiles',
  * each in the order of its reduction index from the first product. */
 
-/* y[o] = x . w[o] (+ b[o]) for OUT (at most four) outputs, a classifier head's: each output's sum
+/* y[o] = x . w[o] (+ b[o]) for OUT (1 or 2) outputs, a classifier head's: each output's sum
  * in a register through one pass over x, the OUT rows of w stepped beside it eight inputs at a
  * time (each pointer step and the loop's count serve 8 OUT multiply-adds), no loop over outputs */
 POET_INLINE void linear_row_forward_few(float *y, const float *x, const float *w, const float *b, uint32_t in,
@@ -265,12 +265,12 @@ POET_INLINE void linear_row_forward_few(float *y, const float *x, const float *w
 static void linear_row_forward(float *y, const float *x, const float *w, const float *b, uint32_t in, uint32_t out)
 {
     uint32_t o = 0, k, j;
-    switch (out) {
-    case 1: linear_row_forward_few(y, x, w, b, in, 1); return;
-    case 2: linear_row_forward_few(y, x, w, b, in, 2); return;
-    case 3: linear_row_forward_few(y, x, w, b, in, 3); return;
-    case 4: linear_row_forward_few(y, x, w, b, in, 4); return;
-    default: break;
+    if (out <= 2) { /* (three and four outputs keep the pairs below: each OUT is one more copy) */
+        if (out == 2)
+            linear_row_forward_few(y, x, w, b, in, 2);
+        else
+            linear_row_forward_few(y, x, w, b, in, 1);
+        return;
     }
     for (; o + 2 <= out; o += 2) {
         const float *w0 = w + o * in, *w1 = w0 + in, *xp = x;
@@ -377,7 +377,7 @@ POET_OUTLINE int linear_row_backward_input_set(float *dx, const float *dy, const
     }
 }
 
-/* The same for OUT (at most four) outputs: every dy in a register, the OUT rows of gw (or w)
+/* The same for OUT (1 or 2) outputs: every dy in a register, the OUT rows of gw (or w)
  * stepped side by side eight inputs at a time on one pass over x, no loop over outputs */
 POET_INLINE void linear_row_outer_few(float *gw, const float *dy, const float *x, uint32_t in, float lr,
                                       const int sgd, const uint32_t OUT)
@@ -416,12 +416,12 @@ POET_INLINE void linear_row_outer(float *gw, const float *dy, const float *x, ui
                                   const int sgd)
 {
     uint32_t o = 0, i;
-    switch (out) {
-    case 1: linear_row_outer_few(gw, dy, x, in, lr, sgd, 1); return;
-    case 2: linear_row_outer_few(gw, dy, x, in, lr, sgd, 2); return;
-    case 3: linear_row_outer_few(gw, dy, x, in, lr, sgd, 3); return;
-    case 4: linear_row_outer_few(gw, dy, x, in, lr, sgd, 4); return;
-    default: break;
+    if (out <= 2) {
+        if (out == 2)
+            linear_row_outer_few(gw, dy, x, in, lr, sgd, 2);
+        else
+            linear_row_outer_few(gw, dy, x, in, lr, sgd, 1);
+        return;
     }
     for (; o + 2 <= out; o += 2) {
         float *g0 = gw + o * in, *g1 = g0 + in;
