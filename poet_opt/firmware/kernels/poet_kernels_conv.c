@@ -848,8 +848,13 @@ static int dwc_layer_ok(const poet_conv2d_shape *s, uint32_t SW)
  * along the row), the window's three columns rotate through registers, and the padding columns
  * (the first output's left, the last one's right where it reaches past the row) are their own
  * copies. MODE 0: y = the sums (the bias, if any, added by the caller); 2: y is dy, read only, and
- * wv the weight gradient's sums, each window times its dy added to them. Each sum runs kernel row
- * by kernel row, column by column, the first product starting it. */
+ * wv the weight gradient's sums, each window times its dy added to them. An output's sum runs
+ * kernel row by kernel row, column by column, the first product starting it; the weight
+ * gradient's sums run over the outputs in the walk's order. The passes are out of line, each over
+ * a layer's channels; at stride 2 (mcu-vww's windows: two passes a plane) a channel's passes are
+ * one call, its weights or sums in registers through them. On the M4F the stride-2 walk's steps
+ * cost 2.7 (forward) and 2.8 (weight gradient) instructions a multiply-add, the left and right
+ * columns and each pass's set-up the rest (benchmarks/FIRMWARE.md). */
 #define DWR_NL(R, SW) (((R) - 1) * (SW) + 3)
 
 /* Output column q of the R rows yr[] from window columns a, b, c (NL input rows each); LEFT: a
