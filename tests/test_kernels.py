@@ -294,15 +294,15 @@ def test_depthwise_column_strips(k, h, w, stride):
 
 # The strip executor's windows: a strip of rows with its halo given, padding 0 along H and 1 along
 # W. The window walk takes their forward and weight gradient (passes of 3 output rows and the 1 or
-# 2 left at stride 1, of 2 and the 1 left at stride 2, along every column width's steps and
-# tails), the column strips their written data gradient (whose geometry turned around has padding
-# 2 along H at stride 1: the h - 2 rows in steps of 3 and 0 to 2 left, and the two rows each end
-# with rows in the padding; at stride 2 an even and an odd number of output rows, and an even
-# height, its last row read by no window). Heights 3 to 12; heights 1 and 2 are too short for a
-# 3-row window.
+# 2 left at stride 1, of 2 and the 1 left at stride 2, and four rows at stride 2 in one pass, in
+# steps of 4 and 2 columns; along every column width's steps and tails), the column strips their
+# written data gradient (whose geometry turned around has padding 2 along H at stride 1: the h - 2
+# rows in steps of 3 and 0 to 2 left, and the two rows each end with rows in the padding; at
+# stride 2 an even and an odd number of output rows, and an even height, its last row read by no
+# window). Heights 3 to 12; heights 1 and 2 are too short for a 3-row window.
 DEPTHWISE_STRIP_ROWS = [(h, w, 1) for h, w in [(3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 14), (9, 8), (3, 2)]] + \
                        [(h, w, 2) for h, w in [(3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 13), (10, 3),
-                                               (11, 14), (12, 1)]]
+                                               (11, 14), (12, 1), (9, 24), (10, 19)]]
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -841,20 +841,20 @@ static int dwc_layer_ok(const poet_conv2d_shape *s, uint32_t SW)
  * The strip executor's depthwise windows: a few output rows (3 or 4 in mcu-vww's) with their
  * input rows given (padding 0 along H, 1 along W), the same stride 1 or 2 along both axes. Column
  * strips pay their set-up and first rows once a strip, and the row walks once a row; these walk
- * R output rows at once along the columns (R 3 at stride 1, 2 at stride 2: the (R - 1) SW + 3
- * input rows' window columns, the nine weights or the weight gradient's nine sums and the
- * temporaries fill the registers), so that mcu-vww's windows take one or two passes a plane. Each
- * output column loads SW new columns of the NL input rows (one pointer each, immediate offsets
- * along the row), the window's three columns rotate through registers, and the padding columns
- * (the first output's left, the last one's right where it reaches past the row) are their own
- * copies. MODE 0: y = the sums (the bias, if any, added by the caller); 2: y is dy, read only, and
+ * R output rows at once along the columns (R 3 at stride 1; at stride 2, 4 for a plane of four
+ * rows, mcu-vww's, else 2: the (R - 1) SW + 3 input rows' window columns, the nine weights or the
+ * weight gradient's nine sums and the temporaries fill the registers), so that mcu-vww's windows
+ * take one pass a plane. Each output column loads SW new columns of the NL input rows (one
+ * pointer each, immediate offsets along the row), the window's three columns rotate through
+ * registers, and the padding columns (the first output's left, the last one's right where it
+ * reaches past the row) are their own copies. MODE 0: y = the sums (the bias, if any, added by the caller); 2: y is dy, read only, and
  * wv the weight gradient's sums, each window times its dy added to them. An output's sum runs
  * kernel row by kernel row, column by column, the first product starting it; the weight
  * gradient's sums run over the outputs in the walk's order. The passes are out of line, each over
- * a layer's channels; at stride 2 (mcu-vww's windows: two passes a plane) a channel's passes are
- * one call, its weights or sums in registers through them. On the M4F the stride-2 walk's steps
- * cost 2.7 (forward) and 2.8 (weight gradient) instructions a multiply-add, the left and right
- * columns and each pass's set-up the rest (benchmarks/FIRMWARE.md). */
+ * a layer's channels; where a plane takes several, at stride 2, a channel's passes are one call,
+ * its weights or sums in registers through them. On the M4F the steps of four rows at stride 2
+ * cost 2.76 instructions a multiply-add in the weight gradient (two rows: 2.81), the left and
+ * right columns and each pass's set-up the rest (benchmarks/FIRMWARE.md). */
 #define DWR_NL(R, SW) (((R) - 1) * (SW) + 3)
 
 /* Output column q of the R rows yr[] from window columns a, b, c (NL input rows each); LEFT: a
@@ -898,6 +898,49 @@ POET_INLINE void dwr_out(float *const *yr, uint32_t q, const float *a, const flo
     }
 }
 
+/* dwr_out at stride 2 for an output away from the padding whose new window columns b and c are
+ * loaded, from columns jb and jc of the rows p, as its rows need them: with four output rows a
+ * pass the window's 27 values would not fit the registers beside the nine weights or sums, and
+ * only the rows in use and the column carried to the next output (c) are live this way */
+POET_INLINE void dwr_out_lazy(float *const *yr, uint32_t q, const float *a, float *b, float *c,
+                              const float *const *p, const uint32_t jb, const uint32_t jc, float *wv, const int MODE,
+                              const uint32_t SW, const uint32_t R)
+{
+    uint32_t r, v;
+    for (r = 0; r < R; ++r) {
+        const uint32_t i = r * SW;
+        const float d = MODE == 2 ? yr[r][q] : 0.0f;
+        float s = 0.0f;
+        for (v = 0; v < 3; ++v) {
+            if (r == 0 || v >= 3 - SW)
+                b[i + v] = p[i + v][jb], c[i + v] = p[i + v][jc];
+            if (MODE == 2) {
+                wv[3 * v] += a[i + v] * d;
+                wv[3 * v + 1] += b[i + v] * d;
+                wv[3 * v + 2] += c[i + v] * d;
+            } else {
+                if (v == 0)
+                    s = a[i] * wv[0];
+                else
+                    s += a[i + v] * wv[3 * v];
+                s += b[i + v] * wv[3 * v + 1];
+                s += c[i + v] * wv[3 * v + 2];
+            }
+        }
+        if (MODE != 2)
+            yr[r][q] = s;
+    }
+}
+
+/* Outputs q and q + 1 at stride 2 from the carried column A and columns j to j + 3 of the rows p;
+ * A carries the last of them to the next pair */
+POET_INLINE void dwr_pair(float *const *yr, uint32_t q, float *A, float *B, float *C, const float *const *p,
+                          const uint32_t j, float *wv, const int MODE, const uint32_t R)
+{
+    dwr_out_lazy(yr, q, A, B, C, p, j, j + 1, wv, MODE, 2, R);
+    dwr_out_lazy(yr, q + 1, C, B, A, p, j + 2, j + 3, wv, MODE, 2, R);
+}
+
 POET_INLINE void dwr_load(float *col, const float *const *p, const uint32_t j, const uint32_t NL)
 {
     uint32_t v;
@@ -914,9 +957,9 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
     const uint32_t NL = DWR_NL(R, SW);
     /* the outputs whose window lies inside the row: ow SW + 1 < w_in (2 or more: w_in >= SW + 2) */
     const uint32_t hi = (w_in - 2) / SW + 1 < w_out ? (w_in - 2) / SW + 1 : w_out;
-    float A[DWR_NL(3, 1)], B[DWR_NL(3, 1)], C[DWR_NL(3, 1)];
-    const float *p[DWR_NL(3, 1)];
-    float *yr[3];
+    float A[DWR_NL(4, 2)], B[DWR_NL(4, 2)], C[DWR_NL(4, 2)];
+    const float *p[DWR_NL(4, 2)];
+    float *yr[4];
     uint32_t v, r, i, ow;
     for (v = 0; v < NL; ++v)
         p[v] = x + v * w_in;
@@ -975,13 +1018,18 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
             A[v] = C[v], p[v] += 2;
         for (r = 0; r < R; ++r)
             yr[r] += 2;
-        for (i = (hi - 2) / 2; i; --i) {
-            dwr_load(B, p, 0, NL);
-            dwr_load(C, p, 1, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
-            dwr_load(B, p, 2, NL);
-            dwr_load(A, p, 3, NL);
-            dwr_out(yr, 1, C, B, A, wv, MODE, SW, R, 0, 0, 0);
+        /* pairs of outputs; at four rows two pairs a step, which share the steps of the 13 rows'
+         * pointers (one pair a step, and the compiler's own unrolling, measured worse) */
+        for (i = R == 4 ? (hi - 2) / 4 : 0; i; --i) {
+            dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
+            dwr_pair(yr, 2, A, B, C, p, 4, wv, MODE, R);
+            for (v = 0; v < NL; ++v)
+                p[v] += 8;
+            for (r = 0; r < R; ++r)
+                yr[r] += 4;
+        }
+        for (i = R == 4 ? (hi - 2) / 2 % 2 : (hi - 2) / 2; i; --i) {
+            dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
             for (v = 0; v < NL; ++v)
                 p[v] += 4;
             for (r = 0; r < R; ++r)
@@ -1123,6 +1171,8 @@ DWR_GRAD(dwr_grad_s2_r2, 2, 2)
 DWR_GRAD(dwr_grad_s2_r1, 2, 1)
 DWR_GRAD1(dwr_grad1_s1_r3, 1, 3)
 DWR_GRADN(dwr_gradn_s2_r2, 2, 2)
+DWR_GRAD1(dwr_grad1_s2_r4, 2, 4)
+DWR_FWD(dwr_fwd_s2_r4, 2, 4)
 DWR_FWDN(dwr_fwdn_s2_r2, 2, 2)
 #undef DWR_FWD
 #undef DWR_GRAD
@@ -1163,6 +1213,10 @@ POET_INLINE void dwr_forward_layer(float *y, const float *x, const float *w, con
     float *yn = y;
     const float *xn = x;
     for (n = 0; n < N; ++n, yn += C * out_plane, xn += C * in_plane) {
+        if (SW == 2 && h_out == 4) {
+            dwr_fwd_s2_r4(yn, xn, w, w_in, w_out, C, out_plane, in_plane);
+            continue;
+        }
         if (SW == 2 && h_out > R) {
             dwr_fwdn_s2_r2(yn, xn, w, w_in, w_out, C, out_plane, in_plane, h_out);
             continue;
@@ -1225,9 +1279,12 @@ POET_OUTLINE void dwr_forward(float *y, const float *x, const float *w, const fl
 POET_OUTLINE void dwr_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
 {
     /* a batch of one, whose channels' sums stay in registers through their passes, in one call:
-     * at stride 1 planes of one pass (3 rows, mcu-vww's), at stride 2 any */
+     * planes of one pass (3 rows at stride 1, 4 at stride 2: mcu-vww's), and at stride 2 passes
+     * of 2 rows for the other heights */
     if (s->n == 1 && s->stride_w == 1 && s->h_out == 3)
         dwr_grad1_s1_r3(dy, x, gw, s->w_in, s->w_out, s->c_out, 3 * s->w_out, s->h_in * s->w_in, lr, sgd);
+    else if (s->n == 1 && s->stride_w == 2 && s->h_out == 4)
+        dwr_grad1_s2_r4(dy, x, gw, s->w_in, s->w_out, s->c_out, 4 * s->w_out, s->h_in * s->w_in, lr, sgd);
     else if (s->n == 1 && s->stride_w == 2 && s->h_out >= 2)
         dwr_gradn_s2_r2(dy, x, gw, s->w_in, s->w_out, s->c_out, s->h_out * s->w_out, s->h_in * s->w_in, s->h_out, lr,
                         sgd);
