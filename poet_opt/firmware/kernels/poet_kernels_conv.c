@@ -948,6 +948,28 @@ POET_INLINE void dwr_load(float *col, const float *const *p, const uint32_t j, c
         col[v] = p[v][j];
 }
 
+/* The end of a row at stride 2, from output ow (at yr[] + q, its window's new columns from j on
+ * in the rows p, its first in A): at most one output left inside, then the last column, beside
+ * the padding */
+POET_INLINE void dwr_s2_end(float *const *yr, const uint32_t q, float *A, float *B, float *C, const float *const *p,
+                            const uint32_t j, uint32_t ow, uint32_t hi, uint32_t w_out, float *wv, const int MODE,
+                            const uint32_t R)
+{
+    const uint32_t NL = DWR_NL(R, 2);
+    if (ow < hi) {
+        dwr_load(B, p, j, NL);
+        dwr_load(C, p, j + 1, NL);
+        dwr_out(yr, q, A, B, C, wv, MODE, 2, R, 0, 0, 0);
+        if (ow + 1 < w_out) {
+            dwr_load(B, p, j + 2, NL);
+            dwr_out(yr, q + 1, C, B, B, wv, MODE, 2, R, 0, 1, 0);
+        }
+    } else if (ow < w_out) {
+        dwr_load(B, p, j, NL);
+        dwr_out(yr, q, A, B, B, wv, MODE, 2, R, 0, 1, 0);
+    }
+}
+
 /* R output rows from y on (rows w_out apart) from the NL input rows from x on (w_in apart). INIT
  * (the weight gradient): the sums start with the first outputs' products (outputs 0 and 1, whose
  * first rows hold a term of each), not from wv. */
@@ -1028,7 +1050,7 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
             for (r = 0; r < R; ++r)
                 yr[r] += 4;
         }
-        for (i = R == 4 ? (hi - 2) / 2 % 2 : (hi - 2) / 2; i; --i) {
+        for (i = R == 4 ? 0 : (hi - 2) / 2; i; --i) {
             dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
             for (v = 0; v < NL; ++v)
                 p[v] += 4;
@@ -1036,18 +1058,11 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
                 yr[r] += 2;
         }
         ow = 2 + (hi - 2) / 2 * 2;
-        if (ow < hi) { /* at most one left, then the last column, beside the padding */
-            dwr_load(B, p, 0, NL);
-            dwr_load(C, p, 1, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
-            if (ow + 1 < w_out) {
-                dwr_load(B, p, 2, NL);
-                dwr_out(yr, 1, C, B, B, wv, MODE, SW, R, 0, 1, 0);
-            }
-        } else if (ow < w_out) {
-            dwr_load(B, p, 0, NL);
-            dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1, 0);
-        }
+        if (R == 4 && (hi - 2) & 2) { /* a pair left, at immediate offsets: no pointer steps after it */
+            dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
+            dwr_s2_end(yr, 2, A, B, C, p, 4, ow, hi, w_out, wv, MODE, R);
+        } else
+            dwr_s2_end(yr, 0, A, B, C, p, 0, ow, hi, w_out, wv, MODE, R);
     }
 }
 
