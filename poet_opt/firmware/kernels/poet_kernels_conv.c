@@ -970,12 +970,72 @@ POET_INLINE void dwr_s2_end(float *const *yr, const uint32_t q, float *A, float 
     }
 }
 
-/* R output rows from y on (rows w_out apart) from the NL input rows from x on (w_in apart). INIT
- * (the weight gradient): the sums start with the first outputs' products (outputs 0 and 1, whose
- * first rows hold a term of each), not from wv. */
-POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
-                          const uint32_t SW, const uint32_t R, const uint32_t INIT)
+/* dwr_pass at stride 1: output ow's window in A, B and the column p points at */
+POET_INLINE void dwr_pass_s1(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
+                             const uint32_t R, const uint32_t INIT)
 {
+    const uint32_t SW = 1;
+    const uint32_t NL = DWR_NL(R, SW);
+    /* the outputs whose window lies inside the row: ow SW + 1 < w_in (2 or more: w_in >= SW + 2) */
+    const uint32_t hi = (w_in - 2) / SW + 1 < w_out ? (w_in - 2) / SW + 1 : w_out;
+    float A[DWR_NL(3, 1)], B[DWR_NL(3, 1)], C[DWR_NL(3, 1)];
+    const float *p[DWR_NL(3, 1)];
+    float *yr[3];
+    uint32_t v, r, i, ow;
+    for (v = 0; v < NL; ++v)
+        p[v] = x + v * w_in;
+    for (r = 0; r < R; ++r)
+        yr[r] = y + r * w_out;
+    /* output 0: window columns -1 (the padding), 0 and 1 */
+    dwr_load(B, p, 0, NL);
+    dwr_load(C, p, 1, NL);
+    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0, INIT ? 6 : 0);
+    for (v = 0; v < NL; ++v)
+        A[v] = B[v], B[v] = C[v], p[v] += 2;
+    /* output 1 on its own, where INIT starts the kernel's column 0 */
+    dwr_load(C, p, 0, NL);
+    dwr_out(yr, 1, A, B, C, wv, MODE, SW, R, 0, 0, INIT ? 1 : 0);
+    for (v = 0; v < NL; ++v)
+        A[v] = B[v], B[v] = C[v], p[v] += 1;
+    for (r = 0; r < R; ++r)
+        yr[r] += 2;
+    for (i = (hi - 2) / 3; i; --i) {
+        dwr_load(C, p, 0, NL);
+        dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
+        dwr_load(A, p, 1, NL);
+        dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0, 0);
+        dwr_load(B, p, 2, NL);
+        dwr_out(yr, 2, C, A, B, wv, MODE, SW, R, 0, 0, 0);
+        for (v = 0; v < NL; ++v)
+            p[v] += 3;
+        for (r = 0; r < R; ++r)
+            yr[r] += 3;
+    }
+    /* at most two left, then the last column, beside the padding: each its own copy, so
+     * that the window's columns stay where the rotation left them */
+    ow = 2 + (hi - 2) / 3 * 3;
+    if (ow + 2 <= hi) {
+        dwr_load(C, p, 0, NL);
+        dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
+        dwr_load(A, p, 1, NL);
+        dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0, 0);
+        if (ow + 2 < w_out)
+            dwr_out(yr, 2, C, A, A, wv, MODE, SW, R, 0, 1, 0);
+    } else if (ow < hi) {
+        dwr_load(C, p, 0, NL);
+        dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
+        if (ow + 1 < w_out)
+            dwr_out(yr, 1, B, C, C, wv, MODE, SW, R, 0, 1, 0);
+    } else if (ow < w_out)
+        dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1, 0);
+}
+
+/* dwr_pass at stride 2: output ow's window in A and the two columns p points at (its own arrays:
+ * four rows need nine, and the stride-1 walk sized for them measured 2% slower) */
+POET_INLINE void dwr_pass_s2(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
+                             const uint32_t R, const uint32_t INIT)
+{
+    const uint32_t SW = 2;
     const uint32_t NL = DWR_NL(R, SW);
     /* the outputs whose window lies inside the row: ow SW + 1 < w_in (2 or more: w_in >= SW + 2) */
     const uint32_t hi = (w_in - 2) / SW + 1 < w_out ? (w_in - 2) / SW + 1 : w_out;
@@ -991,79 +1051,50 @@ POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, ui
     dwr_load(B, p, 0, NL);
     dwr_load(C, p, 1, NL);
     dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0, INIT ? 6 : 0);
-    if (SW == 1) { /* output ow's window: A, B and the column p points at */
+    for (v = 0; v < NL; ++v)
+        A[v] = C[v], p[v] += 2;
+    dwr_load(B, p, 0, NL); /* output 1 on its own, where INIT starts the kernel's column 0 */
+    dwr_load(C, p, 1, NL);
+    dwr_out(yr, 1, A, B, C, wv, MODE, SW, R, 0, 0, INIT ? 1 : 0);
+    for (v = 0; v < NL; ++v)
+        A[v] = C[v], p[v] += 2;
+    for (r = 0; r < R; ++r)
+        yr[r] += 2;
+    /* pairs of outputs; at four rows two pairs a step, which share the steps of the 13 rows'
+     * pointers (one pair a step, and the compiler's own unrolling, measured worse) */
+    for (i = R == 4 ? (hi - 2) / 4 : 0; i; --i) {
+        dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
+        dwr_pair(yr, 2, A, B, C, p, 4, wv, MODE, R);
         for (v = 0; v < NL; ++v)
-            A[v] = B[v], B[v] = C[v], p[v] += 2;
-        /* output 1 on its own, where INIT starts the kernel's column 0 */
-        dwr_load(C, p, 0, NL);
-        dwr_out(yr, 1, A, B, C, wv, MODE, SW, R, 0, 0, INIT ? 1 : 0);
-        for (v = 0; v < NL; ++v)
-            A[v] = B[v], B[v] = C[v], p[v] += 1;
+            p[v] += 8;
         for (r = 0; r < R; ++r)
-            yr[r] += 2;
-        for (i = (hi - 2) / 3; i; --i) {
-            dwr_load(C, p, 0, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
-            dwr_load(A, p, 1, NL);
-            dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0, 0);
-            dwr_load(B, p, 2, NL);
-            dwr_out(yr, 2, C, A, B, wv, MODE, SW, R, 0, 0, 0);
-            for (v = 0; v < NL; ++v)
-                p[v] += 3;
-            for (r = 0; r < R; ++r)
-                yr[r] += 3;
-        }
-        /* at most two left, then the last column, beside the padding: each its own copy, so
-         * that the window's columns stay where the rotation left them */
-        ow = 2 + (hi - 2) / 3 * 3;
-        if (ow + 2 <= hi) {
-            dwr_load(C, p, 0, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
-            dwr_load(A, p, 1, NL);
-            dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0, 0);
-            if (ow + 2 < w_out)
-                dwr_out(yr, 2, C, A, A, wv, MODE, SW, R, 0, 1, 0);
-        } else if (ow < hi) {
-            dwr_load(C, p, 0, NL);
-            dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
-            if (ow + 1 < w_out)
-                dwr_out(yr, 1, B, C, C, wv, MODE, SW, R, 0, 1, 0);
-        } else if (ow < w_out)
-            dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1, 0);
-    } else { /* output ow's window: A and the two columns p points at */
-        for (v = 0; v < NL; ++v)
-            A[v] = C[v], p[v] += 2;
-        dwr_load(B, p, 0, NL); /* output 1 on its own, where INIT starts the kernel's column 0 */
-        dwr_load(C, p, 1, NL);
-        dwr_out(yr, 1, A, B, C, wv, MODE, SW, R, 0, 0, INIT ? 1 : 0);
-        for (v = 0; v < NL; ++v)
-            A[v] = C[v], p[v] += 2;
-        for (r = 0; r < R; ++r)
-            yr[r] += 2;
-        /* pairs of outputs; at four rows two pairs a step, which share the steps of the 13 rows'
-         * pointers (one pair a step, and the compiler's own unrolling, measured worse) */
-        for (i = R == 4 ? (hi - 2) / 4 : 0; i; --i) {
-            dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
-            dwr_pair(yr, 2, A, B, C, p, 4, wv, MODE, R);
-            for (v = 0; v < NL; ++v)
-                p[v] += 8;
-            for (r = 0; r < R; ++r)
-                yr[r] += 4;
-        }
-        for (i = R == 4 ? 0 : (hi - 2) / 2; i; --i) {
-            dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
-            for (v = 0; v < NL; ++v)
-                p[v] += 4;
-            for (r = 0; r < R; ++r)
-                yr[r] += 2;
-        }
-        ow = 2 + (hi - 2) / 2 * 2;
-        if (R == 4 && (hi - 2) & 2) { /* a pair left, at immediate offsets: no pointer steps after it */
-            dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
-            dwr_s2_end(yr, 2, A, B, C, p, 4, ow, hi, w_out, wv, MODE, R);
-        } else
-            dwr_s2_end(yr, 0, A, B, C, p, 0, ow, hi, w_out, wv, MODE, R);
+            yr[r] += 4;
     }
+    for (i = R == 4 ? 0 : (hi - 2) / 2; i; --i) {
+        dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
+        for (v = 0; v < NL; ++v)
+            p[v] += 4;
+        for (r = 0; r < R; ++r)
+            yr[r] += 2;
+    }
+    ow = 2 + (hi - 2) / 2 * 2;
+    if (R == 4 && (hi - 2) & 2) { /* a pair left, at immediate offsets: no pointer steps after it */
+        dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
+        dwr_s2_end(yr, 2, A, B, C, p, 4, ow, hi, w_out, wv, MODE, R);
+    } else
+        dwr_s2_end(yr, 0, A, B, C, p, 0, ow, hi, w_out, wv, MODE, R);
+}
+
+/* R output rows from y on (rows w_out apart) from the NL input rows from x on (w_in apart). INIT
+ * (the weight gradient): the sums start with the first outputs' products (outputs 0 and 1, whose
+ * first rows hold a term of each), not from wv. */
+POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
+                          const uint32_t SW, const uint32_t R, const uint32_t INIT)
+{
+    if (SW == 1)
+        dwr_pass_s1(y, x, wv, w_in, w_out, MODE, R, INIT);
+    else
+        dwr_pass_s2(y, x, wv, w_in, w_out, MODE, R, INIT);
 }
 
 /* The passes out of line, one for each stride and number of rows: a walk has the registers to
@@ -1296,10 +1327,10 @@ POET_OUTLINE void dwr_grad(float *gw, const float *dy, const float *x, const poe
     /* a batch of one, whose channels' sums stay in registers through their passes, in one call:
      * planes of one pass (3 rows at stride 1, 4 at stride 2: mcu-vww's), and at stride 2 passes
      * of 2 rows for the other heights */
-    if (s->n == 1 && s->stride_w == 1 && s->h_out == 3)
-        dwr_grad1_s1_r3(dy, x, gw, s->w_in, s->w_out, s->c_out, 3 * s->w_out, s->h_in * s->w_in, lr, sgd);
-    else if (s->n == 1 && s->stride_w == 2 && s->h_out == 4)
+    if (s->n == 1 && s->stride_w == 2 && s->h_out == 4)
         dwr_grad1_s2_r4(dy, x, gw, s->w_in, s->w_out, s->c_out, 4 * s->w_out, s->h_in * s->w_in, lr, sgd);
+    else if (s->n == 1 && s->stride_w == 1 && s->h_out == 3)
+        dwr_grad1_s1_r3(dy, x, gw, s->w_in, s->w_out, s->c_out, 3 * s->w_out, s->h_in * s->w_in, lr, sgd);
     else if (s->n == 1 && s->stride_w == 2 && s->h_out >= 2)
         dwr_gradn_s2_r2(dy, x, gw, s->w_in, s->w_out, s->c_out, s->h_out * s->w_out, s->h_in * s->w_in, s->h_out, lr,
                         sgd);
