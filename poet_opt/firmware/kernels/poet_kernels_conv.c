@@ -1230,10 +1230,10 @@ DWR_FWDN(dwr_fwdn_s2_r2, 2, 2)
  * stride 1 or 2 along both axes, rows of at least SW + 2 inputs */
 static int dwr_ok(const poet_conv2d_shape *s)
 {
-    /* (the equalities as one test: each convolution's call pays it) */
-    return ((s->k_h ^ 3u) | (s->k_w ^ 3u) | s->pad_h | (s->pad_w ^ 1u) | (s->groups ^ s->c_in) |
-            (s->groups ^ s->c_out) | (s->stride_h ^ s->stride_w)) == 0 &&
-           s->stride_w - 1u <= 1u && s->w_in >= s->stride_w + 2 && s->h_in >= 3;
+    /* (every convolution's call pays this test: the tests that other layers fail come first) */
+    return s->pad_h == 0 && s->k_h == 3 && s->groups == s->c_out && s->groups == s->c_in && s->k_w == 3 &&
+           s->pad_w == 1 && s->stride_h == s->stride_w && s->stride_w - 1u <= 1u && s->w_in >= s->stride_w + 2 &&
+           s->h_in >= 3;
 }
 
 /* y[n][c] += b[c] over planes of P, out of line (a layer without a bias, the zoo's, skips it) */
