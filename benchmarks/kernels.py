@@ -10,7 +10,9 @@ FFN 1024. "before" builds the same harness against the kernels of ``--before REV
 ``backward_input_set`` (depthwise shapes, the one-row head) is a gradient buffer's first
 contribution, dx = the data gradient: ``poet_conv2d_backward_input_set`` (``poet_linear_...``)
 where the kernels have it, else what the generator emitted before it, ``poet_zero`` and the
-accumulating kernel.
+accumulating kernel. The strip executor's depthwise windows (padding 0 along H) are measured
+without ``backward_input``: the executor writes a window's data gradient into its scratch
+(``poet_conv2d_backward_input_set``) and emits the accumulating kernel for no such shape.
 
     python benchmarks/kernels.py                         # M4F, before = main, the markdown table
     python benchmarks/kernels.py --cores cortex-m4f cortex-m7f --before main --only linear
@@ -231,6 +233,9 @@ def main() -> None:
                     if kernel == "backward_input_set" and not (shape.depthwise() if isinstance(shape, Conv)
                                                                else shape.rows == 1 and shape.d_out <= 4):
                         continue  # a depthwise layer's, a head's own; the others zero dx and add (dx +=)
+                    if kernel == "backward_input" and isinstance(shape, Conv) and shape.depthwise() \
+                            and shape.pad_h == 0:
+                        continue  # a depthwise window's data gradient is always written (strip_codegen)
                     row = {}
                     for when in ("before", "after"):
                         if (when, core) not in builds:

@@ -249,7 +249,8 @@ def test_the_fused_update_kernels_equal_the_gradient_then_sgd_bit_for_bit(tmp_pa
             k.sgd_step(ptr(p), ptr(g), p.size, LR)
         return params, updated
 
-    for rows, d_in, d_out in ((5, 7, 3), (1, 9, 2)):  # tiles, and one row (its own out-of-line kernel)
+    # tiles, and one row (its own out-of-line kernel: a head's few outputs in steps of 8 inputs)
+    for rows, d_in, d_out in ((5, 7, 3), (1, 9, 2), (1, 64, 2), (1, 13, 3), (1, 6, 7)):
         x, dy = rand(rows, d_in), rand(rows, d_out)
         params, want = reference([d_in * d_out, d_out], lambda gw, gb: k.linear_backward_params(
             gw, gb, ptr(dy), ptr(x), rows, d_in, d_out))

@@ -233,6 +233,13 @@ CONV_CASES = {
     "tiled depthwise stride 2": (1, 2, 6, 37, 2, (3, 3), (2, 2), (1, 1), 2, False),
     "tiled depthwise unpadded": (2, 3, 6, 9, 3, (3, 3), (1, 1), (0, 0), 3, True),
     "tiled depthwise padded 2 and 1": (1, 2, 5, 7, 2, (3, 3), (1, 1), (2, 1), 2, False),
+    # the strip executor's depthwise windows (padding 0 along H): R output rows a pass along the
+    # columns, 3 and 2 (the rows left) at stride 1, 2 and 1 at stride 2, over a batch of 2
+    "tiled depthwise strip rows, 5 output rows": (2, 3, 7, 8, 3, (3, 3), (1, 1), (0, 1), 3, True),
+    "tiled depthwise strip rows stride 2, 3 output rows": (2, 3, 7, 11, 3, (3, 3), (2, 2), (0, 1), 3, False),
+    # a batch of one: its channels in one call, the sums in registers through a plane's passes
+    "tiled depthwise strip rows, 3 output rows, batch 1": (1, 4, 5, 9, 4, (3, 3), (1, 1), (0, 1), 4, True),
+    "tiled depthwise strip rows stride 2, 4 output rows, batch 1": (1, 3, 9, 10, 3, (3, 3), (2, 2), (0, 1), 3, False),
     # pointwise layers with 4 or fewer input channels a group, and their remainders
     "tiled pointwise, 3 inputs": (2, 3, 5, 7, 9, (1, 1), (1, 1), (0, 0), 1, True),
     "tiled pointwise, grouped 2 inputs": (1, 4, 4, 5, 8, (1, 1), (1, 1), (0, 0), 2, False),
@@ -286,20 +293,24 @@ def test_depthwise_column_strips(k, h, w, stride):
 
 
 # The strip executor's windows: a strip of rows with its halo given, padding 0 along H and 1 along
-# W. The column strips walk them too (forward, weight gradient, and the written data gradient,
-# whose geometry turned around has padding 2 along H at stride 1): at stride 1 the h - 2 rows in
-# steps of 3 and 0 to 2 left, and the data gradient's two rows each end with rows in the padding;
-# at stride 2 an even and an odd number of output rows, and an even height (its last row read by
-# no window). Heights 3 to 12; heights 1 and 2 are too short for a 3-row window.
+# W. The window walk takes their forward and weight gradient (passes of 3 output rows and the 1 or
+# 2 left at stride 1, of 2 and the 1 left at stride 2, and four rows at stride 2 in one pass, in
+# steps of 4 and 2 columns; along every column width's steps and tails), the column strips their
+# written data gradient (whose geometry turned around has padding 2 along H at stride 1: the h - 2
+# rows in steps of 3 and 0 to 2 left, and the two rows each end with rows in the padding; at
+# stride 2 an even and an odd number of output rows, and an even height, its last row read by no
+# window). Heights 3 to 12; heights 1 and 2 are too short for a 3-row window.
 DEPTHWISE_STRIP_ROWS = [(h, w, 1) for h, w in [(3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 14), (9, 8), (3, 2)]] + \
                        [(h, w, 2) for h, w in [(3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 13), (10, 3),
-                                               (11, 14), (12, 1)]]
+                                               (11, 14), (12, 1), (9, 24), (10, 19)]]
 
 
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("h,w,stride", DEPTHWISE_STRIP_ROWS)
-def test_depthwise_column_strips_on_a_strip_of_rows(k, h, w, stride):
-    run_conv(k, np.random.default_rng(h * 100 + w * 10 + stride + 5), 2, 3, h, w, 3, (3, 3), (stride, stride),
-             (0, 1), 3, bias=(h + w) % 2 == 1, label=f"depthwise strip rows {h}x{w}/{stride}")
+def test_depthwise_column_strips_on_a_strip_of_rows(k, h, w, stride, n):
+    """(a batch of one takes the window walk's weight gradient over all the channels in one call)"""
+    run_conv(k, np.random.default_rng(h * 100 + w * 10 + stride + 5), n, 3, h, w, 3, (3, 3), (stride, stride),
+             (0, 1), 3, bias=(h + w) % 2 == 1, label=f"depthwise strip rows {n}x{h}x{w}/{stride}")
 
 
 @pytest.fixture(scope="session")

@@ -73,11 +73,16 @@ CONV = [
     (1, 2, 8, 7, 2, 3, 2, (1, 1), 2),
     (1, 2, 9, 13, 2, 3, 2, (1, 1), 2),
     # depthwise strips of rows (the strip executor's windows: padding 0 along H, 1 along W): the
-    # column strips at stride 1 (the written data gradient with padding 2 turned around) and 2
-    # (an odd and an even height: dx row 0 alone, a last row read by no window)
+    # window walk (passes of 3 output rows and the 1 or 2 left at stride 1, of 2 and the 1 left at
+    # stride 2, 4 rows at stride 2 in one pass, in steps of 4 and 2 columns; a batch of 2), the
+    # column strips of the written data gradient at stride 1 (padding 2 turned around) and 2 (an
+    # odd and an even height: dx row 0 alone, a last row read by no window)
     (1, 4, 5, 6, 4, 3, 1, (0, 1), 4),
+    (2, 3, 6, 7, 3, 3, 1, (0, 1), 3),
+    (1, 2, 7, 5, 2, 3, 1, (0, 1), 2),
     (1, 3, 7, 8, 3, 3, 2, (0, 1), 3),
     (1, 2, 8, 9, 2, 3, 2, (0, 1), 2),
+    (1, 2, 9, 24, 2, 3, 2, (0, 1), 2),
     # one input channel to several outputs (the stem): two output channels a walk, and one left
     (1, 1, 9, 10, 5, 3, 2, (1, 1), 1),
     (2, 2, 6, 7, 6, 3, 1, (1, 1), 2),

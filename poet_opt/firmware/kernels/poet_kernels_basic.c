@@ -236,10 +236,42 @@ static float column_sum(const float *dy, uint32_t rows, uint32_t out, uint32_t o
  * these loops hold the row's few shared values in registers instead. The sums are the tiles',
  * each in the order of its reduction index from the first product. */
 
+/* y[o] = x . w[o] (+ b[o]) for OUT (1 or 2) outputs, a classifier head's: each output's sum
+ * in a register through one pass over x, the OUT rows of w stepped beside it eight inputs at a
+ * time (each pointer step and the loop's count serve 8 OUT multiply-adds), no loop over outputs */
+POET_INLINE void linear_row_forward_few(float *y, const float *x, const float *w, const float *b, uint32_t in,
+                                        const uint32_t OUT)
+{
+    const float *wr[4];
+    float s[4];
+    uint32_t o, k, j;
+    for (o = 0; o < OUT; ++o)
+        wr[o] = w + o * in, s[o] = 0.0f;
+    for (k = in / 8; k > 0; --k, x += 8) {
+        for (j = 0; j < 8; ++j)
+            for (o = 0; o < OUT; ++o)
+                s[o] += x[j] * wr[o][j];
+        for (o = 0; o < OUT; ++o)
+            wr[o] += 8;
+    }
+    for (k = in % 8; k > 0; --k, ++x)
+        for (o = 0; o < OUT; ++o)
+            s[o] += x[0] * *wr[o]++;
+    for (o = 0; o < OUT; ++o)
+        y[o] = b ? s[o] + b[o] : s[o];
+}
+
 /* y[o] = x . w[o] (+ b[o]), two outputs on each loaded x */
 static void linear_row_forward(float *y, const float *x, const float *w, const float *b, uint32_t in, uint32_t out)
 {
     uint32_t o = 0, k, j;
+    if (out <= 2) { /* (three and four outputs keep the pairs below: each OUT is one more copy) */
+        if (out == 2)
+            linear_row_forward_few(y, x, w, b, in, 2);
+        else
+            linear_row_forward_few(y, x, w, b, in, 1);
+        return;
+    }
     for (; o + 2 <= out; o += 2) {
         const float *w0 = w + o * in, *w1 = w0 + in, *xp = x;
         float s0 = 0.0f, s1 = 0.0f;
@@ -345,11 +377,52 @@ POET_OUTLINE int linear_row_backward_input_set(float *dx, const float *dy, const
     }
 }
 
+/* The same for OUT (1 or 2) outputs: every dy in a register, the OUT rows of gw (or w)
+ * stepped side by side eight inputs at a time on one pass over x, no loop over outputs */
+POET_INLINE void linear_row_outer_few(float *gw, const float *dy, const float *x, uint32_t in, float lr,
+                                      const int sgd, const uint32_t OUT)
+{
+    float *g[4], d[4];
+    uint32_t o, i, k;
+    for (o = 0; o < OUT; ++o)
+        g[o] = gw + o * in, d[o] = dy[o];
+    for (i = in / 8; i > 0; --i, x += 8) {
+        for (k = 0; k < 8; ++k) {
+            const float xv = x[k]; /* once: a store into gw might alias x, as far as the compiler knows */
+            for (o = 0; o < OUT; ++o) {
+                if (sgd)
+                    g[o][k] -= lr * (d[o] * xv);
+                else
+                    g[o][k] += d[o] * xv;
+            }
+        }
+        for (o = 0; o < OUT; ++o)
+            g[o] += 8;
+    }
+    for (i = in % 8; i > 0; --i, ++x) {
+        const float xv = x[0];
+        for (o = 0; o < OUT; ++o) {
+            if (sgd)
+                *g[o] -= lr * (d[o] * xv);
+            else
+                *g[o] += d[o] * xv;
+            ++g[o];
+        }
+    }
+}
+
 /* gw[o][i] += dy[o] x[i] (sgd 0), or w[o][i] -= lr dy[o] x[i] (sgd 1): two rows on each loaded x */
 POET_INLINE void linear_row_outer(float *gw, const float *dy, const float *x, uint32_t in, uint32_t out, float lr,
                                   const int sgd)
 {
     uint32_t o = 0, i;
+    if (out <= 2) {
+        if (out == 2)
+            linear_row_outer_few(gw, dy, x, in, lr, sgd, 2);
+        else
+            linear_row_outer_few(gw, dy, x, in, lr, sgd, 1);
+        return;
+    }
     for (; o + 2 <= out; o += 2) {
         float *g0 = gw + o * in, *g1 = g0 + in;
         const float *xp = x;

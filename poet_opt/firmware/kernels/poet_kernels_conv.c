@@ -595,12 +595,13 @@ POET_INLINE void dwc_out(float *y, const float *a, const float *b, const float *
     }
 }
 
-/* Output columns c0 .. c0 + Q of every row. PADH: the rows of padding above and below (1; 0 for
- * a strip of rows whose halo is given, h_in >= 3; 2 at stride 1 for the data gradient of such a
- * strip, h_in >= 2). The unrolled steps rotate the window's rows through A, B and C instead of
- * moving them: three output rows at stride 1 (each loads one input row), two at stride 2 (two
- * each, the last carried into the next); the rows left after them, and the last ones with rows in
- * the padding, take the registers where the rotation left the window. */
+/* Output columns c0 .. c0 + Q of every row. PADH: the rows of padding above and below (1; 2 at
+ * stride 1 for the data gradient of a strip of rows whose halo is given, h_in >= 2; such a strip's
+ * forward and weight gradient, padding 0, take the window walk, dwr_pass). The unrolled steps
+ * rotate the window's rows through A, B and C instead of moving them: three output rows at
+ * stride 1 (each loads one input row), two at stride 2 (two each, the last carried into the next);
+ * the rows left after them, and the last ones with rows in the padding, take the registers where
+ * the rotation left the window. */
 POET_INLINE void dwc_tail1(float *yp, const float *X, const float *Y, float *wv, uint32_t w_out, const int MODE,
                            const uint32_t Q, const uint32_t LEFT, const uint32_t RIGHT, const uint32_t PADH)
 {
@@ -659,29 +660,6 @@ POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, con
         dwc_load(A, xp + w_in, NC, LEFT, RIGHT);
         dwc_out(yp + w_out, B, C, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
         dwc_tail1(yp + 2 * w_out, C, A, wv, w_out, MODE, Q, LEFT, RIGHT, PADH);
-    } else if (PADH == 0) {
-        /* output row r from input rows 2r (carried in A) .. 2r + 2; xp at row 2r + 1 */
-        dwc_load(A, xp, NC, LEFT, RIGHT);
-        xp += w_in;
-        for (i = s->h_out / 2; i; --i) {
-            dwc_load(B, xp, NC, LEFT, RIGHT);
-            xp += w_in;
-            dwc_load(C, xp, NC, LEFT, RIGHT);
-            xp += w_in;
-            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
-            yp += w_out;
-            dwc_load(B, xp, NC, LEFT, RIGHT);
-            xp += w_in;
-            dwc_load(A, xp, NC, LEFT, RIGHT);
-            xp += w_in;
-            dwc_out(yp, C, B, A, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
-            yp += w_out;
-        }
-        if (s->h_out % 2) {
-            dwc_load(B, xp, NC, LEFT, RIGHT);
-            dwc_load(C, xp + w_in, NC, LEFT, RIGHT);
-            dwc_out(yp, A, B, C, wv, MODE, SW, Q, LEFT, RIGHT, 0, 0);
-        }
     } else {
         /* output row r from input rows 2r - 1 (carried in A) .. 2r + 1; xp at row 2r */
         dwc_load(B, xp, NC, LEFT, RIGHT);
@@ -721,14 +699,13 @@ POET_INLINE void dwc_strip(float *y, const float *x, float *wv, uint32_t c0, con
 
 /* Whether the strips take the plane: 3x3, padding 1 along W, the same stride 1 or 2 along both
  * axes, a plane wide enough for a left strip of two columns away from the right edge, and along
- * H padding 1 (h_in >= 2), 0 (a strip of rows with its halo, h_in >= 3) or, at stride 1, 2 (such
- * a strip's data gradient, h_in >= 2) */
+ * H padding 1 (h_in >= 2) or, at stride 1, 2 (the data gradient of a strip of rows with its halo,
+ * h_in >= 2) */
 static int dwc_ok(const poet_conv2d_shape *s, uint32_t SW)
 {
     return s->k_h == 3 && s->k_w == 3 && s->pad_w == 1 && s->stride_h == SW && s->stride_w == SW &&
            (SW == 1 || SW == 2) && s->w_in >= SW + 2 &&
-           ((s->pad_h == 1 && s->h_in >= 2) || (s->pad_h == 0 && s->h_in >= 3) ||
-            (s->pad_h == 2 && SW == 1 && s->h_in >= 2));
+           ((s->pad_h == 1 && s->h_in >= 2) || (s->pad_h == 2 && SW == 1 && s->h_in >= 2));
 }
 
 /* One plane: the left strip of two columns, strips of QM, then what is left against the right
@@ -780,7 +757,7 @@ POET_INLINE void dwc_layer(float *out, const float *in, const float *w, const fl
         }
 }
 
-/* the layers' padding of 1 along H, and a strip's rows with their halo (0) */
+/* the layers' (padding 1 along H; a strip's rows with their halo take dwr_forward) */
 POET_OUTLINE void dwc_forward_s1(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
     dwc_layer(y, x, w, b, s, 0, 1, 1);
@@ -789,18 +766,6 @@ POET_OUTLINE void dwc_forward_s1(float *y, const float *x, const float *w, const
 POET_OUTLINE void dwc_forward_s2(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
     dwc_layer(y, x, w, b, s, 0, 2, 1);
-}
-
-POET_OUTLINE void dwc_forward_s1_p0(float *y, const float *x, const float *w, const float *b,
-                                    const poet_conv2d_shape *s)
-{
-    dwc_layer(y, x, w, b, s, 0, 1, 0);
-}
-
-POET_OUTLINE void dwc_forward_s2_p0(float *y, const float *x, const float *w, const float *b,
-                                    const poet_conv2d_shape *s)
-{
-    dwc_layer(y, x, w, b, s, 0, 2, 0);
 }
 
 /* The data gradient written (dx =) at stride 1: a layer's (padding 1 turned around) and a strip's
@@ -820,17 +785,13 @@ POET_OUTLINE void dwc_backward_input_s1(float *dx, const float *dy, const float 
     dwc_layer(dx, dy, w, NULL, t, 1, 1, 1);
 }
 
-/* The layer's forward by its padding along H (1 or 0: dwc_layer_ok's) */
+/* The layer's forward by its stride */
 static void dwc_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
-    if (s->stride_w == 1 && s->pad_h == 1)
+    if (s->stride_w == 1)
         dwc_forward_s1(y, x, w, b, s);
-    else if (s->stride_w == 1)
-        dwc_forward_s1_p0(y, x, w, b, s);
-    else if (s->pad_h == 1)
-        dwc_forward_s2(y, x, w, b, s);
     else
-        dwc_forward_s2_p0(y, x, w, b, s);
+        dwc_forward_s2(y, x, w, b, s);
 }
 
 /* The weight gradient of such a layer: channel by channel, its nine sums in registers over the
@@ -867,28 +828,516 @@ POET_OUTLINE void dwc_grad_s2(float *gw, const float *dy, const float *x, const 
     dwc_grad_layer(gw, dy, x, s, lr, sgd, 2, 1);
 }
 
-POET_OUTLINE void dwc_grad_s1_p0(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
-                                 int sgd)
-{
-    dwc_grad_layer(gw, dy, x, s, lr, sgd, 1, 0);
-}
-
-POET_OUTLINE void dwc_grad_s2_p0(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
-                                 int sgd)
-{
-    dwc_grad_layer(gw, dy, x, s, lr, sgd, 2, 0);
-}
-
-/* Whether a layer is depthwise (one input and one output channel a group) and the strips take it
- * (padding 1 or 0 along H: 2 is only a data gradient's geometry). A strip of rows at stride 2
- * (padding 0) only when its rows are short beside its height: each column strip's set-up and
- * first row are paid once per strip, the row walk's once per row, and on mcu-vww's ds1.dw window
- * (4 rows of 24 outputs) the row walk measured 3.29 instructions a MAC to the strips' 3.47, on
- * ds2.dw's (4 rows of 12) 3.71 to 3.58. */
+/* Whether a layer is depthwise (one input and one output channel a group) with padding 1 along
+ * H and the strips take it (a strip of rows with its halo, padding 0, takes the window walk below,
+ * dwr_ok; padding 2 is only a data gradient's geometry) */
 static int dwc_layer_ok(const poet_conv2d_shape *s, uint32_t SW)
 {
-    return s->groups == s->c_in && s->groups == s->c_out && s->pad_h <= 1 && dwc_ok(s, SW) &&
-           (s->pad_h == 1 || SW == 1 || s->w_out < 4 * s->h_out);
+    return s->groups == s->c_in && s->groups == s->c_out && s->pad_h == 1 && dwc_ok(s, SW);
+}
+
+/* ---- depthwise 3x3 windows of a few rows ----
+ *
+ * The strip executor's depthwise windows: a few output rows (3 or 4 in mcu-vww's) with their
+ * input rows given (padding 0 along H, 1 along W), the same stride 1 or 2 along both axes. Column
+ * strips pay their set-up and first rows once a strip, and the row walks once a row; these walk
+ * R output rows at once along the columns (R 3 at stride 1; at stride 2, 4 for a plane of four
+ * rows, mcu-vww's, else 2: the (R - 1) SW + 3 input rows' window columns, the nine weights or the
+ * weight gradient's nine sums and the temporaries fill the registers), so that mcu-vww's windows
+ * take one pass a plane. Each output column loads SW new columns of the NL input rows (one
+ * pointer each, immediate offsets along the row), the window's three columns rotate through
+ * registers, and the padding columns (the first output's left, the last one's right where it
+ * reaches past the row) are their own copies. MODE 0: y = the sums (the bias, if any, added by the caller); 2: y is dy, read only, and
+ * wv the weight gradient's sums, each window times its dy added to them. An output's sum runs
+ * kernel row by kernel row, column by column, the first product starting it; the weight
+ * gradient's sums run over the outputs in the walk's order. The passes are out of line, each over
+ * a layer's channels; where a plane takes several, at stride 2, a channel's passes are one call,
+ * its weights or sums in registers through them. On the M4F the steps of four rows at stride 2
+ * cost 2.76 instructions a multiply-add in the weight gradient (two rows: 2.81), the left and
+ * right columns and each pass's set-up the rest (benchmarks/FIRMWARE.md). */
+#define DWR_NL(R, SW) (((R) - 1) * (SW) + 3)
+
+/* Output column q of the R rows yr[] from window columns a, b, c (NL input rows each); LEFT: a
+ * lies in the padding and is never read, RIGHT: c. SET (the weight gradient's first pass): the
+ * kernel columns t (bit t) whose sums this output's first row starts, = instead of +=. */
+POET_INLINE void dwr_out(float *const *yr, uint32_t q, const float *a, const float *b, const float *c, float *wv,
+                         const int MODE, const uint32_t SW, const uint32_t R, const uint32_t LEFT,
+                         const uint32_t RIGHT, const uint32_t SET)
+{
+    uint32_t r, v, t;
+    const float *col[3];
+    col[0] = a, col[1] = b, col[2] = c;
+    for (r = 0; r < R; ++r) {
+        const uint32_t i = r * SW; /* the output row's first input row */
+        if (MODE == 2) {
+            const float d = yr[r][q];
+            for (v = 0; v < 3; ++v)
+                for (t = 0; t < 3; ++t) {
+                    if ((LEFT && t == 0) || (RIGHT && t == 2))
+                        continue;
+                    if (r == 0 && (SET >> t & 1))
+                        wv[3 * v + t] = col[t][i + v] * d;
+                    else
+                        wv[3 * v + t] += col[t][i + v] * d;
+                }
+        } else {
+            float s = LEFT ? b[i] * wv[1] : a[i] * wv[0];
+            if (!LEFT)
+                s += b[i] * wv[1];
+            if (!RIGHT)
+                s += c[i] * wv[2];
+            for (v = 1; v < 3; ++v) {
+                if (!LEFT)
+                    s += a[i + v] * wv[3 * v];
+                s += b[i + v] * wv[3 * v + 1];
+                if (!RIGHT)
+                    s += c[i + v] * wv[3 * v + 2];
+            }
+            yr[r][q] = s;
+        }
+    }
+}
+
+/* dwr_out at stride 2 for an output away from the padding whose new window columns b and c are
+ * loaded, from columns jb and jc of the rows p, as its rows need them: with four output rows a
+ * pass the window's 27 values would not fit the registers beside the nine weights or sums, and
+ * only the rows in use and the column carried to the next output (c) are live this way */
+POET_INLINE void dwr_out_lazy(float *const *yr, uint32_t q, const float *a, float *b, float *c,
+                              const float *const *p, const uint32_t jb, const uint32_t jc, float *wv, const int MODE,
+                              const uint32_t SW, const uint32_t R)
+{
+    uint32_t r, v;
+    for (r = 0; r < R; ++r) {
+        const uint32_t i = r * SW;
+        const float d = MODE == 2 ? yr[r][q] : 0.0f;
+        float s = 0.0f;
+        for (v = 0; v < 3; ++v) {
+            if (r == 0 || v >= 3 - SW)
+                b[i + v] = p[i + v][jb], c[i + v] = p[i + v][jc];
+            if (MODE == 2) {
+                wv[3 * v] += a[i + v] * d;
+                wv[3 * v + 1] += b[i + v] * d;
+                wv[3 * v + 2] += c[i + v] * d;
+            } else {
+                if (v == 0)
+                    s = a[i] * wv[0];
+                else
+                    s += a[i + v] * wv[3 * v];
+                s += b[i + v] * wv[3 * v + 1];
+                s += c[i + v] * wv[3 * v + 2];
+            }
+        }
+        if (MODE != 2)
+            yr[r][q] = s;
+    }
+}
+
+/* Outputs q and q + 1 at stride 2 from the carried column A and columns j to j + 3 of the rows p;
+ * A carries the last of them to the next pair */
+POET_INLINE void dwr_pair(float *const *yr, uint32_t q, float *A, float *B, float *C, const float *const *p,
+                          const uint32_t j, float *wv, const int MODE, const uint32_t R)
+{
+    dwr_out_lazy(yr, q, A, B, C, p, j, j + 1, wv, MODE, 2, R);
+    dwr_out_lazy(yr, q + 1, C, B, A, p, j + 2, j + 3, wv, MODE, 2, R);
+}
+
+POET_INLINE void dwr_load(float *col, const float *const *p, const uint32_t j, const uint32_t NL)
+{
+    uint32_t v;
+    for (v = 0; v < NL; ++v)
+        col[v] = p[v][j];
+}
+
+/* The end of a row at stride 2, from output ow (at yr[] + q, its window's new columns from j on
+ * in the rows p, its first in A): at most one output left inside, then the last column, beside
+ * the padding */
+POET_INLINE void dwr_s2_end(float *const *yr, const uint32_t q, float *A, float *B, float *C, const float *const *p,
+                            const uint32_t j, uint32_t ow, uint32_t hi, uint32_t w_out, float *wv, const int MODE,
+                            const uint32_t R)
+{
+    const uint32_t NL = DWR_NL(R, 2);
+    if (ow < hi) {
+        dwr_load(B, p, j, NL);
+        dwr_load(C, p, j + 1, NL);
+        dwr_out(yr, q, A, B, C, wv, MODE, 2, R, 0, 0, 0);
+        if (ow + 1 < w_out) {
+            dwr_load(B, p, j + 2, NL);
+            dwr_out(yr, q + 1, C, B, B, wv, MODE, 2, R, 0, 1, 0);
+        }
+    } else if (ow < w_out) {
+        dwr_load(B, p, j, NL);
+        dwr_out(yr, q, A, B, B, wv, MODE, 2, R, 0, 1, 0);
+    }
+}
+
+/* dwr_pass at stride 1: output ow's window in A, B and the column p points at */
+POET_INLINE void dwr_pass_s1(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
+                             const uint32_t R, const uint32_t INIT)
+{
+    const uint32_t SW = 1;
+    const uint32_t NL = DWR_NL(R, SW);
+    /* the outputs whose window lies inside the row: ow SW + 1 < w_in (2 or more: w_in >= SW + 2) */
+    const uint32_t hi = (w_in - 2) / SW + 1 < w_out ? (w_in - 2) / SW + 1 : w_out;
+    float A[DWR_NL(3, 1)], B[DWR_NL(3, 1)], C[DWR_NL(3, 1)];
+    const float *p[DWR_NL(3, 1)];
+    float *yr[3];
+    uint32_t v, r, i, ow;
+    for (v = 0; v < NL; ++v)
+        p[v] = x + v * w_in;
+    for (r = 0; r < R; ++r)
+        yr[r] = y + r * w_out;
+    /* output 0: window columns -1 (the padding), 0 and 1 */
+    dwr_load(B, p, 0, NL);
+    dwr_load(C, p, 1, NL);
+    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0, INIT ? 6 : 0);
+    for (v = 0; v < NL; ++v)
+        A[v] = B[v], B[v] = C[v], p[v] += 2;
+    /* output 1 on its own, where INIT starts the kernel's column 0 */
+    dwr_load(C, p, 0, NL);
+    dwr_out(yr, 1, A, B, C, wv, MODE, SW, R, 0, 0, INIT ? 1 : 0);
+    for (v = 0; v < NL; ++v)
+        A[v] = B[v], B[v] = C[v], p[v] += 1;
+    for (r = 0; r < R; ++r)
+        yr[r] += 2;
+    for (i = (hi - 2) / 3; i; --i) {
+        dwr_load(C, p, 0, NL);
+        dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
+        dwr_load(A, p, 1, NL);
+        dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0, 0);
+        dwr_load(B, p, 2, NL);
+        dwr_out(yr, 2, C, A, B, wv, MODE, SW, R, 0, 0, 0);
+        for (v = 0; v < NL; ++v)
+            p[v] += 3;
+        for (r = 0; r < R; ++r)
+            yr[r] += 3;
+    }
+    /* at most two left, then the last column, beside the padding: each its own copy, so
+     * that the window's columns stay where the rotation left them */
+    ow = 2 + (hi - 2) / 3 * 3;
+    if (ow + 2 <= hi) {
+        dwr_load(C, p, 0, NL);
+        dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
+        dwr_load(A, p, 1, NL);
+        dwr_out(yr, 1, B, C, A, wv, MODE, SW, R, 0, 0, 0);
+        if (ow + 2 < w_out)
+            dwr_out(yr, 2, C, A, A, wv, MODE, SW, R, 0, 1, 0);
+    } else if (ow < hi) {
+        dwr_load(C, p, 0, NL);
+        dwr_out(yr, 0, A, B, C, wv, MODE, SW, R, 0, 0, 0);
+        if (ow + 1 < w_out)
+            dwr_out(yr, 1, B, C, C, wv, MODE, SW, R, 0, 1, 0);
+    } else if (ow < w_out)
+        dwr_out(yr, 0, A, B, B, wv, MODE, SW, R, 0, 1, 0);
+}
+
+/* dwr_pass at stride 2: output ow's window in A and the two columns p points at (its own arrays:
+ * four rows need nine, and the stride-1 walk sized for them measured 2% slower) */
+POET_INLINE void dwr_pass_s2(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
+                             const uint32_t R, const uint32_t INIT)
+{
+    const uint32_t SW = 2;
+    const uint32_t NL = DWR_NL(R, SW);
+    /* the outputs whose window lies inside the row: ow SW + 1 < w_in (2 or more: w_in >= SW + 2) */
+    const uint32_t hi = (w_in - 2) / SW + 1 < w_out ? (w_in - 2) / SW + 1 : w_out;
+    float A[DWR_NL(4, 2)], B[DWR_NL(4, 2)], C[DWR_NL(4, 2)];
+    const float *p[DWR_NL(4, 2)];
+    float *yr[4];
+    uint32_t v, r, i, ow;
+    for (v = 0; v < NL; ++v)
+        p[v] = x + v * w_in;
+    for (r = 0; r < R; ++r)
+        yr[r] = y + r * w_out;
+    /* output 0: window columns -1 (the padding), 0 and 1 */
+    dwr_load(B, p, 0, NL);
+    dwr_load(C, p, 1, NL);
+    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0, INIT ? 6 : 0);
+    for (v = 0; v < NL; ++v)
+        A[v] = C[v], p[v] += 2;
+    dwr_load(B, p, 0, NL); /* output 1 on its own, where INIT starts the kernel's column 0 */
+    dwr_load(C, p, 1, NL);
+    dwr_out(yr, 1, A, B, C, wv, MODE, SW, R, 0, 0, INIT ? 1 : 0);
+    for (v = 0; v < NL; ++v)
+        A[v] = C[v], p[v] += 2;
+    for (r = 0; r < R; ++r)
+        yr[r] += 2;
+    /* pairs of outputs; at four rows two pairs a step, which share the steps of the 13 rows'
+     * pointers (one pair a step, and the compiler's own unrolling, measured worse) */
+    for (i = R == 4 ? (hi - 2) / 4 : 0; i; --i) {
+        dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
+        dwr_pair(yr, 2, A, B, C, p, 4, wv, MODE, R);
+        for (v = 0; v < NL; ++v)
+            p[v] += 8;
+        for (r = 0; r < R; ++r)
+            yr[r] += 4;
+    }
+    for (i = R == 4 ? 0 : (hi - 2) / 2; i; --i) {
+        dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
+        for (v = 0; v < NL; ++v)
+            p[v] += 4;
+        for (r = 0; r < R; ++r)
+            yr[r] += 2;
+    }
+    ow = 2 + (hi - 2) / 2 * 2;
+    if (R == 4 && (hi - 2) & 2) { /* a pair left, at immediate offsets: no pointer steps after it */
+        dwr_pair(yr, 0, A, B, C, p, 0, wv, MODE, R);
+        dwr_s2_end(yr, 2, A, B, C, p, 4, ow, hi, w_out, wv, MODE, R);
+    } else
+        dwr_s2_end(yr, 0, A, B, C, p, 0, ow, hi, w_out, wv, MODE, R);
+}
+
+/* R output rows from y on (rows w_out apart) from the NL input rows from x on (w_in apart). INIT
+ * (the weight gradient): the sums start with the first outputs' products (outputs 0 and 1, whose
+ * first rows hold a term of each), not from wv. */
+POET_INLINE void dwr_pass(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
+                          const uint32_t SW, const uint32_t R, const uint32_t INIT)
+{
+    if (SW == 1)
+        dwr_pass_s1(y, x, wv, w_in, w_out, MODE, R, INIT);
+    else
+        dwr_pass_s2(y, x, wv, w_in, w_out, MODE, R, INIT);
+}
+
+/* The passes out of line, one for each stride and number of rows: a walk has the registers to
+ * itself, with nothing of the layer's loops live across it.
+ *
+ * The forward's, over C channels (planes xs and ys apart, their weights 9): R rows of each. */
+#define DWR_FWD(NAME, SW, R)                                                                                   \
+    POET_OUTLINE void NAME(float *y, const float *x, const float *w, uint32_t w_in, uint32_t w_out, uint32_t C,   \
+                           uint32_t ys, uint32_t xs)                                                          \
+    {                                                                                                        \
+        float wv[9];                                                                                         \
+        uint32_t k;                                                                                          \
+        for (; C; --C, y += ys, x += xs, w += 9) {                                                           \
+            for (k = 0; k < 9; ++k)                                                                          \
+                wv[k] = w[k];                                                                                \
+            dwr_pass(y, x, wv, w_in, w_out, 0, SW, R, 0);                                                    \
+        }                                                                                                    \
+    }
+/* The weight gradient's, over a channel's planes one pass after another: its nine sums start at
+ * zero (flags DWR_INIT) or at acc[], and at the end are stored to acc[], or (DWR_APPLY, the
+ * channel's last pass) added to gw[] or, with DWR_SGD, subtracted from it times lr. */
+#define DWR_INIT 1u
+#define DWR_APPLY 2u
+#define DWR_SGD 4u
+#define DWR_GRAD(NAME, SW, R)                                                                                  \
+    POET_OUTLINE void NAME(const float *dy, const float *x, float *acc, uint32_t w_in, uint32_t w_out, float *gw, \
+                           float lr, uint32_t flags)                                                          \
+    {                                                                                                        \
+        float wv[9];                                                                                         \
+        uint32_t k;                                                                                          \
+        for (k = 0; k < 9; ++k)                                                                              \
+            wv[k] = flags & DWR_INIT ? 0.0f : acc[k];                                                        \
+        dwr_pass((float *)(uintptr_t)dy, x, wv, w_in, w_out, 2, SW, R, 0);                                   \
+        if (!(flags & DWR_APPLY))                                                                            \
+            for (k = 0; k < 9; ++k)                                                                          \
+                acc[k] = wv[k];                                                                              \
+        else if (flags & DWR_SGD)                                                                            \
+            for (k = 0; k < 9; ++k)                                                                          \
+                gw[k] -= lr * wv[k];                                                                         \
+        else                                                                                                 \
+            for (k = 0; k < 9; ++k)                                                                          \
+                gw[k] += wv[k];                                                                              \
+    }
+/* The weight gradient's over C channels (a batch of one whose planes are one pass each): each
+ * channel's sums start with its first products, and gw += them, or (sgd) w -= lr them. */
+#define DWR_GRAD1(NAME, SW, R)                                                                                 \
+    POET_OUTLINE void NAME(const float *dy, const float *x, float *gw, uint32_t w_in, uint32_t w_out, uint32_t C, \
+                           uint32_t ys, uint32_t xs, float lr, int sgd)                                       \
+    {                                                                                                        \
+        float wv[9];                                                                                         \
+        uint32_t k;                                                                                          \
+        for (; C; --C, dy += ys, x += xs, gw += 9) {                                                         \
+            for (k = 0; k < 9; ++k) /* (each overwritten by its first product) */                            \
+                wv[k] = 0.0f;                                                                                \
+            dwr_pass((float *)(uintptr_t)dy, x, wv, w_in, w_out, 2, SW, R, 1);                               \
+            if (sgd)                                                                                         \
+                for (k = 0; k < 9; ++k)                                                                      \
+                    gw[k] -= lr * wv[k];                                                                     \
+            else                                                                                             \
+                for (k = 0; k < 9; ++k)                                                                      \
+                    gw[k] += wv[k];                                                                          \
+        }                                                                                                    \
+    }
+/* The weight gradient's over C channels (a batch of one) whose planes take one or more passes
+ * (h_out >= R): the sums stay in registers from a channel's first pass, which starts them with its
+ * first products, to its last; ys_r and xs_r a pass's rows apart. */
+#define DWR_GRADN(NAME, SW, R)                                                                                 \
+    POET_OUTLINE void NAME(const float *dy, const float *x, float *gw, uint32_t w_in, uint32_t w_out, uint32_t C, \
+                           uint32_t ys, uint32_t xs, uint32_t h_out, float lr, int sgd)                       \
+    {                                                                                                        \
+        const uint32_t ys_r = R * w_out, xs_r = R * SW * w_in;                                               \
+        float wv[9];                                                                                         \
+        uint32_t k, r;                                                                                       \
+        for (; C; --C, dy += ys, x += xs, gw += 9) {                                                         \
+            const float *d = dy, *xr = x;                                                                    \
+            for (k = 0; k < 9; ++k)                                                                          \
+                wv[k] = 0.0f;                                                                                \
+            dwr_pass((float *)(uintptr_t)d, xr, wv, w_in, w_out, 2, SW, R, 1);                               \
+            for (r = h_out - R, d += ys_r, xr += xs_r; r >= R; r -= R, d += ys_r, xr += xs_r)                \
+                dwr_pass((float *)(uintptr_t)d, xr, wv, w_in, w_out, 2, SW, R, 0);                           \
+            if (r)                                                                                           \
+                dwr_pass((float *)(uintptr_t)d, xr, wv, w_in, w_out, 2, SW, 1, 0);                           \
+            if (sgd)                                                                                         \
+                for (k = 0; k < 9; ++k)                                                                      \
+                    gw[k] -= lr * wv[k];                                                                     \
+            else                                                                                             \
+                for (k = 0; k < 9; ++k)                                                                      \
+                    gw[k] += wv[k];                                                                          \
+        }                                                                                                    \
+    }
+/* The forward's over C channels whose planes take several passes, a channel's weights in
+ * registers through them: h_out rows, ys_r and xs_r a pass's rows apart. */
+#define DWR_FWDN(NAME, SW, R)                                                                                  \
+    POET_OUTLINE void NAME(float *y, const float *x, const float *w, uint32_t w_in, uint32_t w_out, uint32_t C,   \
+                           uint32_t ys, uint32_t xs, uint32_t h_out)                                          \
+    {                                                                                                        \
+        const uint32_t ys_r = R * w_out, xs_r = R * SW * w_in;                                               \
+        float wv[9];                                                                                         \
+        uint32_t k, r;                                                                                       \
+        for (; C; --C, y += ys, x += xs, w += 9) {                                                           \
+            float *yp = y;                                                                                   \
+            const float *xr = x;                                                                             \
+            for (k = 0; k < 9; ++k)                                                                          \
+                wv[k] = w[k];                                                                                \
+            for (r = h_out; r >= R; r -= R, yp += ys_r, xr += xs_r)                                          \
+                dwr_pass(yp, xr, wv, w_in, w_out, 0, SW, R, 0);                                              \
+            if (r)                                                                                           \
+                dwr_pass(yp, xr, wv, w_in, w_out, 0, SW, 1, 0);                                              \
+        }                                                                                                    \
+    }
+DWR_FWD(dwr_fwd_s1_r3, 1, 3)
+DWR_FWD(dwr_fwd_s1_r2, 1, 2)
+DWR_FWD(dwr_fwd_s1_r1, 1, 1)
+DWR_FWD(dwr_fwd_s2_r2, 2, 2)
+DWR_FWD(dwr_fwd_s2_r1, 2, 1)
+DWR_GRAD(dwr_grad_s1_r3, 1, 3)
+DWR_GRAD(dwr_grad_s1_r2, 1, 2)
+DWR_GRAD(dwr_grad_s1_r1, 1, 1)
+DWR_GRAD(dwr_grad_s2_r2, 2, 2)
+DWR_GRAD(dwr_grad_s2_r1, 2, 1)
+DWR_GRAD1(dwr_grad1_s1_r3, 1, 3)
+DWR_GRADN(dwr_gradn_s2_r2, 2, 2)
+DWR_GRAD1(dwr_grad1_s2_r4, 2, 4)
+DWR_FWD(dwr_fwd_s2_r4, 2, 4)
+DWR_FWDN(dwr_fwdn_s2_r2, 2, 2)
+#undef DWR_FWD
+#undef DWR_GRAD
+#undef DWR_GRAD1
+#undef DWR_GRADN
+#undef DWR_FWDN
+
+/* Whether a layer is such a window: depthwise 3x3, padding 0 along H and 1 along W, the same
+ * stride 1 or 2 along both axes, rows of at least SW + 2 inputs */
+static int dwr_ok(const poet_conv2d_shape *s)
+{
+    /* (every convolution's call pays this test: the tests that other layers fail come first) */
+    return s->pad_h == 0 && s->k_h == 3 && s->groups == s->c_out && s->groups == s->c_in && s->k_w == 3 &&
+           s->pad_w == 1 && s->stride_h == s->stride_w && s->stride_w - 1u <= 1u && s->w_in >= s->stride_w + 2 &&
+           s->h_in >= 3;
+}
+
+/* y[n][c] += b[c] over planes of P, out of line (a layer without a bias, the zoo's, skips it) */
+POET_OUTLINE void dwr_bias(float *y, const float *b, uint32_t N, uint32_t C, uint32_t P)
+{
+    uint32_t n, c, k;
+    for (n = 0; n < N; ++n)
+        for (c = 0; c < C; ++c, y += P)
+            for (k = 0; k < P; ++k)
+                y[k] += b[c];
+}
+
+/* The forward of such a layer: each sample's rows in passes of R (3 at stride 1, 2 at stride 2)
+ * and the rows left, each pass over all the channels, or at stride 2 with several passes a plane,
+ * channel by channel; the bias, if any, added after */
+POET_INLINE void dwr_forward_layer(float *y, const float *x, const float *w, const float *b,
+                                   const poet_conv2d_shape *s, const uint32_t SW)
+{
+    /* the fields read once, before any call (which might otherwise write to the shape) */
+    const uint32_t h_out = s->h_out, w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n, R = SW == 1 ? 3 : 2;
+    const uint32_t in_plane = s->h_in * w_in, out_plane = h_out * w_out;
+    uint32_t n, r;
+    float *yn = y;
+    const float *xn = x;
+    for (n = 0; n < N; ++n, yn += C * out_plane, xn += C * in_plane) {
+        if (SW == 2 && h_out == 4) {
+            dwr_fwd_s2_r4(yn, xn, w, w_in, w_out, C, out_plane, in_plane);
+            continue;
+        }
+        if (SW == 2 && h_out > R) {
+            dwr_fwdn_s2_r2(yn, xn, w, w_in, w_out, C, out_plane, in_plane, h_out);
+            continue;
+        }
+        for (r = 0; r + R <= h_out; r += R)
+            (SW == 1 ? dwr_fwd_s1_r3 : dwr_fwd_s2_r2)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
+                                                      out_plane, in_plane);
+        if (SW == 1 && r + 2 == h_out)
+            dwr_fwd_s1_r2(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C, out_plane, in_plane);
+        else if (r < h_out)
+            (SW == 1 ? dwr_fwd_s1_r1 : dwr_fwd_s2_r1)(yn + r * w_out, xn + r * SW * w_in, w, w_in, w_out, C,
+                                                      out_plane, in_plane);
+    }
+    if (b)
+        dwr_bias(y, b, N, C, out_plane);
+}
+
+/* One plane's weight gradient for dwr_grad_layer: passes of R rows, then the rows left, first's
+ * flags on the first, last's on the last */
+POET_INLINE void dwr_grad_plane(const float *dy, const float *x, float *acc, uint32_t h_out, uint32_t w_in,
+                                uint32_t w_out, float *gw, float lr, uint32_t first, uint32_t last, const uint32_t SW)
+{
+    const uint32_t R = SW == 1 ? 3 : 2, ys = R * w_out, xs = R * SW * w_in;
+    uint32_t r = h_out;
+    for (; r >= R; r -= R, dy += ys, x += xs, first = 0)
+        (SW == 1 ? dwr_grad_s1_r3 : dwr_grad_s2_r2)(dy, x, acc, w_in, w_out, gw, lr, first | (r == R ? last : 0));
+    if (SW == 1 && r == 2)
+        dwr_grad_s1_r2(dy, x, acc, w_in, w_out, gw, lr, first | last);
+    else if (r == 1)
+        (SW == 1 ? dwr_grad_s1_r1 : dwr_grad_s2_r1)(dy, x, acc, w_in, w_out, gw, lr, first | last);
+}
+
+/* The weight gradient: channel by channel, its nine sums over the batch's planes (in registers
+ * within a pass, in acc between them); gw += them, or (sgd) w -= lr them. A batch of one whose
+ * planes are one pass each (mcu-vww's stride-1 windows) in one call. */
+POET_INLINE void dwr_grad_layer(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
+                                int sgd, const uint32_t SW)
+{
+    /* the fields read once, before any call (which might otherwise write to the shape) */
+    const uint32_t h_out = s->h_out, w_in = s->w_in, w_out = s->w_out, C = s->c_out, N = s->n;
+    const uint32_t in_plane = s->h_in * w_in, out_plane = h_out * w_out;
+    const uint32_t last = sgd ? DWR_APPLY | DWR_SGD : DWR_APPLY;
+    float acc[9];
+    uint32_t n, c;
+    for (c = 0; c < C; ++c, gw += 9)
+        for (n = 0; n < N; ++n)
+            dwr_grad_plane(dy + (n * C + c) * out_plane, x + (n * C + c) * in_plane, acc, h_out, w_in, w_out, gw, lr,
+                           n == 0 ? DWR_INIT : 0, n + 1 == N ? last : 0, SW);
+}
+
+/* (out of line: the callers test dwr_ok before their own set-up, which these shapes skip) */
+POET_OUTLINE void dwr_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+    if (s->stride_w == 1)
+        dwr_forward_layer(y, x, w, b, s, 1);
+    else
+        dwr_forward_layer(y, x, w, b, s, 2);
+}
+
+POET_OUTLINE void dwr_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+{
+    /* a batch of one, whose channels' sums stay in registers through their passes, in one call:
+     * planes of one pass (3 rows at stride 1, 4 at stride 2: mcu-vww's), and at stride 2 passes
+     * of 2 rows for the other heights */
+    if (s->n == 1 && s->stride_w == 2 && s->h_out == 4)
+        dwr_grad1_s2_r4(dy, x, gw, s->w_in, s->w_out, s->c_out, 4 * s->w_out, s->h_in * s->w_in, lr, sgd);
+    else if (s->n == 1 && s->stride_w == 1 && s->h_out == 3)
+        dwr_grad1_s1_r3(dy, x, gw, s->w_in, s->w_out, s->c_out, 3 * s->w_out, s->h_in * s->w_in, lr, sgd);
+    else if (s->n == 1 && s->stride_w == 2 && s->h_out >= 2)
+        dwr_gradn_s2_r2(dy, x, gw, s->w_in, s->w_out, s->c_out, s->h_out * s->w_out, s->h_in * s->w_in, s->h_out, lr,
+                        sgd);
+    else if (s->stride_w == 1)
+        dwr_grad_layer(gw, dy, x, s, lr, sgd, 1);
+    else
+        dwr_grad_layer(gw, dy, x, s, lr, sgd, 2);
 }
 #endif
 
@@ -1307,8 +1756,8 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
                 else
                     forward_channels(y, x, w, b, s, n, g * cout_g + co, KH, KW, SW, 4);
             for (; co < cout_g; ++co) {
-                /* (a depthwise layer at stride 1 takes the column strips, dwc_layer_ok: the shapes
-                 * they leave, no zoo layer's, the general tile) */
+                /* (a depthwise layer at stride 1 takes the column strips or the window walk,
+                 * dwc_layer_ok and dwr_ok: the shapes they leave, no zoo layer's, the general tile) */
                 if (KH == 3 && SW == 2 && cin_g == 1)
                     forward_channel3_s2(y, x, w, b, s, n, g * cout_g + co);
                 else /* the odd channel left over after tiles of 4 */
@@ -1318,7 +1767,8 @@ POET_INLINE void forward_all(float *y, const float *x, const float *w, const flo
     }
 }
 
-void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+/* (out of line: a depthwise window, below, skips its set-up) */
+POET_OUTLINE void forward_any(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
@@ -1340,6 +1790,17 @@ void poet_conv2d_forward(float *y, const float *x, const float *w, const float *
     else
 #endif
         forward_all(y, x, w, b, s, 0, 0, 0);
+}
+
+void poet_conv2d_forward(float *y, const float *x, const float *w, const float *b, const poet_conv2d_shape *s)
+{
+#ifndef POET_KERNELS_SMALL
+    if (dwr_ok(s)) { /* a depthwise 3x3 window of a few rows: the rows' column walk */
+        dwr_forward(y, x, w, b, s);
+        return;
+    }
+#endif
+    forward_any(y, x, w, b, s);
 }
 
 /* The data gradient, gathered: dx (ih, iw) += dy (oh, ow) w (kh, kw) over ih + pad = oh * stride + kh.
@@ -1957,7 +2418,8 @@ POET_OUTLINE void weight_grad_depthwise3(float *gw, const float *dy, const float
     const uint32_t in_plane = s->h_in * s->w_in, out_plane = s->h_out * s->w_out, sw = s->stride_w;
     uint32_t kh, kw, oh0, oh1, lo = 0, hi = s->w_out, r0[3], r1[3];
 #ifndef POET_KERNELS_SMALL
-    /* (stride 1 takes the column strips, dwc_layer_ok; the shapes they leave, this) */
+    /* (stride 1 takes the column strips or the window walk, dwc_layer_ok and dwr_ok; the shapes
+     * they leave, this) */
     if (s->k_h == 3 && s->pad_w == 1 && s->w_in >= 3 && sw == 2) {
         float g[9], *at = gw + co * 9; /* one input channel, 3x3: channel co's nine weights */
         depthwise3_grad_s2(g, dy, x, s, co);
@@ -2019,14 +2481,10 @@ POET_INLINE void weight_grad_all(float *gw, const float *dy, const float *x, con
     uint32_t g, co, ci;
 #ifndef POET_KERNELS_SMALL
     if (dwc_layer_ok(s, 1) || dwc_layer_ok(s, 2)) { /* depthwise 3x3: the column strips */
-        if (s->stride_w == 1 && s->pad_h == 1)
+        if (s->stride_w == 1)
             dwc_grad_s1(gw, dy, x, s, lr, sgd);
-        else if (s->stride_w == 1)
-            dwc_grad_s1_p0(gw, dy, x, s, lr, sgd);
-        else if (s->pad_h == 1)
-            dwc_grad_s2(gw, dy, x, s, lr, sgd);
         else
-            dwc_grad_s2_p0(gw, dy, x, s, lr, sgd);
+            dwc_grad_s2(gw, dy, x, s, lr, sgd);
         return;
     }
 #endif
@@ -2190,7 +2648,9 @@ POET_OUTLINE int pointwise_weight_grad(float *gw, const float *dy, const float *
 }
 #endif
 
-static void weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+/* (out of line: a depthwise window, below, skips its set-up) */
+POET_OUTLINE void weight_grad_any(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr,
+                                  int sgd)
 {
     poet_conv2d_shape flat;
     s = as_one_row(s, &flat);
@@ -2204,6 +2664,17 @@ static void weight_grad(float *gw, const float *dy, const float *x, const poet_c
     else
 #endif
         weight_grad_all(gw, dy, x, s, lr, sgd, 0);
+}
+
+static void weight_grad(float *gw, const float *dy, const float *x, const poet_conv2d_shape *s, float lr, int sgd)
+{
+#ifndef POET_KERNELS_SMALL
+    if (dwr_ok(s)) { /* a depthwise 3x3 window of a few rows: the rows' column walk */
+        dwr_grad(gw, dy, x, s, lr, sgd);
+        return;
+    }
+#endif
+    weight_grad_any(gw, dy, x, s, lr, sgd);
 }
 
 void poet_conv2d_backward_params(float *gw, float *gb, const float *dy, const float *x,
