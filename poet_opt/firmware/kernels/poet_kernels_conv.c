@@ -970,6 +970,23 @@ POET_INLINE void dwr_s2_end(float *const *yr, const uint32_t q, float *A, float 
     }
 }
 
+/* A pass's start: the row pointers (NL input rows from x, R output rows from y), and output 0,
+ * whose window is columns -1 (the padding), 0 and 1, left in B and C */
+POET_INLINE void dwr_first(const float **p, float **yr, float *B, float *C, const float *x, float *y, float *wv,
+                           uint32_t w_in, uint32_t w_out, const int MODE, const uint32_t SW, const uint32_t R,
+                           const uint32_t INIT)
+{
+    const uint32_t NL = DWR_NL(R, SW);
+    uint32_t v;
+    for (v = 0; v < NL; ++v)
+        p[v] = x + v * w_in;
+    for (v = 0; v < R; ++v)
+        yr[v] = y + v * w_out;
+    dwr_load(B, p, 0, NL);
+    dwr_load(C, p, 1, NL);
+    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0, INIT ? 6 : 0);
+}
+
 /* dwr_pass at stride 1: output ow's window in A, B and the column p points at */
 POET_INLINE void dwr_pass_s1(float *y, const float *x, float *wv, uint32_t w_in, uint32_t w_out, const int MODE,
                              const uint32_t R, const uint32_t INIT)
@@ -982,14 +999,7 @@ POET_INLINE void dwr_pass_s1(float *y, const float *x, float *wv, uint32_t w_in,
     const float *p[DWR_NL(3, 1)];
     float *yr[3];
     uint32_t v, r, i, ow;
-    for (v = 0; v < NL; ++v)
-        p[v] = x + v * w_in;
-    for (r = 0; r < R; ++r)
-        yr[r] = y + r * w_out;
-    /* output 0: window columns -1 (the padding), 0 and 1 */
-    dwr_load(B, p, 0, NL);
-    dwr_load(C, p, 1, NL);
-    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0, INIT ? 6 : 0);
+    dwr_first(p, yr, B, C, x, y, wv, w_in, w_out, MODE, SW, R, INIT);
     for (v = 0; v < NL; ++v)
         A[v] = B[v], B[v] = C[v], p[v] += 2;
     /* output 1 on its own, where INIT starts the kernel's column 0 */
@@ -1043,14 +1053,7 @@ POET_INLINE void dwr_pass_s2(float *y, const float *x, float *wv, uint32_t w_in,
     const float *p[DWR_NL(4, 2)];
     float *yr[4];
     uint32_t v, r, i, ow;
-    for (v = 0; v < NL; ++v)
-        p[v] = x + v * w_in;
-    for (r = 0; r < R; ++r)
-        yr[r] = y + r * w_out;
-    /* output 0: window columns -1 (the padding), 0 and 1 */
-    dwr_load(B, p, 0, NL);
-    dwr_load(C, p, 1, NL);
-    dwr_out(yr, 0, B, B, C, wv, MODE, SW, R, 1, 0, INIT ? 6 : 0);
+    dwr_first(p, yr, B, C, x, y, wv, w_in, w_out, MODE, SW, R, INIT);
     for (v = 0; v < NL; ++v)
         A[v] = C[v], p[v] += 2;
     dwr_load(B, p, 0, NL); /* output 1 on its own, where INIT starts the kernel's column 0 */
