@@ -310,8 +310,10 @@ INPUTS_BUILD_S_PER_COLUMN = 2 * 1.4e-4
 # The count rows go into the LPs when the Lagrangian's second phase added at least this share of
 # its bound above plain training
 COUNTS_WORTH = 1e-4
-# ... and that run stops after this many halvings of its step while behind the bytes' run
+# ... and that run stops after this many halvings of its step while behind the bytes' run, which
+# has at most this share of the Lagrangian's time when the counts run follows it
 GIVE_UP = 4
+BYTES_RUN_SHARE = 0.25
 
 
 def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *, time_limit: float,
@@ -434,11 +436,12 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     ResidencyModel.lagrangian_duals reads them). Linear in the gaps per step, so it answers in seconds
     where the LP takes minutes (bert-base's 57,843 nodes).
 
-    Two runs, each from zero and with half the time: the bytes' multipliers alone, then all of them.
-    On ResNet-18, where the counts add nothing, all of them at once ended 1.6% lower (the more
-    multipliers, the shorter each one's steps), so that run gives up once it has fallen behind the
-    first; on bert-base it rose from 277.6 J to 296.5 J. Started from the first run's multipliers
-        instead, it had 284.7 J after 90 s. ``counts_gain`` is what the second run added."""
+    Two runs, each from zero: the bytes' multipliers alone (at most BYTES_RUN_SHARE of the time; it
+    converges in 2 s on ResNet-18), then all of them with what is left. On ResNet-18, where the
+    counts add nothing, all of them at once ended 1.6% lower (the more multipliers, the shorter each
+    one's steps), so that run gives up once it has fallen behind the first; on bert-base it rose
+    from 277.6 J to 296.5 J. Started from the first run's multipliers instead, it had 284.7 J after
+    90 s. ``counts_gain`` is what the second run added."""
     started = time.perf_counter()
     if mode == "none":
         return None
@@ -460,7 +463,7 @@ def lagrangian_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, m
     best, lam, gain = -np.inf, np.zeros(T), 0.0
     for k, (weight, cap) in enumerate(phases):
         found, found_lam = _ascend(weight, cap, ret, a, b, np.zeros((len(weight), T)), target, iterations=iterations,
-                                   deadline=started + time_limit * (k + 1) / len(phases),
+                                   deadline=started + time_limit * (BYTES_RUN_SHARE if k < len(phases) - 1 else 1.0),
                                    behind=best if k else None)
         gain = found - best if k else 0.0
         if found > best:
