@@ -307,12 +307,12 @@ INPUTS_LP_SHARE = 0.8
 # per column of the model without it, on a loaded machine (ResNet-18: 45,000 columns, 1.2-6 s); it
 # cannot be stopped, so it is not started unless twice that is left.
 INPUTS_BUILD_S_PER_COLUMN = 2 * 1.4e-4
-# The count rows go into the LPs when the Lagrangian's second phase added at least this share of
-# its bound above plain training
+# The count rows go into the LPs when the Lagrangian's second run (every multiplier) added at least
+# this share of its bound above plain training
 COUNTS_WORTH = 1e-4
-# ... and that run stops after this many halvings of its step while behind the bytes' run, which
-# has at most this share of the Lagrangian's time when the counts run follows it (converged in 2 s
-# of ResNet-18's 75; on bert-base a quarter of its 180 s left dual ascent 1.7 J lower at the end)
+# ... and that run stops after this many halvings of its step while behind the first (the bytes'
+# multipliers alone), which has at most this share of the Lagrangian's time when the second follows
+# it: it converges in 2 s of ResNet-18's 75, and on bert-base the second run is the one that counts
 GIVE_UP = 4
 BYTES_RUN_SHARE = 0.1
 
@@ -345,7 +345,8 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         best = lagrangian_bound(graph, costs, budgets, mode, upper=upper, time_limit=share * time_limit,
                                 iterations=3000 if not large else 100_000)
     # the count rows where the Lagrangian found them worth something (bert-base: 19 J), not where it
-    # found nothing (ResNet-18: the same optimum, and its LP with recomputation inputs 40% slower)
+    # found nothing (ResNet-18: the same LP optimum with them, its LP with recomputation inputs 137 s
+    # against 96 s, under different loads)
     counts = best is None or best.counts_gain > COUNTS_WORTH * (best.bound - floor)
     if left() <= 0.05 or done():
         return _timed(best, started)
