@@ -192,6 +192,11 @@ def _extent(intervals: list[Interval], offsets: list[int]) -> int:
     return max((o + iv.bytes for o, iv in zip(offsets, intervals)), default=0)
 
 
+def _ends(intervals: list[Interval], offsets: list[int]) -> list[int]:
+    """Where each interval ends in the arena; 0 for an empty one, which no move needs to lower."""
+    return [iv.bytes and o + iv.bytes for o, iv in zip(offsets, intervals)]
+
+
 def live_peak(intervals: list[Interval]) -> int:
     events = sorted([(iv.start, iv.bytes) for iv in intervals] + [(iv.end, -iv.bytes) for iv in intervals],
                     key=lambda e: (e[0], e[1]))  # releases before acquisitions at the same step
@@ -320,7 +325,7 @@ def _local_search(intervals: list[Interval], near: list[list[int]], alignment: i
     arena = _extent(intervals, offsets)
     pair_work = [1 + len(n) for n in near]
     near_array = _long_neighbourhoods(near, range(len(intervals)))
-    ends = [iv.bytes and o + iv.bytes for o, iv in zip(offsets, intervals)]  # 0 for empty intervals
+    ends = _ends(intervals, offsets)
     spent = kept = 0
     n = len(order)
     # both moves permute order[first:] among itself, so the suffix's work is the total less the prefix's
@@ -346,7 +351,7 @@ def _local_search(intervals: list[Interval], near: list[list[int]], alignment: i
                         near_array=near_array)
         if placed is None:
             continue
-        placed_ends = [iv.bytes and o + iv.bytes for o, iv in zip(placed, intervals)]
+        placed_ends = _ends(intervals, placed)
         extent = max(placed_ends, default=0)
         if extent <= arena:
             kept += extent < arena or candidate != order

@@ -81,7 +81,8 @@ class Relaxed:
         T = len(graph)
         allow_remat, allow_paging = mode in ("joint", "remat"), mode in ("joint", "paging")
         need, comp = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
-        size = np.array([n.bytes for n in graph.nodes], dtype=float)
+        nbytes = np.array([n.bytes for n in graph.nodes], dtype=np.int64)
+        size = nbytes.astype(float)
         unit = float(budgets.ram_bytes) if math.isfinite(budgets.ram_bytes) else float(max(size.sum(), 1.0))
         nb = size / unit
         i, a, b = read_gaps(graph, graph.users())
@@ -89,10 +90,10 @@ class Relaxed:
         # a recomputation (a weight read) in the gap needs a stage a+1..b at which i may be computed;
         # a page-in, a tensor that may be paged out at all (never weights: they are on storage)
         pageable = (need > np.arange(T)) & ~is_param if allow_paging else np.zeros(T, dtype=bool)
-        work = np.array([n.bytes for n in graph.nodes], dtype=np.int64)
+        work = nbytes.copy()  # a node's output and inputs, in bytes (integers, for the counts' caps)
         for node in graph.nodes:
-            work[node.id] += sum(graph.nodes[d].bytes for d in set(node.deps))
-        counts = stage_counts(size.astype(np.int64)[i], int(budgets.ram_bytes) - work, int(budgets.ram_bytes)) \
+            work[node.id] += sum(nbytes[d] for d in set(node.deps))
+        counts = stage_counts(nbytes[i], int(budgets.ram_bytes) - work, int(budgets.ram_bytes)) \
             if math.isfinite(budgets.ram_bytes) else StageCounts((), [], [])
         return cls(i, a, b, comp[i] > a, pageable[i] & (need[i] > a), pageable, nb, 1.0 - work / unit, counts)
 
