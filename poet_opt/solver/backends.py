@@ -36,11 +36,6 @@ class Progress:
     phase: str = "branch and bound"
 
 
-# HiGHS's codes for a column's or row's place in a basis (highspy.HighsBasisStatus), for callers that
-# build a basis without importing highspy
-BASIS_LOWER, BASIS_BASIC = 0, 1
-
-
 @dataclass
 class SolveResult:
     status: str  # optimal | gap_limit | time_limit | interrupted | infeasible | no_solution | error
@@ -49,9 +44,6 @@ class SolveResult:
     bound: Optional[float]
     solve_s: float
     backend: str
-    # an LP's optimal basis, as (column statuses, row statuses) of BASIS_* codes: a warm start for a
-    # model that extends this one (residency.py)
-    basis: Optional[tuple] = None
     # an LP's row multipliers as HiGHS left them (c - A'y its reduced costs), whatever its status:
     # not a claim of optimality, only what dual_bound.py turns into a bound it proves itself
     duals: Optional[np.ndarray] = None
@@ -132,11 +124,9 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
                gap: float = 1e-3, threads: Optional[int] = None,
                progress: Optional[Callable[[Progress], None]] = None,
                start: Optional[np.ndarray] = None, settle: Optional["Settle"] = None,
-               basis: Optional[tuple] = None, lp_solver: Optional[str] = None) -> SolveResult:
+               lp_solver: Optional[str] = None) -> SolveResult:
     """settle (HiGHS only): stop before ``gap`` once the search is within ``settle.gap`` and has
     stopped improving (see Settle); the status is then ``gap_limit``, as for the gap asked for.
-    basis (HiGHS, an LP): a starting basis as SolveResult.basis gives one; an LP solved to optimality
-    returns its own there. Scaling the objective leaves a basis as it is.
     lp_solver (HiGHS, an LP): "ipm" or "pdlp", without crossover, for row multipliers (``duals``)
     where the simplex would not finish; the objective of such a run is not a bound (dual_bound.py)."""
     if backend not in BACKENDS:
@@ -153,7 +143,7 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
             report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap, p.phase))
 
     if backend == "highs":
-        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle, basis, lp_solver)
+        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle, lp_solver)
     else:
         result = _solve_pulp(scaled, backend, time_limit, gap, threads)
     result.objective = _unscale(result.objective, scale)
@@ -256,10 +246,10 @@ def leave_now_if_abandoned(code: int, wait_s: float = 0.3) -> None:
         os._exit(code)
 
 
-def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None, basis=None,
+def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None,
                  lp_solver=None) -> SolveResult:
     try:
-        return _run_highs(milp, time_limit, gap, threads, progress, start, settle, basis, lp_solver)
+        return _run_highs(milp, time_limit, gap, threads, progress, start, settle, lp_solver)
     except KeyboardInterrupt:
         # A signal anywhere in here, before the run starts too (handing the model over takes
         # seconds): a Highs object the traceback keeps until the interpreter shuts down aborts it
@@ -268,7 +258,7 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None, b
         raise
 
 
-def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None, basis=None,
+def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None,
                lp_solver=None) -> SolveResult:
     import highspy
 
@@ -292,12 +282,6 @@ def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None, bas
     if lp_solver is not None and lp:
         h.setOptionValue("solver", lp_solver)
         h.setOptionValue("run_crossover", "off")
-    if basis is not None and lp:
-        given = highspy.HighsBasis()
-        given.col_status = [highspy.HighsBasisStatus(int(k)) for k in basis[0]]
-        given.row_status = [highspy.HighsBasisStatus(int(k)) for k in basis[1]]
-        given.valid = True
-        h.setBasis(given)  # one HiGHS rejects leaves the solve cold, as without it
     if time_limit is not None:
         # Handing a large model over takes seconds (1-1.3 s at 156k columns, element by element
         # through pybind11): they count against the limit the caller gave.
@@ -440,18 +424,12 @@ def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None, bas
         name = "error"
     if name not in ("optimal", "infeasible") and x is None:
         name = "no_solution" if name in ("time_limit", "interrupted") else name
-    found = None
-    if lp and name == "optimal":
-        b = h.getBasis()
-        if b.valid:
-            found = (np.array([int(k) for k in b.col_status], dtype=np.int8),
-                     np.array([int(k) for k in b.row_status], dtype=np.int8))
     duals = None
     if lp and not interrupted:
         row_dual = np.array(h.getSolution().row_dual, dtype=float)
         if len(row_dual) == milp.num_rows and np.all(np.isfinite(row_dual)):
             duals = row_dual
-    return SolveResult(name, x, objective, bound, solve_s, "highs", found, duals)
+    return SolveResult(name, x, objective, bound, solve_s, "highs", duals=duals)
 
 
 def _satisfies(milp: Milp, x: np.ndarray, tol: float = 1e-6) -> bool:

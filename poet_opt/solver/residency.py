@@ -45,7 +45,7 @@ import scipy.sparse as sp
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, storage_limits
-from poet_opt.solver.backends import BASIS_BASIC, BASIS_LOWER, solve_milp
+from poet_opt.solver.backends import solve_milp
 from poet_opt.solver.bounds import BoundResult
 from poet_opt.solver.dual_bound import dual_ascent, dual_bound
 from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
@@ -104,9 +104,10 @@ class ResidencyModel:
     divisor of stage_counts.py, C (a stage's kept count)."""
 
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *,
-                 inputs: bool = False, trees: bool = True, counts: bool = True):
+                 inputs: bool = False, trees: bool = True, counts: bool = True, input_returns: bool = True):
         """inputs: with the rows of stream_bound.py (what a recomputation's inputs hold in RAM);
-        trees: with its rows for what each recomputation stands on at every stage (more columns);
+        trees: with its rows for what each recomputation stands on at every stage (more columns), and
+        with ``input_returns`` among them, what its input read elsewhere too costs across its gap;
         counts: with the counting rows of stage_counts.py (how many large tensors fit at a stage)."""
         T = len(graph)
         gaps = Relaxed.of(graph, budgets, mode)
@@ -183,7 +184,8 @@ class ResidencyModel:
             allow_remat = mode in ("joint", "remat")
             need, comp = horizons(graph, allow_remat, gradients=recomputes_gradients(graph, allow_remat))
             block = support_block(graph, costs, base=n, nb=nb, gaps=gaps, R=self.R, P=self.P, O=self.O,
-                                  comp=comp, need=need, pageable=pageable, trees=trees)
+                                  comp=comp, need=need, pageable=pageable, trees=trees,
+                                  input_returns=input_returns)
             self.block, extra = block, len(block.cost)
             c = np.concatenate([c, block.cost])
             lb = np.concatenate([lb, np.zeros(extra)])
@@ -221,22 +223,6 @@ class ResidencyModel:
                          row_lb=np.concatenate([np.asarray(x, dtype=float) for x in lo]),
                          row_ub=np.concatenate([np.asarray(x, dtype=float) for x in hi]),
                          lb=lb, ub=ub, integrality=integrality)
-
-    def widened_basis(self, wider: "ResidencyModel", basis: Optional[tuple]) -> Optional[tuple]:
-        """This model's optimal LP basis (SolveResult.basis) as a starting basis of ``wider``, the
-        same model with recomputation inputs: its columns and rows are this one's with the block's
-        appended (its rows before the runtime and storage rows), so the block's columns start at
-        their lower bound (zero) and its rows' slacks basic. On ResNet-18 the wider LP then solves in
-        14 s of CPU instead of 60-80 s cold, which a loaded machine did not give it in a 300 s solve."""
-        if basis is None or wider.block is None:
-            return None
-        cols, rows = basis
-        extra, added = wider.milp.num_vars - len(cols), len(wider.block.lo)
-        if extra < 0 or len(rows) + added != wider.milp.A.shape[0] or self.base_rows != wider.base_rows:
-            return None
-        return (np.concatenate([cols, np.full(extra, BASIS_LOWER, dtype=np.int8)]),
-                np.concatenate([rows[:self.base_rows], np.full(added, BASIS_BASIC, dtype=np.int8),
-                                rows[self.base_rows:]]))
 
     def relaxed(self) -> Milp:
         m = self.milp
@@ -369,7 +355,6 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     if left() <= 0.05:
         return _timed(best, started)
     result = solve_milp(model.relaxed(), time_limit=left(), gap=0.0, threads=threads)
-    basis = result.basis
     if result.status in ("optimal", "gap_limit") and result.objective is not None:
         value = result.objective - SAFETY * abs(result.objective)
         if value > floor and (best is None or value > best.bound):
@@ -384,16 +369,16 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
         # so at least as high where it finishes (ResNet-18: 20.35 J against 20.10 J)
         wider = ResidencyModel(graph, costs, budgets, mode, inputs=True, counts=counts)
         if wider.block.cost and left() > 0.2:
+            # HiGHS's interior point, without crossover: its multipliers prove the bound (dual_bound.py).
+            # The simplex had no optimum of this LP on one encoder block after 12 minutes; the interior
+            # point answers in 35 s, and on ResNet-18 in 97 s, where the simplex took 108 s from the
+            # optimal basis of the LP without recomputation inputs
             result = solve_milp(wider.relaxed(), time_limit=INPUTS_LP_SHARE * left(), gap=0.0, threads=threads,
-                                basis=model.widened_basis(wider, basis))
-            if result.status in ("optimal", "gap_limit") and result.objective is not None:
-                value = result.objective - SAFETY * abs(result.objective)
-                if value > floor and (best is None or value > best.bound):
-                    best = BoundResult(bound=value, method="residency LP with recomputation inputs",
-                                       status=result.status)
-                model, named = wider, "residency MILP with recomputation inputs"
-            elif result.status != "infeasible":  # a time-out keeps what its multipliers prove
+                                lp_solver="ipm")
+            if result.status != "infeasible":
                 best = _higher(best, _from_duals(wider, result, floor, "residency LP with recomputation inputs"))
+            if result.status in ("optimal", "gap_limit"):
+                model, named = wider, "residency MILP with recomputation inputs"
     if not lp_only and left() > 0.2 and not done():
         result = solve_milp(model.milp, time_limit=left(), gap=1e-4, threads=threads)
         if result.bound is not None and math.isfinite(result.bound) and result.status != "infeasible":

@@ -111,11 +111,12 @@ STRETCHES = 2
 
 def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.ndarray, gaps, R: np.ndarray,
                   P: np.ndarray, O: np.ndarray, comp: np.ndarray, need: np.ndarray,
-                  pageable: np.ndarray, parts: int | None = None, trees: bool = True) -> Block:
+                  pageable: np.ndarray, parts: int | None = None, trees: bool = True,
+                  input_returns: bool = True) -> Block:
     """The rows of the module docstring for the residency model's gaps (``gaps``: residency.Relaxed;
     ``R``, ``P``: its per-gap columns, ``O``: its per-tensor page-outs; ``nb``: bytes in units of the
-    RAM budget; ``comp``/``need``: the formulation's horizons). ``trees``: also the three kinds of
-    rows of the docstring's last paragraph."""
+    RAM budget; ``comp``/``need``: the formulation's horizons). ``trees``: also the kinds of rows of
+    the docstring's last two paragraphs (``input_returns``: with the last of them)."""
     T = len(graph)
     parts = STRETCHES if parts is None else parts
     users = graph.users()
@@ -138,6 +139,9 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
     tails = defaultdict(list)  # e -> [(V, lo, hi, own, cuts, t)]
     windows = defaultdict(list)  # e -> [(start, hi, XR or None, XP or None)] per window of its tail
     eithers = defaultdict(list)  # gap -> [(first, last, Y)]
+    gap_inputs_only = set()  # requirements whose inputs get rows only in their gaps (_input_returns)
+    leaning = _input_returns(block, gaps, nb, deps, users, touches, gap_of, requirements, gap_inputs_only, T) \
+        if trees and input_returns else []
     for t in range(T - 1, -1, -1):  # readers before what they read: a tail's pairs are all known at it
         anchor = touches[t][-1] if t in tails else None
         for V, lo, hi, own, cuts, reader in sorted(tails.pop(t, ()), key=lambda q: (q[1], q[2])):
@@ -184,7 +188,8 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
                 if hi >= beta:
                     continue  # a stage of (lo, hi] touches e: no row (e is there anyway)
                 if beta == T:
-                    tails[e].append((V, lo, hi, own, cuts, t))
+                    if V not in gap_inputs_only:
+                        tails[e].append((V, lo, hi, own, cuts, t))
                     continue
                 gap = ("gap", gap_of[(e, alpha)])
                 stretches = _stretches(cuts, alpha, own, hi)
@@ -233,8 +238,13 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
     for interval, (_, _, held) in chains.items():
         owner = int(gaps.tensor[interval[1]]) if interval[0] == "gap" else interval[1]
         kept[owner] += held
+    supported = {}  # gap -> the pieces of its _support rows
     for k in np.flatnonzero(gaps.can_r) if trees else ():
-        _support(block, int(k), gaps, int(R[k]), nb, deps, users, kept, windows, eithers, T)
+        made = _support(block, int(k), gaps, int(R[k]), nb, deps, users, kept, windows, eithers, T)
+        if made:
+            supported[int(k)] = made
+    if leaning:
+        _input_return_rows(block, leaning, gaps, costs, R, P, O, nb, kept, eithers, supported, extras, windows, T)
     return block
 
 
@@ -343,7 +353,7 @@ def _either(block: Block, case: int, first: int, last: int, kept_input, kept_out
 
 
 def _uncounted(block: Block, kind: str, first: int, last: int, counted, need, weight: float, T: int,
-               most: int) -> list:
+               most: int, floor: float = 0.0) -> list:
     """Stages first..last cut where the ``counted`` stretches (first, last, V) start or end; per
     piece a new column holding ``weight`` bytes, with the row: it, plus the V columns covering the
     piece, plus the ``need`` terms, at least 0. Nothing past ``most`` pieces (fewer rows only relax).
@@ -359,7 +369,7 @@ def _uncounted(block: Block, kind: str, first: int, last: int, counted, need, we
     made = []
     for a, nxt in zip(points, points[1:]):
         col = block.col(kind)
-        block.row([(col, 1.0), *need, *((v, 1.0) for f, lst, v in counted if f <= a <= lst)], 0.0, np.inf)
+        block.row([(col, 1.0), *need, *((v, 1.0) for f, lst, v in counted if f <= a <= lst)], floor, np.inf)
         block.hold(col, weight, a, nxt - 1, T)
         made.append((a, nxt - 1, col))
     return made
@@ -402,7 +412,7 @@ def _support(block: Block, k: int, gaps, r: int, nb: np.ndarray, deps, users, ke
     t, lo, hi = int(gaps.tensor[k]), int(gaps.a[k]), int(gaps.b[k])
     first, last = lo + 1, hi - 1
     if last < first or nb[t] <= 0:
-        return
+        return []
     members, weight, events, final = [t], float(nb[t]), [], None
     x = t
     for _ in range(SUPPORT_DEPTH):
@@ -418,10 +428,10 @@ def _support(block: Block, k: int, gaps, r: int, nb: np.ndarray, deps, users, ke
             break
         x = inputs[0]
     if final is None or weight <= 0:
-        return
+        return []
     counted = [piece for m in members for piece in kept.get(m, ())] + list(eithers.get(k, ()))
-    _uncounted(block, "U", first, last, counted, [(r, -1.0)] + [(c, 1.0) for c in events + final], weight, T,
-               SUPPORT_MAX_PIECES)
+    return _uncounted(block, "U", first, last, counted, [(r, -1.0)] + [(c, 1.0) for c in events + final],
+                      weight, T, SUPPORT_MAX_PIECES)
 
 
 def _covering(wins, lo: int, hi: int):
@@ -433,3 +443,122 @@ def _covering(wins, lo: int, hi: int):
             return None
         reach = max(reach, end)
     return meet if reach >= hi else None
+
+
+
+
+
+def _input_returns(block: Block, gaps, nb: np.ndarray, deps, users, touches, gap_of, requirements,
+                   gap_inputs_only: set, T: int) -> list:
+    """The columns of ``_input_return_rows``. Per gap ``k`` = (lo, hi) of a recomputable tensor t
+    (at least one stage inside) whose largest input e lies in one gap of its own (e's gap) across
+    (lo, hi]: ``IP`` "e paged in within (lo, hi]"; and when e may be recomputed there, either ``IM``
+    "m made within (lo, hi]", for m the largest input of e that only e reads (it is in its tail
+    there), or, without such an m, ``IR`` "e recomputed within (lo, hi]", a requirement of e (its
+    inputs in RAM then) with rows for the inputs that are in gaps only: its windows would displace
+    the windows the other requirements of a tail were cut for. Returns (k, t, e, e's gap, IR, IP, m,
+    IM) per such gap, a column None where it is not made."""
+    largest, single, out = {}, {}, []
+    for k in np.flatnonzero(gaps.can_r):
+        t = int(gaps.tensor[k])
+        if t not in largest:
+            inputs = [d for d in deps[t] if nb[d] > 0]
+            largest[t] = max(inputs, key=lambda d: nb[d]) if inputs and nb[t] > 0 else None
+        e, lo, hi = largest[t], int(gaps.a[k]), int(gaps.b[k])
+        if e is None or hi - lo < 2:
+            continue
+        where = bisect.bisect_right(touches[e], lo)
+        alpha = touches[e][where - 1]
+        beta = touches[e][where] if where < len(touches[e]) else T
+        if hi >= beta or beta == T:
+            continue  # e read inside (lo, hi], or in its tail: other rows speak for it
+        eg = gap_of[(e, alpha)]
+        if e not in single:
+            only = [d for d in deps[e] if nb[d] > 0 and set(users[d]) == {e}]
+            single[e] = max(only, key=lambda d: nb[d]) if only else None
+        m = single[e]
+        ir = block.col("IR") if gaps.can_r[eg] and m is None else None
+        ip = block.col("IP") if gaps.can_p[eg] else None
+        im = block.col("IM") if gaps.can_r[eg] and m is not None else None
+        if ir is None and ip is None and im is None:
+            continue
+        if ir is not None and deps[e]:
+            requirements[e].append((ir, lo, hi, None))
+            gap_inputs_only.add(ir)
+        out.append((int(k), t, e, eg, ir, ip, m, im))
+    return out
+
+
+def _input_return_rows(block: Block, leaning: list, gaps, costs: NodeCosts, R, P, O, nb: np.ndarray, kept,
+                       eithers, supported, extras, windows, T: int) -> None:
+    """What a recomputation's input costs when it is read elsewhere too (``_support`` follows inputs
+    only their recomputation reads). If t's last materialization in its gap (lo, hi) is a
+    recomputation (``R[k]``), at s, and e's gap around it is returned (``R`` or ``P`` of it; a gap
+    kept whole is counted by the residency model), then at every stage σ of lo+1..hi-1: t is kept
+    across σ (from s on), or e is (before s, when e is not made in (σ, s]: it is in RAM at s), or e is
+    made in (lo, hi] (``IP``, ``IR``), or, made by a recomputation at some s' in (σ, s], its input m
+    is kept across σ or made in (lo, hi] (``IM``). So per piece of the gap between the stretches
+    that already count t, e or m (chains' V, the pieces of ``_support``, ``_either`` and of these
+    rows for e's gap), a column ``UI`` holding their least bytes is at least ``R[k]`` less those.
+
+    Why it bounds: t's gaps are disjoint, so the gaps whose ``IP`` (or ``IR``, or ``IM``) is 1 each
+    hold a distinct page-in (recomputation; materialization of m) of e. Per gap of e and per t, the
+    ``IR`` and ``IP`` are at most the gap's counted return of that kind, plus ``D`` (a second
+    materialization, ``_second``), plus ``ER``/``EP`` (further ones, at their cost); per m and t the
+    ``IM`` at most the ``XR``/``XP`` of m's tail windows that meet those gaps plus ``EM`` (further
+    ones, at the cheapest of a recomputation and a page-in of m). A plan maps onto the rows with the
+    E's the least that meet them: each action they charge is one the plan takes and no other column
+    charges. ``UI`` counts bytes no other column counts: t is counted only by its own gap's columns
+    (gaps with ``_support`` or ``_either`` rows get none of these), e and m in e's gap only by e's
+    chains, e's gap's ``_support`` and ``_either`` pieces and its ``UI`` (all in the row, so ``UI``
+    is 0 where one of them counts), and the t's reading e share e's and m's bytes by t's bytes. So
+    every plan still maps onto a point no dearer than itself. On one encoder block at 200 KiB these
+    rows raise the LP with recomputation inputs from 24.47 J to 27.02 J (benchmarks/STREAMING.md)."""
+    share = defaultdict(float)
+    for e, t in {(r[2], r[1]) for r in leaning}:
+        share[e] += float(nb[t])
+    made_in = defaultdict(lambda: defaultdict(lambda: ([], [])))  # e's gap -> t -> (IR's, IP's)
+    made_m = defaultdict(lambda: defaultdict(list))  # m -> t -> [(IM, lo, hi)]
+    pieces = {}  # gap -> its UI pieces; e before t, so e's gap's are known when t's gap asks for them
+    for k, t, e, eg, ir, ip, m, im in sorted(leaning, key=lambda r: r[1]):
+        if k in supported or eithers.get(k):
+            continue
+        lo, hi = int(gaps.a[k]), int(gaps.b[k])
+        part = float(nb[t]) / share[e]
+        weight = min(float(nb[t]), float(nb[e]) * part, float(nb[m]) * part if m is not None else np.inf)
+        made = [(c, 1.0) for c in (ir, ip, im) if c is not None]
+        counted = [*kept.get(t, ()), *kept.get(e, ()), *supported.get(eg, ()), *eithers.get(eg, ()),
+                   *(kept.get(m, ()) if m is not None else ()), *pieces.get(eg, ())]
+        pieces[k] = _uncounted(block, "UI", lo + 1, hi - 1, counted,
+                               [(int(R[k]), -1.0), *made, (int(R[eg]), -1.0), (int(P[eg]), -1.0)], weight, T,
+                               SUPPORT_MAX_PIECES, floor=-1.0)
+        if not pieces[k]:
+            continue
+        if ir is not None:
+            made_in[eg][t][0].append(ir)
+        if ip is not None:
+            made_in[eg][t][1].append(ip)
+            block.row([(ip, 1.0), (int(O[e]), -1.0)], -np.inf, 0.0)  # a page-in needs the page-out
+        if im is not None:
+            made_m[m][t].append((im, lo, hi))
+    for eg, per_t in made_in.items():
+        if eg not in extras:
+            extras[eg] = _second(block, gaps, eg, costs, int(R[eg]), int(P[eg]))
+        e = int(gaps.tensor[eg])
+        most = max(max(len(irs), len(ips)) for irs, ips in per_t.values())
+        further = {kind: (last, block.col(kind, cost, ub=float(most))) for kind, last, cost in (
+            ("ER", int(R[eg]), float(costs.compute_j[e])), ("EP", int(P[eg]), float(costs.page_in_j[e])))}
+        for irs, ips in per_t.values():
+            for cols, kind in ((irs, "ER"), (ips, "EP")):
+                if cols:
+                    last, extra = further[kind]
+                    block.row([(c, 1.0) for c in cols] + [(last, -1.0), (extra, -1.0)]
+                              + [(c, -1.0) for c in extras[eg]], -np.inf, 0.0)
+    for m, per_t in made_m.items():
+        cost = min(float(costs.compute_j[m]), float(costs.page_in_j[m]) if gaps.pageable[m] else np.inf)
+        extra = block.col("EM", cost, ub=float(max(len(cols) for cols in per_t.values())))
+        for cols in per_t.values():
+            meets = [c for start, end, xr, xp in windows.get(m, ()) for c in (xr, xp)
+                     if c is not None and any(start < hi and end > lo for _, lo, hi in cols)]
+            block.row([(im, 1.0) for im, _, _ in cols] + [(extra, -1.0)] + [(c, -1.0) for c in meets],
+                      -np.inf, 0.0)
