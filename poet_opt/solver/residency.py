@@ -106,8 +106,9 @@ class ResidencyModel:
     def __init__(self, graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mode: str, *,
                  inputs: bool = False, trees: bool = True, counts: bool = True, input_returns: bool = True):
         """inputs: with the rows of stream_bound.py (what a recomputation's inputs hold in RAM);
-        trees: with its rows for what each recomputation stands on at every stage (more columns), and
-        with ``input_returns`` among them, what its input read elsewhere too costs across its gap;
+        trees: with its rows for what each recomputation stands on at every stage (more columns);
+        input_returns: with its rows for what a recomputation's input read elsewhere too costs across
+        the recomputation's gap (stream_bound._input_return_rows);
         counts: with the counting rows of stage_counts.py (how many large tensors fit at a stage)."""
         T = len(graph)
         gaps = Relaxed.of(graph, budgets, mode)

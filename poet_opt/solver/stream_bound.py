@@ -55,7 +55,9 @@ Three more kinds of rows close what a stretch and a window leave uncounted: a ta
 first counts its input from its own start stage (``since`` below); ``_either`` counts the input or
 the output across a stretch's uncounted stages; and ``_support`` asks, at every stage of a gap
 returned by a recomputation, for something of the recomputation's tree to be kept there or made
-again. Each docstring gives its argument; docs/formulation.md gives them together.
+again. ``_input_return_rows`` does the same for a recomputation whose input is read elsewhere too,
+counting each return of that input within the gap as the distinct action it is. Each docstring
+gives its argument; docs/formulation.md gives them together.
 """
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
                   input_returns: bool = True) -> Block:
     """The rows of the module docstring for the residency model's gaps (``gaps``: residency.Relaxed;
     ``R``, ``P``: its per-gap columns, ``O``: its per-tensor page-outs; ``nb``: bytes in units of the
-    RAM budget; ``comp``/``need``: the formulation's horizons). ``trees``: also the kinds of rows of
-    the docstring's last two paragraphs (``input_returns``: with the last of them)."""
+    RAM budget; ``comp``/``need``: the formulation's horizons). ``trees``: also the rows of
+    ``_either`` and ``_support`` (the docstring's last paragraph); ``input_returns``: also those of
+    ``_input_return_rows``."""
     T = len(graph)
     parts = STRETCHES if parts is None else parts
     users = graph.users()
@@ -141,7 +144,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
     eithers = defaultdict(list)  # gap -> [(first, last, Y)]
     gap_inputs_only = set()  # requirements whose inputs get rows only in their gaps (_input_returns)
     leaning = _input_returns(block, gaps, nb, deps, users, touches, gap_of, requirements, gap_inputs_only, T) \
-        if trees and input_returns else []
+        if input_returns else []
     for t in range(T - 1, -1, -1):  # readers before what they read: a tail's pairs are all known at it
         anchor = touches[t][-1] if t in tails else None
         for V, lo, hi, own, cuts, reader in sorted(tails.pop(t, ()), key=lambda q: (q[1], q[2])):
