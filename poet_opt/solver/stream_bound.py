@@ -359,7 +359,8 @@ def _uncounted(block: Block, kind: str, first: int, last: int, counted, need, we
                most: int, floor: float = 0.0) -> list:
     """Stages first..last cut where the ``counted`` stretches (first, last, V) start or end; per
     piece a new column holding ``weight`` bytes, with the row: it, plus the V columns covering the
-    piece, plus the ``need`` terms, at least 0. Nothing past ``most`` pieces (fewer rows only relax).
+    piece, plus the ``need`` terms, at least ``floor``. Nothing past ``most`` pieces (fewer rows only
+    relax).
     Returns the pieces as (first, last, column)."""
     if last < first:
         return []
@@ -448,9 +449,6 @@ def _covering(wins, lo: int, hi: int):
     return meet if reach >= hi else None
 
 
-
-
-
 def _input_returns(block: Block, gaps, nb: np.ndarray, deps, users, touches, gap_of, requirements,
                    gap_inputs_only: set, T: int) -> list:
     """The columns of ``_input_return_rows``. Per gap ``k`` = (lo, hi) of a recomputable tensor t
@@ -473,9 +471,9 @@ def _input_returns(block: Block, gaps, nb: np.ndarray, deps, users, touches, gap
         where = bisect.bisect_right(touches[e], lo)
         alpha = touches[e][where - 1]
         beta = touches[e][where] if where < len(touches[e]) else T
-        if hi >= beta or beta == T:
+        eg = gap_of.get((e, alpha)) if hi < beta < T else None
+        if eg is None:
             continue  # e read inside (lo, hi], or in its tail: other rows speak for it
-        eg = gap_of[(e, alpha)]
         if e not in single:
             only = [d for d in deps[e] if nb[d] > 0 and set(users[d]) == {e}]
             single[e] = max(only, key=lambda d: nb[d]) if only else None
