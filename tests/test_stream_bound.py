@@ -144,6 +144,18 @@ def test_a_solve_past_the_size_limit_reports_the_bound_with_recomputation_inputs
     assert solver["plain_floor_j"] < without.objective < solver["bound"] <= exact.objective * (1 + REL)
 
 
+def _streamed_start():
+    """A graph's first nodes, streamed weights ``w`` (1 KiB) and an input ``x``, and ``add``, which
+    appends a node and returns its id: the start the graph builders below share."""
+    nodes = [Node(0, "w", "forward", 1024, (), 0.0, "param"), Node(1, "x", "forward", 256, (), 0.0, "input")]
+
+    def add(name, kind, size, deps, flops, op="op", **extra):
+        nodes.append(Node(len(nodes), name, kind, size, tuple(deps), flops, op, **extra))
+        return len(nodes) - 1
+
+    return nodes, add
+
+
 @st.composite
 def trees(draw):
     """Strip-like graphs where the support rows bind: weights streamed into one convolution or two
@@ -154,11 +166,7 @@ def trees(draw):
     act = draw(st.sampled_from((1024, 4096)))
     mid = act // draw(st.sampled_from((1, 1, 4)))
     back = draw(st.sampled_from((64, 64, mid)))
-    nodes = [Node(0, "w", "forward", 1024, (), 0.0, "param"), Node(1, "x", "forward", 256, (), 0.0, "input")]
-
-    def add(name, kind, size, deps, flops, op="op", **extra):
-        nodes.append(Node(len(nodes), name, kind, size, tuple(deps), flops, op, **extra))
-        return len(nodes) - 1
+    nodes, add = _streamed_start()
 
     if draw(st.booleans()):
         halves = [add(f"conv#{j}", "forward", act // 2, (0, 1), 5e5) for j in range(2)]
@@ -222,11 +230,7 @@ def shared_inputs(draw):
     backward pass, a storage budget."""
     act = draw(st.sampled_from((512, 1024, 2048)))
     ram = draw(st.sampled_from((4096, 6144)))
-    nodes = [Node(0, "w", "forward", 1024, (), 0.0, "param"), Node(1, "x", "forward", 256, (), 0.0, "input")]
-
-    def add(name, kind, size, deps, flops, op="op", **extra):
-        nodes.append(Node(len(nodes), name, kind, size, tuple(deps), flops, op, **extra))
-        return len(nodes) - 1
+    nodes, add = _streamed_start()
 
     conv = add("conv", "forward", act, (0, 1), draw(st.sampled_from((1e3, 1e6))))
     e = add("add", "forward", act, (conv, 1) if draw(st.booleans()) else (conv,), draw(st.sampled_from((1e2, 1e5))))
@@ -284,11 +288,7 @@ def test_a_recomputation_from_an_input_read_elsewhere_pays_for_bringing_it_back(
     that input's input) before recomputing it. The LP without the input-return rows recomputes it in
     every gap from an input brought back twice; with them, each recomputation needs its own return
     of the input, and the LP closes most of what is left to the optimum, staying below it."""
-    nodes = [Node(0, "w", "forward", 1024, (), 0.0, "param"), Node(1, "x", "forward", 256, (), 0.0, "input")]
-
-    def add(name, kind, size, deps, flops, op="op", **extra):
-        nodes.append(Node(len(nodes), name, kind, size, tuple(deps), flops, op, **extra))
-        return len(nodes) - 1
+    nodes, add = _streamed_start()
 
     conv = add("conv", "forward", 1024, (0, 1), 1e6)
     e = add("add", "forward", 1024, (conv, 1), 1e2)
