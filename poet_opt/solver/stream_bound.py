@@ -185,9 +185,7 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
             for e in deps[t]:
                 if nb[e] <= 0:
                     continue
-                where = bisect.bisect_right(touches[e], lo)
-                alpha = touches[e][where - 1]  # e < t <= lo: e touches itself before lo
-                beta = touches[e][where] if where < len(touches[e]) else T
+                alpha, beta = _around(touches[e], lo, T)
                 if hi >= beta:
                     continue  # a stage of (lo, hi] touches e: no row (e is there anyway)
                 if beta == T:
@@ -249,6 +247,14 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
     if leaning:
         _input_return_rows(block, leaning, gaps, costs, R, P, O, nb, kept, eithers, supported, extras, windows, T)
     return block
+
+
+def _around(touches: list, lo: int, T: int) -> tuple[int, int]:
+    """A tensor's touches (sorted) on either side of stage ``lo``: the last at or before it, which
+    exists since the callers' tensor is an input made before ``lo``, and the first after it (``T``
+    past its last: then ``lo`` lies in its tail)."""
+    where = bisect.bisect_right(touches, lo)
+    return touches[where - 1], touches[where] if where < len(touches) else T
 
 
 def _stretches(cuts: list[int], start: int, own, hi: int):
@@ -468,9 +474,7 @@ def _input_returns(block: Block, gaps, nb: np.ndarray, deps, users, touches, gap
         e, lo, hi = largest[t], int(gaps.a[k]), int(gaps.b[k])
         if e is None or hi - lo < 2:
             continue
-        where = bisect.bisect_right(touches[e], lo)
-        alpha = touches[e][where - 1]
-        beta = touches[e][where] if where < len(touches[e]) else T
+        alpha, beta = _around(touches[e], lo, T)
         eg = gap_of.get((e, alpha)) if hi < beta < T else None
         if eg is None:
             continue  # e read inside (lo, hi], or in its tail: other rows speak for it
