@@ -124,11 +124,12 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
                gap: float = 1e-3, threads: Optional[int] = None,
                progress: Optional[Callable[[Progress], None]] = None,
                start: Optional[np.ndarray] = None, settle: Optional["Settle"] = None,
-               lp_solver: Optional[str] = None) -> SolveResult:
+               lp_solver: Optional[str] = None, presolve: bool = True) -> SolveResult:
     """settle (HiGHS only): stop before ``gap`` once the search is within ``settle.gap`` and has
     stopped improving (see Settle); the status is then ``gap_limit``, as for the gap asked for.
     lp_solver (HiGHS, an LP): "ipm" or "pdlp", without crossover, for row multipliers (``duals``)
-    where the simplex would not finish; the objective of such a run is not a bound (dual_bound.py)."""
+    where the simplex would not finish; the objective of such a run is not a bound (dual_bound.py).
+    presolve (HiGHS): off for an LP its presolve leaves the interior point stalled on."""
     if backend not in BACKENDS:
         raise PoetError(f"unknown solver {backend!r}; choose one of {', '.join(BACKENDS)}", field="--solver")
     # Energies in joules are tiny next to solver tolerances (HiGHS treats reduced costs under 1e-7
@@ -143,7 +144,7 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
             report(Progress(p.elapsed_s, _unscale(p.incumbent, scale), _unscale(p.bound, scale), p.gap, p.phase))
 
     if backend == "highs":
-        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle, lp_solver)
+        result = _solve_highs(scaled, time_limit, gap, threads, progress, start, settle, lp_solver, presolve)
     else:
         result = _solve_pulp(scaled, backend, time_limit, gap, threads)
     result.objective = _unscale(result.objective, scale)
@@ -151,6 +152,44 @@ def solve_milp(milp: Milp, *, backend: str = "highs", time_limit: Optional[float
     if result.duals is not None:
         result.duals = result.duals / scale
     return result
+
+
+def solve_lps(milps: list[Milp], *, time_limit: float, workers: int, lp_solver: Optional[str] = None,
+              presolve: bool = True) -> list[Optional[SolveResult]]:
+    """Several LPs with HiGHS at once, ``workers`` at a time, one thread each, largest first, all
+    within ``time_limit``: each one's result (its ``duals`` for dual_bound.py), None for one not
+    started in time. HiGHS releases the interpreter while it runs, so they share the cores. The
+    workers are daemon threads the caller waits for: a signal that ends the command leaves them
+    to leave_now_if_abandoned, as a single run left to its thread."""
+    started = time.perf_counter()
+    results: list[Optional[SolveResult]] = [None] * len(milps)
+    queue = sorted(range(len(milps)), key=lambda k: -milps[k].A.nnz)
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                k = queue.pop(0)
+            left = time_limit - (time.perf_counter() - started)
+            if left <= 0.05 or interrupted():
+                return
+            results[k] = solve_milp(milps[k], time_limit=left, gap=0.0, threads=1, lp_solver=lp_solver,
+                                    presolve=presolve)
+
+    pool = [threading.Thread(target=work, name="highs-lps", daemon=True) for _ in range(max(1, workers))]
+    for thread in pool:
+        thread.start()
+    try:
+        for thread in pool:
+            while thread.is_alive():
+                thread.join(0.2)
+    except BaseException:
+        _ABANDONED.extend(pool)
+        _CUT_SHORT.extend(pool)
+        raise
+    return results
 
 
 @dataclass(frozen=True)
@@ -247,9 +286,9 @@ def leave_now_if_abandoned(code: int, wait_s: float = 0.3) -> None:
 
 
 def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None,
-                 lp_solver=None) -> SolveResult:
+                 lp_solver=None, presolve=True) -> SolveResult:
     try:
-        return _run_highs(milp, time_limit, gap, threads, progress, start, settle, lp_solver)
+        return _run_highs(milp, time_limit, gap, threads, progress, start, settle, lp_solver, presolve)
     except KeyboardInterrupt:
         # A signal anywhere in here, before the run starts too (handing the model over takes
         # seconds): a Highs object the traceback keeps until the interpreter shuts down aborts it
@@ -259,7 +298,7 @@ def _solve_highs(milp, time_limit, gap, threads, progress, start, settle=None,
 
 
 def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None,
-               lp_solver=None) -> SolveResult:
+               lp_solver=None, presolve=True) -> SolveResult:
     import highspy
 
     entered = time.perf_counter()
@@ -273,6 +312,8 @@ def _run_highs(milp, time_limit, gap, threads, progress, start, settle=None,
         h.setOptionValue("time_limit", float(time_limit))
     if threads:
         h.setOptionValue("threads", int(threads))
+    if not presolve:
+        h.setOptionValue("presolve", "off")
 
     h.passModel(highs_lp(milp))
     if start is not None:
