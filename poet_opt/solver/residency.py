@@ -35,6 +35,7 @@ entries however long the gaps are.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -50,6 +51,7 @@ from poet_opt.solver.bounds import BoundResult
 from poet_opt.solver.dual_bound import dual_ascent, dual_bound
 from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
 from poet_opt.solver.heuristics import read_gaps
+from poet_opt.solver.split_bound import pieces, split_bound
 from poet_opt.solver.stage_counts import StageCounts, stage_counts
 from poet_opt.solver.stream_bound import support_block
 
@@ -75,6 +77,7 @@ class Relaxed:
     nb: np.ndarray
     room: np.ndarray
     counts: StageCounts
+    unit: float = 1.0  # the bytes ``nb`` and ``room`` are in units of (the RAM budget)
 
     @classmethod
     def of(cls, graph: TrainingGraph, budgets: Budgets, mode: str) -> "Relaxed":
@@ -95,7 +98,7 @@ class Relaxed:
             work[node.id] += sum(nbytes[d] for d in set(node.deps))
         counts = stage_counts(nbytes[i], int(budgets.ram_bytes) - work, int(budgets.ram_bytes)) \
             if math.isfinite(budgets.ram_bytes) else StageCounts((), [], [])
-        return cls(i, a, b, comp[i] > a, pageable[i] & (need[i] > a), pageable, nb, 1.0 - work / unit, counts)
+        return cls(i, a, b, comp[i] > a, pageable[i] & (need[i] > a), pageable, nb, 1.0 - work / unit, counts, unit)
 
 
 class ResidencyModel:
@@ -280,14 +283,18 @@ class ResidencyModel:
 LAGRANGIAN_SHARE = 0.3
 # Past this many columns the simplex LP is not tried (ResNet-18's model: 45,000 columns, LP in 8.5 s;
 # bert-base's: 321,000, no LP optimum in 500 s): the Lagrangian has LARGE_LAGRANGIAN_SHARE of the time
-# (all of it without recomputation inputs), and the LP with recomputation inputs the rest, by dual
-# ascent from the Lagrangian's multipliers (dual_bound.py), each iterate's bound proven by its own
-# arithmetic. (HiGHS's interior point on bert-base's 973,000 columns takes 8-10 s an iteration on
-# this machine and had no answer after 420 s.)
+# (all of it without recomputation inputs), and the LP with recomputation inputs the rest: in pieces
+# at the Lagrangian's stage prices (split_bound.py), then by dual ascent from its multipliers
+# (dual_bound.py), each bound proven by its own arithmetic. (HiGHS's interior point on bert-base's
+# whole model takes 8-10 s an iteration on this machine and had no answer after 35 minutes.)
 LP_MAX_COLUMNS = 150_000
 # bert-base's Lagrangian reaches its LP's optimum (277.5 J) in about 60 s of a lightly loaded core
 # (benchmarks/STREAMING.md, "Is bert-base's Lagrangian bound converged?")
 LARGE_LAGRANGIAN_SHARE = 0.3
+# The LP in pieces (split_bound.py) may take this share of what is left after the Lagrangian and the
+# build, with this many pieces solved at once; dual ascent has the rest
+SPLIT_SHARE = 0.85
+SPLIT_WORKERS = 4
 # The LP with recomputation inputs gets this share of what the plain LP left: the rest goes to the
 # dual bound of its MILP (ResNet-18: 112,000 columns, LP in about 60 s on a loaded 2-core machine).
 INPUTS_LP_SHARE = 0.8
@@ -345,9 +352,19 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             # what they add in its time, and their columns make each step dearer (bert-base, 600 s:
             # 282.6 J with them, 283.4 J without; benchmarks/STREAMING.md)
             wider = ResidencyModel(graph, costs, budgets, mode, inputs=True, trees=False, counts=counts)
+            prices = best  # the Lagrangian's
             if wider.block.cost and left() > 1.0:
-                value, _ = dual_ascent(wider.boxed(), wider.lagrangian_duals(best.multipliers, costs),
-                                       target=upper, time_limit=left() - 0.5)  # (its last bound: 0.4 s on bert-base)
+                # The LP cut into pieces at the Lagrangian's stage prices (split_bound.py): bert-base
+                # 326.3 J where dual ascent on the whole LP reached 301.5 J in 360 s
+                value = split_bound(wider, prices.multipliers, pieces(graph), time_limit=SPLIT_SHARE * left(),
+                                    workers=threads or min(os.cpu_count() or 1, SPLIT_WORKERS))
+                if value is not None and value > best.bound:
+                    best = BoundResult(bound=value, method="residency LP with recomputation inputs, in pieces",
+                                       status="split")
+            if wider.block.cost and left() > 1.0 and not done():
+                start = wider.lagrangian_duals(prices.multipliers, costs)
+                value, _ = dual_ascent(wider.boxed(), start, target=upper,
+                                       time_limit=left() - 0.5)  # (its last bound: 0.4 s on bert-base)
                 if value is not None and value > best.bound:
                     best = BoundResult(bound=value, method="residency LP with recomputation inputs, dual ascent",
                                        status="subgradient")

@@ -1,0 +1,128 @@
+"""The residency LP in pieces (poet_opt/solver/split_bound.py) is a proven lower bound whatever the
+pieces and whatever the stage prices: never above the full MILP's optimum on the small streamed
+graphs where the recomputation-input rows bind; in one piece at zero prices it is the LP with those
+rows; the zoo's graphs are cut with each layer's backward pass beside its forward pass; and a solve
+past the LP's size limit reports it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_residency import DEVICE, REL
+from test_stream_bound import chain, shared_inputs, trees
+
+from poet_opt.device.costs import node_costs
+from poet_opt.model.zoo import build_model
+from poet_opt.schedule.decisions import Budgets
+from poet_opt.solver.backends import solve_milp
+from poet_opt.solver.formulation import Formulation
+from poet_opt.solver.residency import ResidencyModel, lagrangian_bound
+from poet_opt.solver.split_bound import pieces, split_bound
+
+
+def _prices(data, model, graph, costs, budgets, mode, upper):
+    """The Lagrangian's multipliers, random nonnegative ones of the model's scale, or none."""
+    kind = data.draw(st.sampled_from(("lagrangian", "random", "zero")))
+    T = len(graph)
+    rows = 1 + len(model.C)
+    if kind == "lagrangian":
+        found = lagrangian_bound(graph, costs, budgets, mode, upper=upper, time_limit=5)
+        if found is not None and found.multipliers is not None:
+            return found.multipliers
+        kind = "zero"
+    if kind == "zero":
+        return np.zeros(rows * T)
+    rng = np.random.default_rng(data.draw(st.integers(0, 10_000)))
+    scale = data.draw(st.sampled_from((0.1, 1.0, 10.0))) * costs.plain_energy_j / T
+    return rng.exponential(scale, rows * T) * (rng.random(rows * T) < 0.5)
+
+
+def _below_the_optimum(graph, mode, budgets, data):
+    costs = node_costs(graph, DEVICE)
+    exact = solve_milp(Formulation(graph, costs, budgets, mode).milp, gap=0, time_limit=60)
+    assert exact.status in ("optimal", "infeasible")
+    if exact.status == "infeasible":
+        return
+    model = ResidencyModel(graph, costs, budgets, mode, inputs=True, trees=data.draw(st.booleans()))
+    owner = np.array(data.draw(st.lists(st.integers(0, 2), min_size=len(graph), max_size=len(graph))))
+    multipliers = _prices(data, model, graph, costs, budgets, mode, exact.objective)
+    value = split_bound(model, multipliers, owner, time_limit=30, workers=2)
+    assert value is not None, "every piece's LP has a point where a plan exists"
+    assert value <= exact.objective * (1 + REL) + 1e-15, (value, exact.objective, owner)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, print_blob=True)
+@given(shared_inputs(), st.data())
+def test_in_any_pieces_at_any_prices_the_bound_stays_below_the_optimum(case, data):
+    """Random pieces (up to three, any node anywhere), the Lagrangian's prices, random ones or none;
+    every mode, with and without runtime and storage budgets (which the pieces drop)."""
+    graph, mode, ram, slow, storage = case
+    costs = node_costs(graph, DEVICE)
+    _below_the_optimum(graph, mode, Budgets(ram_bytes=ram, runtime_s=slow * float(costs.compute_s.sum()),
+                                            storage_bytes=storage), data)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, print_blob=True)
+@given(trees(), st.data())
+def test_on_recomputation_trees_in_pieces_the_bound_stays_below_the_optimum(case, data):
+    graph, mode, share, slow = case
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    _below_the_optimum(graph, mode, Budgets(ram_bytes=int(lo + share * (hi - lo)),
+                                            runtime_s=slow * float(costs.compute_s.sum()), storage_bytes=1 << 30), data)
+
+
+def test_in_one_piece_at_zero_prices_it_is_the_lp_with_recomputation_inputs():
+    """One piece, no prices, no runtime or storage budget: the piece's level chain is the model's,
+    so the bound is the LP with recomputation inputs (without the count rows, which zero prices drop)."""
+    graph = chain(2, 4096)
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    budgets = Budgets(ram_bytes=int(lo + 0.2 * (hi - lo)), runtime_s=math.inf, storage_bytes=1 << 30)
+    model = ResidencyModel(graph, costs, budgets, "joint", inputs=True)
+    lp = solve_milp(ResidencyModel(graph, costs, budgets, "joint", inputs=True, counts=False).relaxed(),
+                    gap=0, time_limit=20).objective
+    value = split_bound(model, np.zeros(len(graph)), np.zeros(len(graph), dtype=np.int64), time_limit=20, workers=1)
+    assert value > costs.plain_energy_j
+    assert math.isclose(value, lp, rel_tol=1e-6), (value, lp)
+
+
+def test_the_zoo_transformer_block_is_cut_with_each_backward_node_beside_what_it_reads():
+    """Cut into three, the encoder block's pieces are within a factor two of equal, each holds
+    forward and backward nodes, and each backward node that reads a forward tensor shares a piece
+    with the latest one it reads."""
+    graph = build_model("transformer-block", batch_size=1)
+    owner = pieces(graph, nodes_per_piece=len(graph) // 3)
+    sizes = np.bincount(owner)
+    assert len(sizes) == 3 and sizes.max() <= 2 * sizes.min(), sizes
+    for j in range(3):
+        kinds = {graph.nodes[k].is_backward for k in np.flatnonzero(owner == j)}
+        assert kinds == {True, False}, (j, kinds)
+    for node in graph.nodes:
+        ahead = [d for d in node.deps if not graph.nodes[d].is_backward]
+        if node.is_backward and ahead:
+            assert owner[node.id] == owner[max(ahead)], node.name
+    assert np.all(pieces(graph) == 0), "one piece by default below PIECE_NODES"
+
+
+def test_a_solve_past_the_lp_size_limit_reports_the_bound_in_pieces(monkeypatch):
+    """Past LP_MAX_COLUMNS (bert-base), the bound is the LP in pieces at the Lagrangian's prices:
+    named, above the Lagrangian alone, and below the optimum."""
+    import poet_opt.solver.driver as driver
+    import poet_opt.solver.residency as residency
+
+    graph = chain()
+    costs = node_costs(graph, DEVICE)
+    ram = graph.min_working_set_bytes()
+    budgets = Budgets(ram_bytes=ram, runtime_s=math.inf, storage_bytes=1 << 30)
+    exact = solve_milp(Formulation(graph, costs, budgets, "joint").milp, gap=0, time_limit=60)
+    alone = lagrangian_bound(graph, costs, budgets, "joint", upper=exact.objective, time_limit=5)
+    monkeypatch.setattr(driver, "FULL_MILP_MAX_DECISIONS", 0)
+    monkeypatch.setattr(driver, "window_bound", lambda *args, **kwargs: None)
+    monkeypatch.setattr(residency, "LP_MAX_COLUMNS", 0)
+    solver = driver.solve(graph, DEVICE, ram=ram, gap=1e-9, order="given", time_limit=20).solver
+    assert "in pieces" in solver["bound_source"], solver["bound_source"]
+    assert alone.bound < solver["bound"] <= exact.objective * (1 + REL), (alone.bound, solver["bound"])
