@@ -140,21 +140,20 @@ def solve(graph: TrainingGraph, device: DeviceProfile | str, *, ram, runtime=Non
 
 def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began, time_limit, gap, threads,
                   progress, model_name, start) -> Schedule:
-    """Solve in each candidate execution order in turn, sharing the time limit, and keep the best;
-    with more candidates than are worth a full solve each, only those the screen keeps
-    (``_screen_orders``)."""
-
+    """Solve in each candidate execution order in turn, sharing the time limit, and keep the best; with more
+    candidates than are worth a full solve each, only those the screen keeps (``_screen_orders``)."""
     orders = [("given", list(range(len(graph))))]
     screened = 0
     if order == "auto":
         orders = candidate_orders(graph, enumerate_up_to=SCREEN_ORDERS_MAX
                                   if len(graph) <= ENUMERATE_ORDERS_MAX_NODES else 0,
                                   ram_bytes=budgets.ram_bytes, rank_up_to=ENUMERATE_ORDERS_RANKED,
-                                  sample=SAMPLED_ORDERS,
-                                  # the order searches give up after a tenth of the limit: fewer orders
+                                  sample=SAMPLED_ORDERS,  # the order searches give up after a tenth of the limit
                                   deadline=None if time_limit is None else began + 0.1 * time_limit)
-        if len(orders) > max(ENUMERATE_ORDERS_MAX, FULL_SOLVE_ORDERS + 1):
-            orders, screened = _screen_orders(graph, profile, budgets, mode, orders, began=began,
+        # past BOUND_FIRST_MAX_NODES the bound needs most of a solve: other orders if their screened plans are cheaper
+        huge = len(graph) > BOUND_FIRST_MAX_NODES and time_limit is not None and len(orders) > 1
+        if len(orders) > max(ENUMERATE_ORDERS_MAX, FULL_SOLVE_ORDERS + 1) or huge:
+            orders, screened = _screen_orders(graph, profile, budgets, mode, orders, began=began, only_cheaper=huge,
                                               time_limit=time_limit, start=start, progress=progress, backend=backend)
     floor = costs.plain_energy_j
     outcomes: list[_Outcome] = []
@@ -256,14 +255,14 @@ class _Outcome:
 
 
 def _screen_orders(graph, profile, budgets, mode, pool, *, began, time_limit, start, progress,
-                   backend="highs") -> tuple[list[tuple[str, list[int]]], int]:
-    """The orders worth a full solve, out of a pool too large to solve in full, and how many were
-    screened. Each order is scored by the energy of the cheapest plan found in it by the heuristics
-    and, in the SCREEN_GAP_MILP_TOP orders they score best, the ENUMERATE_ORDERS_MAX the pool ranks
-    first and those where they found none, by the gap MILP: a plan of that order, so an upper bound on what its full solve reaches, and a ranking,
-    never a proof. The FULL_SOLVE_ORDERS cheapest are kept, with the given order and the order of the
-    caller's start. No claim rests on the orders left out: "optimal" needs plain training's energy,
-    and the any-order bound is that energy, whatever was screened."""
+                   backend="highs", only_cheaper=False) -> tuple[list[tuple[str, list[int]]], int]:
+    """The orders worth a full solve, out of a pool too large to solve in full, and how many were screened. Each
+    order is scored by the energy of the cheapest plan found in it by the heuristics and, in the SCREEN_GAP_MILP_TOP
+    orders they score best, the ENUMERATE_ORDERS_MAX the pool ranks first and those where they found none, by the
+    gap MILP: a plan of that order, so an upper bound on what its full solve reaches, and a ranking, never a proof.
+    The FULL_SOLVE_ORDERS cheapest are kept (``only_cheaper``: only those cheaper than the given order), with the
+    given order and the order of the caller's start. No claim rests on the orders left out: "optimal" needs plain
+    training's energy, and the any-order bound is that energy, whatever was screened."""
     deadline = began + (SCREEN_MAX_S if time_limit is None else SCREEN_SHARE * time_limit)
     # solved in full whatever their score, even when the screen stops at once
     kept: list[tuple[str, list[int]]] = [(label, ids) for label, ids in pool if label == "given"]
@@ -308,7 +307,9 @@ def _screen_orders(graph, profile, budgets, mode, pool, *, began, time_limit, st
             entry[0] = min(entry[0], _cheapest(entry[4], entry[5], budgets, [] if found is None else [found]))
     # orders where no cheap plan was found stay in the running in the pool's rank, after the others
     best = sorted(entries, key=lambda e: (e[0], e[1]))
-    chosen = [(e[2], e[3]) for e in best if (e[2], e[3]) not in kept][:FULL_SOLVE_ORDERS]
+    given_energy = min((e[0] for e in entries if e[2] == "given"), default=math.inf)
+    chosen = [(e[2], e[3]) for e in best if (e[2], e[3]) not in kept and not (only_cheaper and e[0] >= given_energy)]
+    chosen = chosen[:FULL_SOLVE_ORDERS]
     given = [k for k in kept if k[0] == "given"]
     if best and best[0][0] <= node_costs(graph, profile).plain_energy_j * (1 + 1e-12) and best[0][2] != "given":
         # a plan at plain training's energy (free recomputations of zero-FLOP nodes): solved first, it
@@ -550,28 +551,27 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
 
 
 GAP_MILP_TIME_S = 10.0
-# Building the gap MILP, which cannot be stopped, takes about 3e-7 s x nodes^2 (1.2 s at 2000
-# nodes, 22 s at 10,000): not started unless it leaves as long again of the time limit.
+# Building the gap MILP, which cannot be stopped, takes about 3e-7 s x nodes^2 (1.2 s at 2000 nodes, 22 s at 10,000):
+# not started unless it leaves as long again of the time limit.
 GAP_MILP_BUILD_S_PER_NODE_SQUARED = 4e-7
-# The window relaxation's share of the time limit (poet_opt/solver/bounds.py), and its time without one
-# (the full MILP then runs to the optimum anyway: the window can only spare it when the start is
-# already within the gap). Below WINDOW_BOUND_MIN_DECISIONS binaries the full MILP proves more, sooner.
+# The window relaxation's share of the time limit (poet_opt/solver/bounds.py), and its time without one (the full MILP
+# then runs to the optimum anyway: the window can only spare it when the start is already within the gap). Below
+# WINDOW_BOUND_MIN_DECISIONS binaries the full MILP proves more, sooner.
 WINDOW_BOUND_SHARE = 0.2
 WINDOW_BOUND_TIME_S = 5.0
 WINDOW_BOUND_MIN_DECISIONS = 20_000
 # On streamed graphs the residency relaxation's share of that time (its LP: 8.5 s on ResNet-18's
 # 8,223 nodes); the window bound gets the rest, unless the residency bound already proves the gap.
 RESIDENCY_SHARE = 0.6
-# Past lns.MAX_NODES, where the window bound's windows do not build within the time (ResNet-18's
-# strips), the residency bound's LP with recomputation inputs needs it: 136,000 columns, 2-4 minutes.
+# Past lns.MAX_NODES, where the window bound's windows do not build within the time (ResNet-18's strips), the
+# residency bound's LP with recomputation inputs needs it: 136,000 columns, 2-4 minutes.
 RESIDENCY_SHARE_LARGE = 0.95
 FULL_MILP_MAX_DECISIONS = 300_000
-# Building the model takes 1.4 KiB per binary (measured on random graphs of 600 and 1,200 nodes:
-# 0.4 GiB for 0.3 million, 1.6 GiB for 1.2 million), and HiGHS copies it: 6 million is some 8 GiB
-# before that copy. A row-tiled bert-base has 2.3 billion.
+# Building the model takes 1.4 KiB per binary (random graphs of 600 and 1,200 nodes: 0.4 GiB for 0.3 million, 1.6
+# GiB for 1.2 million), and HiGHS copies it: 6 million is some 8 GiB before that. A row-tiled bert-base has 2.3 billion.
 FULL_MILP_MEMORY_MAX_DECISIONS = 6_000_000
-# Seconds per binary that building the Formulation takes, with room to spare: 35-80 us measured on
-# random graphs of 120-600 nodes on a loaded 2-core machine (benchmarks/ORDERS.md, time limits).
+# Seconds per binary that building the Formulation takes, with room to spare: 35-80 us measured on random graphs of
+# 120-600 nodes on a loaded 2-core machine (benchmarks/ORDERS.md, time limits).
 BUILD_S_PER_DECISION = 100e-6
 
 
@@ -616,8 +616,7 @@ def _fits_runtime(graph, costs, decisions, budgets) -> bool:
 
 
 def _without_unread_page_outs(decisions):
-    """A page-out that is never paged back in costs energy and buys nothing; a time-limited
-    incumbent can contain one."""
+    """A page-out never paged back in costs energy and buys nothing; a time-limited incumbent can contain one."""
     read_back = {i for _, i in decisions.page_in}
     return replace(decisions, page_out=frozenset(i for i in decisions.page_out if i in read_back))
 
