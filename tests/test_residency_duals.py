@@ -80,8 +80,9 @@ def test_past_the_lp_size_the_bound_stays_below_the_exhaustive_optimum(case):
 
 def test_past_the_lp_size_the_chain_gets_the_bound_with_recomputation_inputs(monkeypatch):
     """On the chain (tests/test_stream_bound.py) the Lagrangian knows nothing of recomputation inputs;
-    past LP_MAX_COLUMNS the bound is the LP with them, by dual ascent from the Lagrangian's
-    multipliers: above the LP without them, below the optimum, and the driver names it."""
+    past LP_MAX_COLUMNS, with no time for the LP in pieces (tests/test_split_bound.py), the bound is
+    the LP with them by dual ascent from the Lagrangian's multipliers: above the LP without them,
+    below the optimum, and the driver names it."""
     import poet_opt.solver.driver as driver
 
     graph = chain()
@@ -92,6 +93,7 @@ def test_past_the_lp_size_the_chain_gets_the_bound_with_recomputation_inputs(mon
     lp = solve_milp(ResidencyModel(graph, costs, budgets, "joint", inputs=True).relaxed(), gap=0, time_limit=20)
     without = solve_milp(ResidencyModel(graph, costs, budgets, "joint").relaxed(), gap=0, time_limit=20)
     monkeypatch.setattr(residency, "LP_MAX_COLUMNS", 0)
+    monkeypatch.setattr(residency, "SPLIT_SHARE", 0.0)
     found = residency_bound(graph, costs, budgets, "joint", time_limit=20, upper=exact.objective)
     assert found is not None and found.method == "residency LP with recomputation inputs, dual ascent", found
     assert without.objective < found.bound <= lp.objective * (1 + REL) <= exact.objective * (1 + REL)

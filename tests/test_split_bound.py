@@ -7,8 +7,10 @@ past the LP's size limit reports it."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_residency import DEVICE, REL
@@ -126,3 +128,32 @@ def test_a_solve_past_the_lp_size_limit_reports_the_bound_in_pieces(monkeypatch)
     solver = driver.solve(graph, DEVICE, ram=ram, gap=1e-9, order="given", time_limit=20).solver
     assert "in pieces" in solver["bound_source"], solver["bound_source"]
     assert alone.bound < solver["bound"] <= exact.objective * (1 + REL), (alone.bound, solver["bound"])
+
+
+@pytest.mark.parametrize("past_the_lp_limit", [False, True])
+def test_a_ctrl_c_ends_the_residency_bound_at_once(monkeypatch, past_the_lp_limit):
+    """One encoder block in strips at 200 KiB (4,731 nodes), whose bound takes some 40 s: after a
+    Ctrl-C (the solve's interrupt flag set) it returns within seconds, on either side of the LP's
+    size limit, with at most what it had proven."""
+    import poet_opt.solver.residency as residency
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.model.load import default_tile_bytes, load_training_graph
+    from poet_opt.solver.backends import interrupt_scope
+    from poet_opt.solver.budgets import resolve_budgets
+
+    profile, ram = load_profile("nrf52840"), 200 * 1024
+    graph, _ = load_training_graph("transformer-block", None, None, None, batch_size=1, bytes_per_element=4,
+                                   weights="auto", tile_bytes=default_tile_bytes([ram]), ram_bytes=ram,
+                                   device_ram_bytes=profile.memory.ram_bytes,
+                                   stack_reserve_bytes=profile.memory.stack_reserve_bytes)
+    costs = node_costs(graph, profile)
+    budgets = resolve_budgets(graph, profile, costs, ram)
+    if past_the_lp_limit:
+        monkeypatch.setattr(residency, "LP_MAX_COLUMNS", 0)
+    with interrupt_scope() as flag:
+        flag.set()
+        started = time.perf_counter()
+        found = residency.residency_bound(graph, costs, budgets, "joint", time_limit=120, upper=30.0)
+        took = time.perf_counter() - started
+    assert took < 5.0, took
+    assert found is None or found.bound < 30.0

@@ -203,8 +203,8 @@ def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began
         status = "optimal_for_order"
     elif order_gap is not None and order_gap <= requested_gap:
         status = "gap_limit"
-    elif best.status in ("time_limit", "interrupted"):
-        status = best.status
+    elif best.status in ("time_limit", "interrupted") or interrupted():  # a Ctrl-C in a phase with no MILP too
+        status = "interrupted" if interrupted() else best.status
     else:
         status = "stopped"
     schedule = Schedule(

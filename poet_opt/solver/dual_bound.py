@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from poet_opt.solver.backends import interrupted
 from poet_opt.solver.formulation import Milp
 
 UNIT_ROUNDOFF = np.finfo(float).eps / 2
@@ -121,7 +122,7 @@ def dual_ascent(milp: Milp, duals: np.ndarray, *, target: float, time_limit: flo
     best, best_y, theta, stall = value, y, 1.0, 0
     direction = np.zeros_like(y)
     for _ in range(iterations):
-        if time.perf_counter() - started > time_limit or theta < 1e-7:
+        if time.perf_counter() - started > time_limit or theta < 1e-7 or interrupted():
             break
         x = np.where(d < 0, ub, lb)
         ax = A @ x

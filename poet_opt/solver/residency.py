@@ -46,7 +46,7 @@ import scipy.sparse as sp
 from poet_opt.device.costs import NodeCosts
 from poet_opt.model.graph import TrainingGraph
 from poet_opt.schedule.decisions import Budgets, storage_limits
-from poet_opt.solver.backends import solve_milp
+from poet_opt.solver.backends import interrupted, solve_milp
 from poet_opt.solver.bounds import BoundResult
 from poet_opt.solver.dual_bound import dual_ascent, dual_bound
 from poet_opt.solver.formulation import Milp, horizons, recomputes_gradients
@@ -328,8 +328,8 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
     def left() -> float:
         return time_limit - (time.perf_counter() - started)
 
-    def done() -> bool:
-        return stop_at is not None and best is not None and best.bound >= stop_at
+    def done() -> bool:  # proven enough, or a Ctrl-C: what is proven so far stands
+        return interrupted() or (stop_at is not None and best is not None and best.bound >= stop_at)
 
     best = None
     columns = 2 * len(read_gaps(graph, graph.users())[0]) + 2 * len(graph)
@@ -353,7 +353,7 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             # 282.6 J with them, 283.4 J without; benchmarks/STREAMING.md)
             wider = ResidencyModel(graph, costs, budgets, mode, inputs=True, trees=False, counts=counts)
             prices = best  # the Lagrangian's
-            if wider.block.cost and left() > 1.0:
+            if wider.block.cost and left() > 1.0 and not done():
                 # The LP cut into pieces at the Lagrangian's stage prices (split_bound.py): bert-base
                 # 326.3 J where dual ascent on the whole LP reached 301.5 J in 360 s
                 value = split_bound(wider, prices.multipliers, pieces(graph), time_limit=SPLIT_SHARE * left(),
@@ -514,7 +514,7 @@ def _ascend(weight: np.ndarray, cap: np.ndarray, ret: np.ndarray, a: np.ndarray,
         grad = np.cumsum(diff, axis=1)[:, :T] - cap
         grad[(lam <= 0) & (grad < 0)] = 0.0
         norm = float((grad * grad).sum())
-        if norm <= 0 or theta < 1e-6 or time.perf_counter() > deadline:
+        if norm <= 0 or theta < 1e-6 or time.perf_counter() > deadline or interrupted():
             break
         lam = np.maximum(0.0, lam + theta * max(target - value, 1e-3 * target) / norm * grad)
     return best, best_lam

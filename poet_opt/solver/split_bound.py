@@ -34,18 +34,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp
 
 from poet_opt.model.graph import TrainingGraph
-from poet_opt.solver.backends import solve_lps
+from poet_opt.solver.backends import interrupted, solve_lps
 from poet_opt.solver.dual_bound import UNIT_ROUNDOFF, dual_bound
 from poet_opt.solver.formulation import Milp
-
-if TYPE_CHECKING:  # residency.py imports this module
-    from poet_opt.solver.residency import ResidencyModel
 
 # Nodes per piece: one of bert-base's encoder layers with its backward pass is about 4,600 (an LP of
 # 122,000 rows that HiGHS's interior point solves in about 30 s); larger pieces prove more and take
@@ -55,6 +52,9 @@ PIECE_NODES = 4_800
 # piece's length either side of where equal pieces would cut (between two encoder layers, or
 # between a layer's attention and its feed-forward part, only the residual stream crosses).
 CUT_SLACK = 0.3
+# A piece whose multipliers prove this share of plain training's energy less than its interior-point
+# objective is solved again without HiGHS's presolve (bert-base's pieces lose 0.03-0.12 J of 176 J)
+RETRY_LOSS = 1e-3
 
 
 def pieces(graph: TrainingGraph, *, nodes_per_piece: int = PIECE_NODES) -> np.ndarray:
@@ -101,12 +101,12 @@ def pieces(graph: TrainingGraph, *, nodes_per_piece: int = PIECE_NODES) -> np.nd
     return np.searchsorted(np.array(cuts, dtype=np.int64), anchor, side="left").astype(np.int64)
 
 
-def split_bound(model: "ResidencyModel", multipliers: np.ndarray, owner: np.ndarray, *, time_limit: float,
+def split_bound(model, multipliers: np.ndarray, owner: np.ndarray, *, time_limit: float,
                 workers: int) -> Optional[float]:
-    """The bound of the module docstring for ``model`` (a ResidencyModel with recomputation inputs),
-    at the Lagrangian's ``multipliers`` (lagrangian_bound's: ``lam``, then one row per divisor of the
-    count rows; missing rows are zero) with ``owner`` the piece of each node. None when a piece's LP
-    gives no bound in the time."""
+    """The bound of the module docstring for ``model`` (a residency.ResidencyModel with recomputation
+    inputs; that module calls this one), at the Lagrangian's ``multipliers`` (lagrangian_bound's:
+    ``lam``, then one row per divisor of the count rows; missing rows are zero) with ``owner`` the
+    piece of each node. None when a piece's LP gives no bound in the time."""
     started = time.perf_counter()
     T, gaps = model.T, model.gaps
     milp = model.boxed()
@@ -203,12 +203,16 @@ def split_bound(model: "ResidencyModel", multipliers: np.ndarray, owner: np.ndar
     results = solve_lps(subs, time_limit=left, workers=workers, lp_solver="ipm")
     values = [_proven(sub, result) for sub, result in zip(subs, results)]
     # The interior point, without crossover, now and then stalls after HiGHS's presolve, with
-    # multipliers that prove nothing (bert-base: one of 12 pieces): those pieces again without the
-    # presolve (that piece: 73 s, where the simplex had no optimum after 300 s), in the time left
+    # multipliers that prove nothing (bert-base: one of 12 pieces) or lose joules against its own
+    # objective (11 J on a piece of two encoder layers): those pieces again without the presolve
+    # (that piece: 73 s, where the simplex had no optimum after 300 s), in the time left. A piece's
+    # objective is large (its prices' constants cancel across pieces): the loss is measured against
+    # plain training's energy, RETRY_LOSS of it
+    loss = RETRY_LOSS * abs(float(milp.offset))
     again = [k for k, (value, result) in enumerate(zip(values, results))
-             if value is None or result.objective is None or value < result.objective - 1e-3 * (abs(result.objective) + 1.0)]
+             if value is None or result.objective is None or value < result.objective - loss]
     left = time_limit - (time.perf_counter() - started)
-    if again and left > 0.1:
+    if again and left > 0.1 and not interrupted():
         for k, result in zip(again, solve_lps([subs[k] for k in again], time_limit=left, workers=workers,
                                                lp_solver="ipm", presolve=False)):
             value = _proven(subs[k], result)
@@ -232,7 +236,7 @@ def _suffix(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.cumsum(values[::-1])[::-1], [0.0]])
 
 
-def _owners(model: "ResidencyModel", A: sp.csr_matrix, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _owners(model, A: sp.csr_matrix, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The piece of each column and row of ``model``: a gap's columns and rows, and a page-out, are
     its tensor's; a row of stream_bound.py the piece most of its gap and page-out columns are in, or
     failing those, most of its columns that have a piece; one of its columns the piece most of its
