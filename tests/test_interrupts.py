@@ -67,3 +67,28 @@ def test_ctrl_c_deep_in_a_long_solve_keeps_the_best_schedule_and_stops_within_tw
     stamps = [float(m) for m in re.findall(r"^  \[\s*([0-9.]+)s\] ", err, flags=re.M)]
     assert len(stamps) >= 4, err
     assert max(b - a for a, b in zip(stamps, stamps[1:])) <= 5.0, err
+
+
+def test_a_ctrl_c_where_no_milp_runs_says_interrupted(monkeypatch):
+    """On graphs whose full MILP is skipped (bert-base), a Ctrl-C lands in the bounds or the window
+    search, not in a MILP: the solve keeps its best plan and says "interrupted" (exit 130 from the
+    CLI), not "time_limit"."""
+    import poet_opt.solver.driver as driver
+    from poet_opt.solver.backends import interrupt_scope
+    from test_residency import DEVICE
+    from test_stream_bound import chain
+
+    graph = chain()
+    seen = {}
+
+    def ctrl_c_in_the_bound(*args, **kwargs):
+        with interrupt_scope() as flag:  # inside the solve's scope: its own flag, as a Ctrl-C sets it
+            seen["active"] = not flag.is_set()
+            flag.set()
+        return None
+
+    monkeypatch.setattr(driver, "FULL_MILP_MAX_DECISIONS", 0)
+    monkeypatch.setattr(driver, "window_bound", ctrl_c_in_the_bound)
+    schedule = driver.solve(graph, DEVICE, ram=graph.min_working_set_bytes() + 1024, order="given", time_limit=20)
+    assert seen.get("active"), "the window bound ran, inside the solve"
+    assert schedule.solver["status"] == "interrupted", schedule.solver["status"]

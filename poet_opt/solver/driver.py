@@ -203,8 +203,8 @@ def _solve_orders(graph, profile, costs, budgets, mode, *, order, backend, began
         status = "optimal_for_order"
     elif order_gap is not None and order_gap <= requested_gap:
         status = "gap_limit"
-    elif best.status in ("time_limit", "interrupted") or interrupted():  # a Ctrl-C in a phase with no MILP too
-        status = "interrupted" if interrupted() else best.status
+    elif best.status in ("time_limit", "interrupted"):
+        status = best.status
     else:
         status = "stopped"
     schedule = Schedule(
@@ -470,8 +470,9 @@ def _solve_in_order(graph: TrainingGraph, costs: NodeCosts, profile: DeviceProfi
                      f"{max(0.0, time_limit - (time.perf_counter() - began)):.1f} s left of the time limit; "
                      "the best heuristic schedule stands")
     if skip_full:
-        # no time limit ran out where none was given: the search ended with the model it could build
-        first = SolveResult("time_limit" if time_limit is not None else "stopped", None, None, None, 0.0, backend)
+        # no time limit ran out where none was given: the search ended with the model it could build (or at a Ctrl-C)
+        first = SolveResult("interrupted" if interrupted() else "time_limit" if time_limit is not None else "stopped",
+                            None, None, None, 0.0, backend)
         decisions = candidates[0] if candidates else None
     cp = None
     if backend == "cpsat":  # the retention-interval model in place of the MILP (docs/cpsat.md)
