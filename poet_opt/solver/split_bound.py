@@ -112,47 +112,41 @@ def split_bound(model, multipliers: np.ndarray, owner: np.ndarray, *, time_limit
     milp = model.boxed()
     A = milp.A.tocsr()
     n_rows, n_cols = A.shape
-    i, a, b = gaps.tensor, gaps.a, gaps.b
-    nb = gaps.nb[i]
     lam = np.zeros((1 + len(model.C), T))
     given = np.asarray(multipliers, dtype=float).reshape(-1, T)[:len(lam)]
     lam[:len(given)] = np.maximum(given, 0.0)
 
     col_owner, row_owner = _owners(model, A, owner)
-    # The byte level's entries: L[s] = sum over entries at stages <= s of (const - val * x)
-    enter, leave = a + 1, b
-    ent_st, ent_col, ent_val, con_st, con_val, con_owner = [], [], [], [], [], []
-    for idx, sign in ((enter, 1.0), (leave, -1.0)):
-        inside = idx < T
-        for col in (model.R, model.P):
-            ent_st.append(idx[inside]), ent_col.append(col[inside]), ent_val.append(sign * nb[inside])
-        con_st.append(idx[inside]), con_val.append(sign * nb[inside]), con_owner.append(owner[i][inside])
-    if model.block is not None and model.block.level:
-        st, col, val = (np.array(x) for x in zip(*model.block.level))
-        ent_st.append(st.astype(np.int64)), ent_col.append(col.astype(np.int64)), ent_val.append(val.astype(float))
-    ent_st, ent_col, ent_val = np.concatenate(ent_st), np.concatenate(ent_col), np.concatenate(ent_val)
-    con_st, con_val, con_owner = np.concatenate(con_st), np.concatenate(con_val), np.concatenate(con_owner)
-    ent_owner = col_owner[ent_col]
-
-    # the count rows, priced at every stage (their chains hold the gaps alone)
-    cost = np.asarray(milp.c, dtype=float).copy()
-    constant, magnitude = float(milp.offset), abs(float(milp.offset))
-    for k, (weight, cap) in enumerate(zip(model.counts.weight, model.counts.cap)):
-        ahead = _suffix(lam[k + 1])
-        for idx, sign in ((enter, 1.0), (leave, -1.0)):
-            inside = idx < T
-            terms = sign * weight[inside] * ahead[idx[inside]]
-            for col in (model.R, model.P):
-                np.add.at(cost, col[inside], -terms)
-            constant += float(terms.sum())
-            magnitude += 3 * float(np.abs(terms).sum())
-        constant -= float((lam[k + 1] * cap).sum())
-        magnitude += float(np.abs(lam[k + 1] * cap).sum())
-
     global_cols = np.zeros(n_cols, dtype=bool)  # the model's own levels: replaced by each piece's
     global_cols[model.L] = True
     for C in model.C:
         global_cols[C] = True
+    G = len(model.R)
+
+    def chain(k: int):
+        """The entries of the model's k-th level chain (0: bytes, then each divisor's counts) off its
+        own level columns, as (stage, column, value): level s is the sum over the entries at stages
+        <= s of (that stage's right-hand side - value * x). A gap's share of the right-hand side is
+        its R column's value there (it keeps ``weight * (1 - R - P)``)."""
+        part = A[model.level_row0 + k * T:model.level_row0 + (k + 1) * T].tocoo()
+        off = ~global_cols[part.col]
+        return part.row[off].astype(np.int64), part.col[off].astype(np.int64), part.data[off]
+
+    ent_st, ent_col, ent_val = chain(0)
+    is_r = ent_col < G
+    con_st, con_val, con_owner = ent_st[is_r], ent_val[is_r], col_owner[ent_col[is_r]]
+    ent_owner = col_owner[ent_col]
+
+    # the count rows, priced at every stage
+    cost = np.asarray(milp.c, dtype=float).copy()
+    constant, magnitude = float(milp.offset), abs(float(milp.offset))
+    for k, cap in enumerate(model.counts.cap, start=1):
+        st, col, val = chain(k)
+        terms = val * _suffix(lam[k])[st]
+        np.add.at(cost, col, -terms)
+        constant += float(terms[col < G].sum()) - float((lam[k] * cap).sum())
+        magnitude += 1.5 * float(np.abs(terms).sum()) + float(np.abs(lam[k] * cap).sum())
+
     subs = []
     for j in np.unique(owner):
         own_stages = np.flatnonzero(owner == j)
