@@ -200,7 +200,9 @@ def support_block(graph: TrainingGraph, costs: NodeCosts, *, base: int, nb: np.n
                 suffix[gap].add(hi)  # M1: e kept across hi..beta-1
                 pairs.append((V, gap, own, stretches, hi, None, None))
     chains = {}
-    for interval in set(prefix) | set(suffix):
+    # in the order the intervals were first asked about: a set of ("gap", k) keys would iterate in an
+    # order that changes with Python's string hashing, and with it the model's column order
+    for interval in dict.fromkeys([*prefix, *suffix]):
         kind, which = interval[0], interval[1]
         if kind == "gap":
             e, alpha, beta = int(gaps.tensor[which]), int(gaps.a[which]), int(gaps.b[which])
