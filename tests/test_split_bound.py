@@ -136,18 +136,9 @@ def test_a_ctrl_c_ends_the_residency_bound_at_once(monkeypatch, past_the_lp_limi
     Ctrl-C (the solve's interrupt flag set) it returns within seconds, on either side of the LP's
     size limit, with at most what it had proven."""
     import poet_opt.solver.residency as residency
-    from poet_opt.device.profiles import load_profile
-    from poet_opt.model.load import default_tile_bytes, load_training_graph
     from poet_opt.solver.backends import interrupt_scope
-    from poet_opt.solver.budgets import resolve_budgets
 
-    profile, ram = load_profile("nrf52840"), 200 * 1024
-    graph, _ = load_training_graph("transformer-block", None, None, None, batch_size=1, bytes_per_element=4,
-                                   weights="auto", tile_bytes=default_tile_bytes([ram]), ram_bytes=ram,
-                                   device_ram_bytes=profile.memory.ram_bytes,
-                                   stack_reserve_bytes=profile.memory.stack_reserve_bytes)
-    costs = node_costs(graph, profile)
-    budgets = resolve_budgets(graph, profile, costs, ram)
+    graph, costs, budgets = _encoder_block_in_strips()
     if past_the_lp_limit:
         monkeypatch.setattr(residency, "LP_MAX_COLUMNS", 0)
     with interrupt_scope() as flag:
@@ -157,3 +148,46 @@ def test_a_ctrl_c_ends_the_residency_bound_at_once(monkeypatch, past_the_lp_limi
         took = time.perf_counter() - started
     assert took < 5.0, took
     assert found is None or found.bound < 30.0
+
+
+def test_given_the_model_the_cuts_split_fewer_of_its_rows():
+    """With the model, the encoder block's three pieces are cut where fewer rows of stream_bound.py
+    hold tensors of two pieces (a split row is lost to both pieces) than where the fewest bytes cross,
+    and each backward node still goes with what it reads."""
+    graph, costs, budgets = _encoder_block_in_strips()
+    model = ResidencyModel(graph, costs, budgets, "joint", inputs=True, trees=False)
+    G, T = len(model.R), len(graph)
+    block = model.milp.A[model.base_rows:model.base_rows + len(model.block.lo)].tocoo()
+    tensor_col = block.col < 2 * G + T
+    tensor = np.where(block.col < 2 * G, model.gaps.tensor[block.col % G], block.col - 2 * G)[tensor_col]
+    rows = block.row[tensor_col]
+
+    def split_rows(owner):
+        first = np.full(len(model.block.lo), T)
+        last = np.full(len(model.block.lo), -1)
+        np.minimum.at(first, rows, owner[tensor])
+        np.maximum.at(last, rows, owner[tensor])
+        return int((first < last).sum())
+
+    by_bytes = pieces(graph, nodes_per_piece=T // 3)
+    by_rows = pieces(graph, nodes_per_piece=T // 3, model=model)
+    assert by_rows.max() == by_bytes.max() == 2
+    assert split_rows(by_rows) < 0.5 * split_rows(by_bytes), (split_rows(by_rows), split_rows(by_bytes))
+    for node in graph.nodes:
+        if node.is_backward and any(not graph.nodes[d].is_backward for d in node.deps):
+            assert by_rows[node.id] == max(by_rows[d] for d in node.deps if not graph.nodes[d].is_backward)
+
+
+def _encoder_block_in_strips():
+    """One encoder block as the solve sees it on the nRF52840 at 200 KiB: 4,731 nodes."""
+    from poet_opt.device.profiles import load_profile
+    from poet_opt.model.load import default_tile_bytes, load_training_graph
+    from poet_opt.solver.budgets import resolve_budgets
+
+    profile, ram = load_profile("nrf52840"), 200 * 1024
+    graph, _ = load_training_graph("transformer-block", None, None, None, batch_size=1, bytes_per_element=4,
+                                   weights="auto", tile_bytes=default_tile_bytes([ram]), ram_bytes=ram,
+                                   device_ram_bytes=profile.memory.ram_bytes,
+                                   stack_reserve_bytes=profile.memory.stack_reserve_bytes)
+    costs = node_costs(graph, profile)
+    return graph, costs, resolve_budgets(graph, profile, costs, ram)

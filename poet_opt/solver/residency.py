@@ -355,8 +355,8 @@ def residency_bound(graph: TrainingGraph, costs: NodeCosts, budgets: Budgets, mo
             prices = best  # the Lagrangian's
             if wider.block.cost and left() > 1.0 and not done():
                 # The LP cut into pieces at the Lagrangian's stage prices (split_bound.py): bert-base
-                # 326.3 J where dual ascent on the whole LP reached 301.5 J in 360 s
-                value = split_bound(wider, prices.multipliers, pieces(graph), time_limit=SPLIT_SHARE * left(),
+                # 336.9 J where dual ascent on the whole LP reached 301.5 J in 360 s
+                value = split_bound(wider, prices.multipliers, pieces(graph, model=wider), time_limit=SPLIT_SHARE * left(),
                                     workers=threads or min(os.cpu_count() or 1, SPLIT_WORKERS))
                 if value is not None and value > best.bound:
                     best = BoundResult(bound=value, method="residency LP with recomputation inputs, in pieces",
