@@ -191,3 +191,35 @@ def _encoder_block_in_strips():
                                    stack_reserve_bytes=profile.memory.stack_reserve_bytes)
     costs = node_costs(graph, profile)
     return graph, costs, resolve_budgets(graph, profile, costs, ram)
+
+
+def test_a_piece_the_interior_point_fails_gets_the_simplex(monkeypatch):
+    """Where the interior point returns no objective for a piece, with and without presolve (one of
+    bert-base's scout pieces did), the piece is solved by the simplex: the bound is the one the
+    interior point gives when it works, not none."""
+    import poet_opt.solver.split_bound as split
+    from poet_opt.solver.backends import SolveResult
+
+    graph = chain(2, 4096)
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    budgets = Budgets(ram_bytes=int(lo + 0.2 * (hi - lo)), runtime_s=math.inf, storage_bytes=1 << 30)
+    model = ResidencyModel(graph, costs, budgets, "joint", inputs=True)
+    owner = np.arange(len(graph)) * 3 // len(graph)
+    prices = lagrangian_bound(graph, costs, budgets, "joint", upper=2 * costs.plain_energy_j, time_limit=5).multipliers
+    working = split_bound(model, prices, owner, time_limit=30, workers=1)
+    real = split.solve_lps
+    methods = []
+
+    def failing(milps, **kwargs):
+        methods.append(kwargs.get("lp_solver"))
+        if kwargs.get("lp_solver") == "ipm":
+            return [SolveResult("error", None, None, None, 0.0, "highs",
+                                duals=np.full(milp.num_rows, 1e6)) for milp in milps]
+        return real(milps, **kwargs)
+
+    monkeypatch.setattr(split, "solve_lps", failing)
+    rescued = split_bound(model, prices, owner, time_limit=30, workers=1)
+    assert methods == ["ipm", "ipm", None], methods
+    assert working is not None and rescued is not None
+    assert math.isclose(rescued, working, rel_tol=1e-6, abs_tol=1e-9), (rescued, working)
