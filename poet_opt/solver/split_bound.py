@@ -48,9 +48,10 @@ from poet_opt.solver.formulation import Milp
 # 122,000 rows that HiGHS's interior point solves in about 30 s); larger pieces prove more and take
 # longer, superlinearly.
 PIECE_NODES = 4_800
-# A cut is placed where the fewest bytes of the forward pass cross it, within this share of a
-# piece's length either side of where equal pieces would cut (between two encoder layers, or
-# between a layer's attention and its feed-forward part, only the residual stream crosses).
+# A cut is placed where it splits the fewest rows (``pieces``), then where the fewest bytes of the
+# forward pass cross it, within this share of a piece's length either side of where equal pieces
+# would cut (between two encoder layers, or between a layer's attention and its feed-forward part,
+# only the residual stream crosses).
 CUT_SLACK = 0.3
 # A piece whose multipliers prove this share of plain training's energy less than its interior-point
 # objective is solved again without HiGHS's presolve (bert-base's pieces lose 0.03-0.12 J of 176 J)
@@ -94,7 +95,8 @@ def pieces(graph: TrainingGraph, *, nodes_per_piece: int = PIECE_NODES, model=No
     np.add.at(crossing, last_read[live] + 1, -size[live])
     crossing = np.cumsum(crossing)[:T]  # crossing[p]: bytes made at or before p, read after p
     split = _rows_across(model, anchor) if model is not None else np.zeros(T)
-    # equal shares of all nodes by anchor, each cut moved to the forward stage crossed by least
+    # equal shares of all nodes by anchor, each cut moved to the forward stage that splits the fewest
+    # rows, among those the one the fewest bytes cross
     weight = np.bincount(anchor, minlength=T).astype(float)
     cumulative = np.cumsum(weight)
     cuts = []
