@@ -230,6 +230,17 @@ def split_bound(model, multipliers: np.ndarray, owner: np.ndarray, *, time_limit
         return None
     results = solve_lps(subs, time_limit=left, workers=workers, lp_solver="ipm")
     values = [_proven(sub, result) for sub, result in zip(subs, results)]
+
+    def retry(again: list[int], **options) -> None:
+        """Solve the pieces ``again`` once more with ``options``, in the time left, keeping what proves more."""
+        left = time_limit - (time.perf_counter() - started)
+        if not again or left <= 0.1 or interrupted():
+            return
+        for k, result in zip(again, solve_lps([subs[k] for k in again], time_limit=left, workers=workers, **options)):
+            value = _proven(subs[k], result)
+            if value is not None and (values[k] is None or value > values[k]):
+                values[k], results[k] = value, result
+
     # The interior point, without crossover, now and then stalls after HiGHS's presolve, with
     # multipliers that prove nothing (bert-base: one of 12 pieces) or lose joules against its own
     # objective (11 J on a piece of two encoder layers): those pieces again without the presolve
@@ -237,25 +248,13 @@ def split_bound(model, multipliers: np.ndarray, owner: np.ndarray, *, time_limit
     # objective is large (its prices' constants cancel across pieces): the loss is measured against
     # plain training's energy, RETRY_LOSS of it
     loss = RETRY_LOSS * abs(float(milp.offset))
-    again = [k for k, (value, result) in enumerate(zip(values, results))
-             if value is None or result.objective is None or value < result.objective - loss]
-    left = time_limit - (time.perf_counter() - started)
-    if again and left > 0.1 and not interrupted():
-        for k, result in zip(again, solve_lps([subs[k] for k in again], time_limit=left, workers=workers,
-                                               lp_solver="ipm", presolve=False)):
-            value = _proven(subs[k], result)
-            if value is not None and (values[k] is None or value > values[k]):
-                values[k], results[k] = value, result
+    retry([k for k, (value, result) in enumerate(zip(values, results))
+           if value is None or result.objective is None or value < result.objective - loss],
+          lp_solver="ipm", presolve=False)
     # A piece the interior point failed twice (no objective: one of bert-base's pieces when cut in 24,
     # 31,000 rows, whose multipliers then proved -1.1 million J) gets the simplex in the time left
     # (there: 6 s)
-    again = [k for k, result in enumerate(results) if values[k] is None or result is None or result.objective is None]
-    left = time_limit - (time.perf_counter() - started)
-    if again and left > 0.1 and not interrupted():
-        for k, result in zip(again, solve_lps([subs[k] for k in again], time_limit=left, workers=workers)):
-            value = _proven(subs[k], result)
-            if value is not None and (values[k] is None or value > values[k]):
-                values[k], results[k] = value, result
+    retry([k for k, value in enumerate(values) if value is None or results[k].objective is None])
     if any(value is None for value in values):
         return None
     total = constant + sum(values)
