@@ -80,11 +80,7 @@ def test_on_recomputation_trees_in_pieces_the_bound_stays_below_the_optimum(case
 def test_in_one_piece_at_zero_prices_it_is_the_lp_with_recomputation_inputs():
     """One piece, no prices, no runtime or storage budget: the piece's level chain is the model's,
     so the bound is the LP with recomputation inputs (without the count rows, which zero prices drop)."""
-    graph = chain(2, 4096)
-    costs = node_costs(graph, DEVICE)
-    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
-    budgets = Budgets(ram_bytes=int(lo + 0.2 * (hi - lo)), runtime_s=math.inf, storage_bytes=1 << 30)
-    model = ResidencyModel(graph, costs, budgets, "joint", inputs=True)
+    graph, costs, budgets, model = _short_chain()
     lp = solve_milp(ResidencyModel(graph, costs, budgets, "joint", inputs=True, counts=False).relaxed(),
                     gap=0, time_limit=20).objective
     value = split_bound(model, np.zeros(len(graph)), np.zeros(len(graph), dtype=np.int64), time_limit=20, workers=1)
@@ -200,11 +196,7 @@ def test_a_piece_the_interior_point_fails_gets_the_simplex(monkeypatch):
     import poet_opt.solver.split_bound as split
     from poet_opt.solver.backends import SolveResult
 
-    graph = chain(2, 4096)
-    costs = node_costs(graph, DEVICE)
-    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
-    budgets = Budgets(ram_bytes=int(lo + 0.2 * (hi - lo)), runtime_s=math.inf, storage_bytes=1 << 30)
-    model = ResidencyModel(graph, costs, budgets, "joint", inputs=True)
+    graph, costs, budgets, model = _short_chain()
     owner = np.arange(len(graph)) * 3 // len(graph)
     prices = lagrangian_bound(graph, costs, budgets, "joint", upper=2 * costs.plain_energy_j, time_limit=5).multipliers
     working = split_bound(model, prices, owner, time_limit=30, workers=1)
@@ -223,3 +215,14 @@ def test_a_piece_the_interior_point_fails_gets_the_simplex(monkeypatch):
     assert methods == ["ipm", "ipm", None], methods
     assert working is not None and rescued is not None
     assert math.isclose(rescued, working, rel_tol=1e-6, abs_tol=1e-9), (rescued, working)
+
+
+def _short_chain():
+    """The chain of tests/test_stream_bound.py with two middle nodes, a fifth of the way from its
+    least working set to its plain peak, no runtime or storage budget: the graph, its costs, the
+    budgets and its model with recomputation inputs."""
+    graph = chain(2, 4096)
+    costs = node_costs(graph, DEVICE)
+    lo, hi = graph.min_working_set_bytes(), graph.plain_peak_bytes()
+    budgets = Budgets(ram_bytes=int(lo + 0.2 * (hi - lo)), runtime_s=math.inf, storage_bytes=1 << 30)
+    return graph, costs, budgets, ResidencyModel(graph, costs, budgets, "joint", inputs=True)
