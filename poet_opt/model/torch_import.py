@@ -31,14 +31,18 @@ from poet_opt.model.operators import (
     parse_full_shape,
     unsupported,
 )
+from poet_opt.signals import signals_held
 
 FIELD = "--torch"
 
 
 def _torch():
     try:
-        import torch
-        import torch.fx  # noqa: F401
+        # A Ctrl-C inside torch's own import can come out of its native code as a TypeError ("expected a
+        # message argument", distributed_c10d.py; once in CI), with the interrupt lost: held to its end
+        with signals_held():
+            import torch
+            import torch.fx  # noqa: F401
     except ImportError:
         raise PoetError("PyTorch is not installed; pip install 'poet-opt[torch]'", field=FIELD) from None
     return torch
